@@ -1,0 +1,77 @@
+"""Engine configuration, split by the layer that owns each setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
+    max_num_seqs: most requests in one step.
+    long_prefill_token_threshold: cap on one request's prefill chunk per step (0: none).
+    policy: "fcfs" or "priority" (lower `priority` first, then arrival).
+    scheduling: "continuous" (the engine) or "static" (a benchmark baseline only: admit a
+    batch when nothing runs, and nothing else until it has fully finished).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    scheduling: str = "continuous"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}), or long prompts could never be scheduled."
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}.")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: `num_kv_blocks` if given, else sized from `kv_cache_memory_bytes`."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}.")
+
+
+@dataclass
+class ModelLoadConfig:
+    """Where the model comes from and how it runs."""
+
+    model: str = "default"
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+
+
+@dataclass
+class EngineConfig:
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

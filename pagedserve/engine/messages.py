@@ -1,0 +1,85 @@
+"""Plain messages passed between the layers: scheduler -> executor -> scheduler -> front end.
+
+They carry only data (no behaviour) so that the executor can live in another thread or
+process: everything here pickles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The executor computes `token_ids` at positions `num_computed_tokens ...
+    num_computed_tokens + len(token_ids) - 1`, writing their K/V into the request's
+    blocks, and samples one next token if `sample`.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    # is_new: the whole block table; else only the blocks appended this step.
+    block_ids: list[int]
+    sample: bool
+    # is_new: first scheduling, or resumption after preemption: the executor (re)creates
+    # its per-request state from the fields below.
+    is_new: bool = False
+    sampling_params: SamplingParams | None = None
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    # Requests the executor must forget (finished, aborted or preempted since last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# Per position: {token_id: Logprob}, with the sampled (or prompt) token always present.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one executed step produced, for the requests that sampled."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # For chunks of prompts whose requests asked for prompt logprobs: one entry per prompt
+    # position covered by the chunk (position 0 has none and is never included).
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What changed for one request in one step (scheduler -> front end)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    new_prompt_logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

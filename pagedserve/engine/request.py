@@ -1,0 +1,87 @@
+"""A request as the scheduler sees it: tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue after its blocks were freed
+    FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate.
+
+    Invariants:
+      * `all_token_ids == prompt_token_ids + output_token_ids`;
+      * `0 <= num_computed_tokens <= num_tokens`: tokens whose K/V are in the cache;
+      * when `num_computed_tokens == num_tokens` after a step, a new token was sampled.
+    The next step computes tokens `all_token_ids[num_computed_tokens:]` (a decode is the
+    single last sampled token; a prefill or a recompute after preemption is many).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first under the priority policy (as vLLM)
+    cache_salt: str | None = None
+    max_tokens: int = 16  # resolved (never None)
+
+    def __post_init__(self) -> None:
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
+        self.stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
+        if not self.arrival_time:
+            self.arrival_time = time.time()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

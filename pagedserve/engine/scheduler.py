@@ -1,0 +1,368 @@
+"""Iteration-level (continuous-batching) scheduler.
+
+There are no prefill and decode phases. Every request has `num_computed_tokens`; each
+step hands out `num_new_tokens` per request under a token budget: running requests first
+(a decode costs one token), then waiting requests in policy order, their prompts cut into
+chunks when the budget is short (chunked prefill). When a running request cannot get a
+block, the lowest-priority running request is preempted (its blocks are freed; it is
+recomputed later) and no new request is admitted in that step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.engine.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.engine.request import Request, RequestStatus
+
+
+# -- waiting-queue policies -----------------------------------------------------
+class FCFSQueue:
+    """First come, first served. Preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, req: Request) -> None:
+        self._q.append(req)
+
+    def prepend(self, req: Request) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+    @staticmethod
+    def victim(running: list[Request]) -> Request:
+        return running[-1]  # the latest admitted
+
+
+class PriorityQueue:
+    """Lowest `priority` value first, then earliest arrival (vLLM's convention)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._count = itertools.count()
+
+    def add(self, req: Request) -> None:
+        heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._count), req))
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, req: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not req]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._heap))
+
+    @staticmethod
+    def victim(running: list[Request]) -> Request:
+        return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+
+_POLICIES = {"fcfs": FCFSQueue, "priority": PriorityQueue}
+
+
+class Scheduler:
+    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = sched_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.waiting = _POLICIES[sched_config.policy]()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: set[str] = set()
+        # counters
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_prompt_tokens = 0  # prompt tokens of admitted requests
+        self.num_generation_tokens = 0
+        self.last_batch_size = 0
+        self.last_num_scheduled_tokens = 0
+
+    # -- admission --------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request, or raise ValueError if it could never run."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use.")
+        n_prompt = req.num_prompt_tokens
+        if n_prompt == 0:
+            raise ValueError("prompt must contain at least one token.")
+        max_len = self.config.max_model_len
+        if n_prompt + req.max_tokens > max_len:
+            raise ValueError(
+                f"This model's maximum context length (max_model_len) is {max_len} tokens, but the request "
+                f"needs {n_prompt + req.max_tokens} ({n_prompt} in the prompt, max_tokens={req.max_tokens})."
+            )
+        # The last sampled token is never written to the cache.
+        need = cdiv(max(n_prompt + req.max_tokens - 1, n_prompt), self.block_size)
+        if need > self.kv.num_total_blocks:
+            raise ValueError(
+                f"The request needs up to {need} KV blocks ({n_prompt} prompt tokens + max_tokens="
+                f"{req.max_tokens}, block_size={self.block_size}) but the whole KV cache has "
+                f"{self.kv.num_total_blocks} blocks ({self.kv.num_total_blocks * self.block_size} tokens); "
+                "lower max_tokens or give the cache more memory."
+            )
+        params = req.sampling_params
+        req.stop_token_set = frozenset(params.stop_token_ids).union(
+            () if params.ignore_eos else params._eos_token_ids
+        )
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    # -- one step ---------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        scheduled: list[ScheduledRequest] = []
+        scheduled_reqs: list[Request] = []
+        preempted = False
+
+        # 1) running requests: decodes and unfinished prefill chunks (the hot loop:
+        #    locals and positional construction keep it near 2 us per request)
+        running = self.running
+        allocate = self.kv.allocate_slots
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            toks = req.all_token_ids
+            start = req.num_computed_tokens
+            num_new = len(toks) - start
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            while True:
+                new_blocks = allocate(req, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.waiting.victim(running)
+                if running.index(victim) < i:  # already scheduled this step: take its slot back
+                    j = scheduled_reqs.index(victim)
+                    budget += len(scheduled[j].token_ids)
+                    del scheduled[j], scheduled_reqs[j]
+                    i -= 1
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if new_blocks is None:
+                continue  # req itself was preempted; the list shifted under index i
+            end = start + num_new
+            scheduled.append(
+                ScheduledRequest(
+                    req.request_id,
+                    toks[start:end],
+                    start,
+                    [b.block_id for b in new_blocks] if new_blocks else [],
+                    end == len(toks),
+                )
+            )
+            scheduled_reqs.append(req)
+            # Progress advances now, so that the next schedule() could run before this
+            # step's results arrive (overlapped scheduling).
+            req.num_computed_tokens = end
+            budget -= num_new
+            i += 1
+
+        # 2) waiting requests, unless memory was short this step
+        static = cfg.scheduling == "static"
+        if not preempted and (not static or not self.running):
+            while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+                req = self.waiting.peek()
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > budget:
+                    if not cfg.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks, num_hit)
+                if new_blocks is None:
+                    break
+                self.waiting.pop()
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:  # first admission (not a resumption)
+                    req.num_cached_tokens = num_hit
+                    self.num_prompt_tokens += req.num_prompt_tokens
+                self.kv.record_prefix_query(req.num_tokens, num_hit)
+                scheduled.append(
+                    ScheduledRequest(
+                        req_id=req.request_id,
+                        token_ids=req.all_token_ids[num_hit : num_hit + num_new],
+                        num_computed_tokens=num_hit,
+                        block_ids=self.kv.get_block_ids(req.request_id),
+                        sample=num_hit + num_new == req.num_tokens,
+                        is_new=True,
+                        sampling_params=req.sampling_params,
+                        prompt_token_ids=req.prompt_token_ids,
+                        output_token_ids=list(req.output_token_ids),
+                    )
+                )
+                scheduled_reqs.append(req)
+                req.num_computed_tokens = num_hit + num_new
+                budget -= num_new
+
+        total = cfg.max_num_batched_tokens - budget
+        finished = self._finished_since_last_step
+        self._finished_since_last_step = set()
+        self.num_steps += 1
+        self.last_batch_size = len(scheduled)
+        self.last_num_scheduled_tokens = total
+        return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, finished_req_ids=finished)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+        self._finished_since_last_step.add(req.request_id)  # executor drops its state
+
+    # -- results ----------------------------------------------------------------
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        sampled = runner_out.sampled_token_ids
+        all_prompt_lps = runner_out.prompt_logprobs
+        all_lps = runner_out.logprobs
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
+        any_finished = False
+        for sr in sched_out.scheduled:
+            req = requests.get(sr.req_id)
+            if req is None or req.status is not running:
+                continue  # aborted or preempted meanwhile
+            prompt_lps = all_prompt_lps.get(sr.req_id) if all_prompt_lps else None
+            if not sr.sample:
+                if prompt_lps:
+                    outputs.append(EngineCoreOutput(sr.req_id, [], new_prompt_logprobs=prompt_lps))
+                continue
+            if req.max_tokens == 0:  # prompt logprobs only (echo)
+                out = EngineCoreOutput(sr.req_id, [], new_prompt_logprobs=prompt_lps)
+                self._finish(req, RequestStatus.FINISHED_LENGTH, out)
+                outputs.append(out)
+                any_finished = True
+                continue
+            token = sampled[sr.req_id]
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
+            lp = all_lps.get(sr.req_id) if all_lps else None
+            out = EngineCoreOutput(
+                sr.req_id, [token], [lp] if lp is not None else None, prompt_lps, None, None, req.num_cached_tokens
+            )
+            # cheap pre-check; the exact rules live in _check_stop
+            if (
+                token in req.stop_token_set
+                or len(req.output_token_ids) >= req.max_tokens
+                or len(req.all_token_ids) >= max_model_len
+            ):
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self._finish(req, status, out)
+                    any_finished = True
+            outputs.append(out)
+        self.num_generation_tokens += len(sampled)
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in params._eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus, out: EngineCoreOutput | None = None) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_since_last_step.add(req.request_id)
+        if out is not None:
+            out.finish_reason = status.finish_reason
+            out.stop_reason = req.stop_reason
+
+    # -- outside events ---------------------------------------------------------
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from any state (abort, or a stop string found by the detokenizer).
+        Their blocks are freed at once. Unknown ids are ignored."""
+        done = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            done.append(req)
+        return done
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    # -- state --------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_stored_tokens(self) -> int:
+        """Tokens whose K/V occupy the cache, each shared block counted once."""
+        return sum(r.num_computed_tokens for r in self.running) - self.kv.pool.num_shared_refs * self.block_size
+
+    def kv_utilization(self) -> float:
+        """Stored tokens / allocated token slots (1.0 when nothing is allocated)."""
+        used = self.kv.num_used_blocks
+        return self.kv_stored_tokens() / (used * self.block_size) if used else 1.0
