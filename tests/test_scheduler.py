@@ -15,13 +15,15 @@ from tests.fake_model import FakeRunner, reference_output
 
 def make_sched(num_blocks=64, block_size=16, caching=True, **kw):
     kw.setdefault("max_model_len", 4096)
-    return Scheduler(SchedulerConfig(**kw), CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-                     num_blocks)
+    return Scheduler(
+        SchedulerConfig(**kw), CacheConfig(block_size=block_size, enable_prefix_caching=caching), num_blocks
+    )
 
 
 def req(rid, prompt, max_tokens, **kw):
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   max_tokens=max_tokens, **kw)
+    return Request(
+        rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens=max_tokens, **kw
+    )
 
 
 def check_invariants(s: Scheduler):
@@ -213,7 +215,9 @@ def test_stop_conditions():
     p2._eos_token_ids = frozenset({eos})
     s.add_request(Request("min", [5, 6, 7], p2, max_tokens=10))
     third = reference_output([9, 9], 3)[2]
-    s.add_request(Request("stoptok", [9, 9], SamplingParams(max_tokens=10, stop_token_ids=[third]), max_tokens=10))
+    s.add_request(
+        Request("stoptok", [9, 9], SamplingParams(max_tokens=10, stop_token_ids=[third]), max_tokens=10)
+    )
     finish = {}
     runner = FakeRunner()
     while s.has_unfinished_requests():
@@ -256,8 +260,11 @@ def test_late_request_joins_running_batch():
     caching=st.booleans(),
 )
 def test_random_add_step_abort_keeps_invariants(ops, block_size, num_blocks, budget, caching):
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=4096),
-                  CacheConfig(block_size=block_size, enable_prefix_caching=caching), num_blocks)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=4096),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        num_blocks,
+    )
     runner = FakeRunner(block_size=block_size)
     added, outs, n = {}, {}, 0
     for op in ops:

@@ -24,8 +24,11 @@ def measure(num_reqs: int, steps: int, block_size: int = 16, prompt_len: int = 6
     max_tokens = steps + 64
     need_blocks = num_reqs * (-(-(prompt_len + max_tokens) // block_size)) + 1
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=num_reqs, max_num_batched_tokens=max(num_reqs * prompt_len, 2048),
-                        max_model_len=prompt_len + max_tokens),
+        SchedulerConfig(
+            max_num_seqs=num_reqs,
+            max_num_batched_tokens=max(num_reqs * prompt_len, 2048),
+            max_model_len=prompt_len + max_tokens,
+        ),
         CacheConfig(block_size=block_size),
         need_blocks,
     )

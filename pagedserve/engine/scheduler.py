@@ -286,7 +286,13 @@ class Scheduler:
             req.all_token_ids.append(token)
             lp = all_lps.get(sr.req_id) if all_lps else None
             out = EngineCoreOutput(
-                sr.req_id, [token], [lp] if lp is not None else None, prompt_lps, None, None, req.num_cached_tokens
+                sr.req_id,
+                [token],
+                [lp] if lp is not None else None,
+                prompt_lps,
+                None,
+                None,
+                req.num_cached_tokens,
             )
             # cheap pre-check; the exact rules live in _check_stop
             if (
@@ -360,7 +366,9 @@ class Scheduler:
 
     def kv_stored_tokens(self) -> int:
         """Tokens whose K/V occupy the cache, each shared block counted once."""
-        return sum(r.num_computed_tokens for r in self.running) - self.kv.pool.num_shared_refs * self.block_size
+        return (
+            sum(r.num_computed_tokens for r in self.running) - self.kv.pool.num_shared_refs * self.block_size
+        )
 
     def kv_utilization(self) -> float:
         """Stored tokens / allocated token slots (1.0 when nothing is allocated)."""
