@@ -26,7 +26,7 @@ class FakeRunner:
         self.blocks: dict[str, list[int]] = {}
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in out.finished_req_ids:
+        for rid in out.finished_req_ids | out.preempted_req_ids:
             self.tokens.pop(rid, None)
             self.blocks.pop(rid, None)
         sampled = {}

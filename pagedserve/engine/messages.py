@@ -38,8 +38,11 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
-    # Requests the executor must forget (finished, aborted or preempted since last step).
+    # Requests the executor must forget: finished or aborted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted since the last step: their blocks are gone; they come back later
+    # as is_new (the executor may keep what survives preemption, e.g. a seeded generator).
+    preempted_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -99,6 +99,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: set[str] = set()
+        self._preempted_since_last_step: set[str] = set()
         # counters
         self.num_preemptions = 0
         self.num_steps = 0
@@ -236,12 +237,12 @@ class Scheduler:
                 budget -= num_new
 
         total = cfg.max_num_batched_tokens - budget
-        finished = self._finished_since_last_step
-        self._finished_since_last_step = set()
+        finished, preempted_ids = self._finished_since_last_step, self._preempted_since_last_step
+        self._finished_since_last_step, self._preempted_since_last_step = set(), set()
         self.num_steps += 1
         self.last_batch_size = len(scheduled)
         self.last_num_scheduled_tokens = total
-        return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, finished_req_ids=finished)
+        return SchedulerOutput(scheduled, total, finished, preempted_ids)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -251,7 +252,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(req)
-        self._finished_since_last_step.add(req.request_id)  # executor drops its state
+        self._preempted_since_last_step.add(req.request_id)
 
     # -- results ----------------------------------------------------------------
     def update_from_output(

@@ -1,0 +1,59 @@
+"""The contract between the model runner and an attention backend.
+
+The runner flattens a step's requests into T tokens, decodes first: requests
+0 .. num_decodes-1 contribute exactly one token each (tokens 0 .. num_decodes-1), the
+others (prefill chunks, possibly over an already cached prefix) follow. Per request r:
+  * its query tokens are `query_start_loc[r] : query_start_loc[r + 1]`;
+  * `seq_lens[r]` = tokens cached before this step + its query tokens (the context the
+    last query token attends to); causal inside the chunk;
+  * `block_tables[r, j]` = physical block holding its tokens [j*bs, (j+1)*bs), padded
+    with the null block 0;
+  * `slot_mapping[t]` = block * block_size + offset where token t's K/V go.
+KV cache per layer: K and V each of shape [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_decodes: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64
+    seq_lens: torch.Tensor  # [num_reqs] int64
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    max_query_len: int
+    max_seq_len: int
+    max_decode_seq_len: int
+    # The same numbers as Python lists, for backends that loop on the host.
+    query_start_loc_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_list[-1]
+
+
+class AttentionBackend(ABC):
+    """Writes a layer's new K/V into the paged cache and attends over it."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...

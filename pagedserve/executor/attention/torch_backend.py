@@ -1,0 +1,83 @@
+"""Paged attention in plain PyTorch (the CPU path and the reference for GPU kernels).
+
+Decodes are batched: their blocks are gathered into a padded [n, kv_heads, L, d] view and
+attended with one masked batched matmul, grouped by KV head (GQA without repeating K/V).
+Prefill chunks go one request at a time through SDPA (a step holds few of them): with
+no cached prefix they attend to their own K/V causally; otherwise over the gathered
+context with an offset causal mask. No loop over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.executor.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+):
+    """Scatter the step's K/V [T, kvh, d] into their slots of the paged cache."""
+    nb, bs, kvh, d = k_cache.shape
+    k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, k)
+    v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, v)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[n, nblk] block ids -> [n, nblk * bs, kvh, d] (a copy, in token order)."""
+    n, nblk = block_tables.shape
+    _, bs, kvh, d = cache.shape
+    return cache[block_tables].view(n, nblk * bs, kvh, d)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
+        for r in range(nd, meta.num_reqs):
+            s, e = qsl[r], qsl[r + 1]
+            out[s:e] = self._prefill(
+                q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[r], sl[r], scale
+            )
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        n, h, d = q.shape
+        bs, kvh = k_cache.shape[1], k_cache.shape[2]
+        nblk = -(-meta.max_decode_seq_len // bs)
+        bt = meta.block_tables[:n, :nblk]
+        keys = gather_kv(k_cache, bt).permute(0, 2, 3, 1)  # [n, kvh, d, L]
+        vals = gather_kv(v_cache, bt).transpose(1, 2)  # [n, kvh, L, d]
+        qg = q.view(n, kvh, h // kvh, d)
+        scores = torch.matmul(qg, keys).float() * scale  # [n, kvh, g, L]
+        L = scores.shape[-1]
+        pad = torch.arange(L, device=q.device)[None, :] >= meta.seq_lens[:n, None]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, vals).view(n, h, d)
+
+    @staticmethod
+    def _prefill(q, k, v, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
+        ql = q.shape[0]
+        ctx = seq_len - ql
+        qt = q.transpose(0, 1).unsqueeze(0)  # [1, h, ql, d]
+        if ctx == 0:
+            kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            bs = k_cache.shape[1]
+            bt = block_table[: -(-seq_len // bs)].unsqueeze(0)
+            kt = gather_kv(k_cache, bt)[:, :seq_len].transpose(1, 2)  # [1, kvh, seq, d]
+            vt = gather_kv(v_cache, bt)[:, :seq_len].transpose(1, 2)
+            qpos = torch.arange(ctx, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos  # [ql, seq]
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)  # [ql, h, d]

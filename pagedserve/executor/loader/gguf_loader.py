@@ -1,0 +1,110 @@
+"""Llama-architecture GGUF files through the `gguf` library.
+
+Metadata becomes a HF-style config dict, tensors are dequantized to float32 (any type the
+library knows: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...), and llama.cpp's
+rotary permutation of the Q/K rows is undone. The tokenizer is read by transformers'
+GGUF support (see frontend/tokenizer.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _reader(path: str):
+    try:
+        import gguf
+    except ImportError as e:  # the engine core does not need gguf
+        raise ImportError(
+            "loading GGUF files needs the 'gguf' package: pip install 'pagedserve[gguf]'"
+        ) from e
+    return gguf.GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_to_hf_config(path: str) -> dict:
+    r = _reader(path)
+    arch = _field(r, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama').")
+    p = "llama."
+    heads = _field(r, p + "attention.head_count")
+    tensor_names = {t.name for t in r.tensors}
+    vocab = _field(r, p + "vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
+    hidden = _field(r, p + "embedding_length")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _field(r, p + "feed_forward_length"),
+        "num_hidden_layers": _field(r, p + "block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(r, p + "attention.head_count_kv", heads),
+        "head_dim": _field(r, p + "attention.key_length")
+        or _field(r, p + "rope.dimension_count")
+        or hidden // heads,
+        "rms_norm_eps": _field(r, p + "attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _field(r, p + "rope.freq_base", 10000.0),
+        "max_position_embeddings": _field(r, p + "context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
+    }
+    scale_type = _field(r, p + "rope.scaling.type")
+    if scale_type == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _field(r, p + "rope.scaling.factor")}
+    return cfg
+
+
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert permutation (HF rotate-half order -> interleaved pairs)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iterate_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    r = _reader(path)
+    heads = _field(r, "llama.attention.head_count")
+    kv_heads = _field(r, "llama.attention.head_count_kv", heads)
+    for t in r.tensors:
+        name = _NAMES.get(t.name)
+        if name is None and t.name.startswith("blk."):
+            _, idx, rest = t.name.split(".", 2)
+            if rest in _LAYER_NAMES:
+                name = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+        if name is None:
+            continue  # e.g. rope_freqs
+        w = gguf.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        shape = tuple(int(x) for x in reversed(t.shape))  # ggml lists dims fastest first
+        w = w.reshape(shape)
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_rope(w, heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_rope(w, kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))

@@ -1,0 +1,281 @@
+"""ModelRunner: turns a SchedulerOutput into model inputs, runs the model, samples.
+
+It keeps per-request state across steps (block table, sampling settings, generator,
+tokens for penalties), updated from the scheduler's deltas, so a running request costs
+only its new token and new block ids to send.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedserve.engine.messages import (
+    Logprob,
+    ModelRunnerOutput,
+    PositionLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from pagedserve.executor.attention import AttentionMetadata, get_attention_backend
+from pagedserve.executor.loader import build_model
+from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.sampler import Sampler, SamplingBatch
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """ "auto" follows the checkpoint; on CPU float16 becomes bfloat16 (CPUs lack fast fp16)."""
+    if dtype == "auto":
+        dtype = cfg.checkpoint_dtype or "bfloat16"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}.")
+    if device.type == "cpu" and dtype == "float16":
+        dtype = "bfloat16"
+    return _DTYPES[dtype]
+
+
+@dataclass
+class StepInputs:
+    order: list[ScheduledRequest]  # the scheduled requests, decodes first
+    states: list[RequestState]
+    cu: np.ndarray  # [n + 1] query start offsets
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+
+
+@dataclass
+class RequestState:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    generator: torch.Generator | None = None
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        model_config: ModelConfig,
+        dtype: str = "auto",
+        device: str = "cpu",
+        seed: int = 0,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.device = torch.device(device)
+        self.model_config = model_config
+        self.dtype = resolve_dtype(dtype, model_config, self.device)
+        self.backend = get_attention_backend(attention_backend, self.device.type)
+        torch.manual_seed(seed)
+        self.model = build_model(model_path, model_config, self.dtype, self.device, self.backend)
+        self.sampler = Sampler(seed, self.device)
+        self.requests: dict[str, RequestState] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 16
+        self.vocab_size = model_config.vocab_size
+
+    # -- KV cache -------------------------------------------------------------------
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """K and V per layer: [num_blocks, block_size, kv_heads, head_dim], zeroed.
+
+        On CPU the memory comes from calloc (via numpy), so pages are committed only as
+        blocks are first written: a large cache costs RSS only as it fills.
+        """
+        c = self.model_config
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.block_size = block_size
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(c.num_hidden_layers)]
+
+    def _zeros(self, shape) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32}[elem])
+        return torch.from_numpy(raw).view(self.dtype)
+
+    # -- one step -------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            self._generators.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for sr in so.scheduled:
+            if sr.is_new:
+                params = sr.sampling_params
+                gen = self._generators.get(sr.req_id)  # survives preemption: seeds stay exact
+                if gen is None and params.seed is not None:
+                    gen = self._generators[sr.req_id] = torch.Generator(device=self.device)
+                    gen.manual_seed(params.seed)
+                self.requests[sr.req_id] = RequestState(
+                    list(sr.prompt_token_ids), list(sr.output_token_ids), params, list(sr.block_ids), gen
+                )
+            elif sr.block_ids:
+                self.requests[sr.req_id].block_ids.extend(sr.block_ids)
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled requests (decodes first) into model inputs."""
+        # decodes (one query token) first, as the attention contract wants
+        order = sorted(so.scheduled, key=lambda sr: len(sr.token_ids) != 1)
+        num_decodes = sum(1 for sr in order if len(sr.token_ids) == 1)
+        states = [self.requests[sr.req_id] for sr in order]
+        bs = self.block_size
+        n = len(order)
+        q_lens = np.fromiter((len(sr.token_ids) for sr in order), dtype=np.int64, count=n)
+        starts = np.fromiter((sr.num_computed_tokens for sr in order), dtype=np.int64, count=n)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        total = int(cu[-1])
+        seq_lens = starts + q_lens
+        input_ids = np.fromiter(itertools.chain.from_iterable(sr.token_ids for sr in order), np.int64, total)
+        req_idx = np.repeat(np.arange(n), q_lens)
+        positions = np.arange(total, dtype=np.int64) - cu[:-1][req_idx] + starts[req_idx]
+        max_blocks = int((seq_lens.max() + bs - 1) // bs)
+        block_table = np.zeros((n, max_blocks), dtype=np.int64)
+        for i, st in enumerate(states):
+            ids = st.block_ids
+            block_table[i, : len(ids)] = ids
+        slots = block_table[req_idx, positions // bs] * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            num_reqs=n,
+            num_decodes=num_decodes,
+            query_start_loc=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_tables=torch.from_numpy(block_table).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
+            query_start_loc_list=cu.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+        )
+        return StepInputs(
+            order, states, cu, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if not so.scheduled:
+            return ModelRunnerOutput(sampled_token_ids={})
+        inp = self.prepare_inputs(so)
+        order, states, cu, dev = inp.order, inp.states, inp.cu, self.device
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+
+        out = ModelRunnerOutput(sampled_token_ids={})
+        self._prompt_logprobs(order, states, cu, hidden, out)
+        rows = [i for i, sr in enumerate(order) if sr.sample]
+        if not rows:
+            return out
+        sample_states = [states[i] for i in rows]
+        logits = self.model.compute_logits(hidden[torch.from_numpy(cu[1:][rows] - 1).to(dev)])
+        batch = self._sampling_batch(sample_states)
+        res = self.sampler(logits, batch)
+        sampled = res.sampled.tolist()
+        for j, i in enumerate(rows):
+            rid = order[i].req_id
+            out.sampled_token_ids[rid] = sampled[j]
+            sample_states[j].output_token_ids.append(sampled[j])
+        if res.sampled_logprobs is not None:
+            self._collect_logprobs(order, rows, sample_states, res, out)
+        return out
+
+    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+        dev = self.device
+        ps = [s.params for s in states]
+        b = SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+        )
+        if any(p.top_k > 0 for p in ps):
+            b.top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev)
+        if any(p.top_p < 1.0 for p in ps):
+            b.top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+        if any(p.min_p > 0.0 for p in ps):
+            b.min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
+        gens = {
+            i: s.generator for i, s in enumerate(states) if s.generator is not None and not s.params.greedy
+        }
+        b.generators = gens or None
+        if any(p.has_penalties for p in ps):
+            pad = self.vocab_size
+            if any(p.repetition_penalty != 1.0 for p in ps):
+                b.repetition_penalty = torch.tensor([p.repetition_penalty for p in ps], device=dev)
+                b.prompt_token_ids = _pad([s.prompt_token_ids for s in states], pad, dev)
+            b.frequency_penalty = torch.tensor([p.frequency_penalty for p in ps], device=dev)
+            b.presence_penalty = torch.tensor([p.presence_penalty for p in ps], device=dev)
+            b.output_token_ids = _pad([s.output_token_ids for s in states], pad, dev)
+        nlp = [p.logprobs for p in ps if p.logprobs is not None]
+        b.max_num_logprobs = max(nlp) if nlp else None
+        return b
+
+    @staticmethod
+    def _collect_logprobs(order, rows, states, res, out: ModelRunnerOutput) -> None:
+        lps = res.sampled_logprobs.tolist()
+        ranks = res.sampled_ranks.tolist()
+        top_ids = res.topk_ids.tolist() if res.topk_ids is not None else None
+        top_lps = res.topk_logprobs.tolist() if res.topk_logprobs is not None else None
+        for j, i in enumerate(rows):
+            k = states[j].params.logprobs
+            if k is None:
+                continue
+            tok = out.sampled_token_ids[order[i].req_id]
+            d: PositionLogprobs = {}
+            for r in range(k):
+                d[top_ids[j][r]] = Logprob(top_lps[j][r], r + 1)
+            d[tok] = Logprob(lps[j], ranks[j])
+            out.logprobs[order[i].req_id] = d
+
+    def _prompt_logprobs(self, order, states, cu, hidden, out: ModelRunnerOutput) -> None:
+        """Log-probabilities of prompt tokens 1.. given their prefixes (chunk by chunk)."""
+        for i, sr in enumerate(order):
+            st = states[i]
+            k = st.params.prompt_logprobs
+            if k is None:
+                continue
+            n_prompt = len(st.prompt_token_ids)
+            first = sr.num_computed_tokens  # position of the chunk's first token
+            last = min(first + len(sr.token_ids), n_prompt - 1)  # positions predicting a prompt token
+            if last <= first:
+                continue
+            h = hidden[int(cu[i]) : int(cu[i]) + (last - first)]
+            logprobs = self.model.compute_logits(h).log_softmax(dim=-1)
+            targets = torch.tensor(st.prompt_token_ids[first + 1 : last + 1], device=self.device)
+            tlp = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+            ranks = ((logprobs > tlp.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+            top_lp, top_id = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+            tl, tg = tlp.tolist(), targets.tolist()
+            entries = []
+            for j in range(last - first):
+                d: PositionLogprobs = {}
+                if k > 0:
+                    for r, (tid, v) in enumerate(zip(top_id[j].tolist(), top_lp[j].tolist())):
+                        d[tid] = Logprob(v, r + 1)
+                d[tg[j]] = Logprob(tl[j], ranks[j])
+                entries.append(d)
+            out.prompt_logprobs[sr.req_id] = entries
+
+
+def _pad(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    arr = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        arr[i, : len(r)] = r
+    return torch.from_numpy(arr).to(device)

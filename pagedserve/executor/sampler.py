@@ -1,0 +1,145 @@
+"""Vectorized sampling over a batch of logits rows (one row per request that samples).
+
+Order, as vLLM: logprobs of the raw model output -> penalties -> greedy argmax, or
+temperature -> top-k / top-p -> min-p -> softmax -> sample. Sampling uses the
+exponential-race trick (argmax(p / q), q ~ Exp(1)), which needs no host sync and lets a
+seeded row draw its noise from its own generator, so a seed reproduces whatever else is
+in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors ([B] each unless noted)."""
+
+    temperature: torch.Tensor  # float32; 0 = greedy
+    top_k: torch.Tensor | None = None  # int64; 0 = off
+    top_p: torch.Tensor | None = None  # float32; 1 = off
+    min_p: torch.Tensor | None = None  # float32; 0 = off
+    generators: dict[int, torch.Generator] | None = None  # row -> generator (seeded rows)
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    prompt_token_ids: torch.Tensor | None = None  # [B, P] int64, padded with vocab_size
+    output_token_ids: torch.Tensor | None = None  # [B, O] int64, padded with vocab_size
+    max_num_logprobs: int | None = None  # None: no logprobs wanted
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] int64
+    # When logprobs were asked (of the raw model distribution):
+    topk_ids: torch.Tensor | None = None  # [B, k]
+    topk_logprobs: torch.Tensor | None = None  # [B, k]
+    sampled_logprobs: torch.Tensor | None = None  # [B]
+    sampled_ranks: torch.Tensor | None = None  # [B], 1 = most likely
+
+
+def token_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, N] padded (pad = vocab) -> [B, vocab] occurrence counts."""
+    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """OpenAI presence/frequency penalties on output tokens; repetition penalty (as in
+    transformers / vLLM) on prompt and output tokens."""
+    vocab = logits.shape[1]
+    out_counts = token_counts(b.output_token_ids, vocab) if b.output_token_ids is not None else None
+    if b.repetition_penalty is not None:
+        seen = out_counts > 0 if out_counts is not None else torch.zeros_like(logits, dtype=torch.bool)
+        if b.prompt_token_ids is not None:
+            seen |= token_counts(b.prompt_token_ids, vocab) > 0
+        rp = b.repetition_penalty[:, None].expand_as(logits)
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalized, logits)
+    if out_counts is not None:
+        if b.frequency_penalty is not None:
+            logits = logits - b.frequency_penalty[:, None] * out_counts
+        if b.presence_penalty is not None:
+            logits = logits - b.presence_penalty[:, None] * (out_counts > 0)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and outside its top-p nucleus.
+    The most likely token always survives."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[1]
+    if k is not None:
+        kk = torch.where(k > 0, k, vocab).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (vocab - kk).unsqueeze(1))  # the k-th largest
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+        drop = cum <= (1 - p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def exponential_noise(
+    shape, generators: dict[int, torch.Generator] | None, device, default: torch.Generator | None = None
+) -> torch.Tensor:
+    q = torch.empty(shape, device=device).exponential_(generator=default)
+    if generators:
+        for row, g in generators.items():
+            q[row].exponential_(generator=g)
+    return q
+
+
+class Sampler:
+    """`seed` seeds the generator of rows that have no seed of their own."""
+
+    def __init__(self, seed: int | None = None, device: str | torch.device = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+        """logits: float32 [B, V] (not modified)."""
+        raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs is not None else None
+        if b.repetition_penalty is not None or b.output_token_ids is not None:
+            logits = apply_penalties(logits, b)
+        greedy = logits.argmax(dim=-1)
+        if b.all_greedy:
+            sampled = greedy
+        else:
+            temp = b.temperature
+            is_greedy = temp == 0
+            scaled = logits / torch.where(is_greedy, torch.ones_like(temp), temp).unsqueeze(1)
+            if b.top_k is not None or b.top_p is not None:
+                scaled = apply_top_k_top_p(scaled, b.top_k, b.top_p)
+            if b.min_p is not None:
+                scaled = apply_min_p(scaled, b.min_p)
+            probs = scaled.softmax(dim=-1)
+            q = exponential_noise(probs.shape, b.generators, probs.device, self.generator)
+            random = (probs / q).argmax(dim=-1)
+            sampled = torch.where(is_greedy, greedy, random)
+        out = SamplerOutput(sampled=sampled)
+        if raw_logprobs is not None:
+            k = b.max_num_logprobs
+            if k > 0:
+                out.topk_logprobs, out.topk_ids = raw_logprobs.topk(k, dim=-1)
+            lp = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+            out.sampled_logprobs = lp
+            out.sampled_ranks = (raw_logprobs > lp.unsqueeze(1)).sum(dim=-1) + 1
+        return out

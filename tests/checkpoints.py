@@ -1,0 +1,102 @@
+"""Tiny random-weight checkpoints, written with transformers at test time (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paged attention splits the KV cache into blocks. "
+    "Continuous batching schedules every iteration. 你好，世界！今天天气很好。 Emoji: 🚀🔥😀👍🏽 "
+    "def f(x):\n    return x * 2\n\nimport numpy as np\nprint('hello world')\n"
+) * 20
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# odd shapes: hidden 96 with head_dim 32, 3:1 GQA, vocab no multiple of 64
+ARCH_KWARGS = {
+    "llama": dict(cls="LlamaConfig", tie_word_embeddings=False),
+    "llama_tied_llama3rope": dict(
+        cls="LlamaConfig",
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    ),
+    "mistral": dict(cls="MistralConfig", tie_word_embeddings=False, sliding_window=None),
+    "qwen2": dict(cls="Qwen2Config", tie_word_embeddings=True),
+    "qwen3": dict(cls="Qwen3Config", tie_word_embeddings=False, head_dim=40),
+}
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 400):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    import transformers
+
+    kw = dict(ARCH_KWARGS[arch])
+    cls = getattr(transformers, kw.pop("cls"))
+    params = dict(
+        vocab_size=1001,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    params.update(kw)
+    params.update(overrides)
+    cfg = cls(**params)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; widen it so logits differ visibly
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
+def load_hf(model_dir: str, dtype=torch.float32):
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return m.eval()
