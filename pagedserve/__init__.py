@@ -1,0 +1,17 @@
+"""pagedserve: an LLM inference and serving engine (PagedAttention + continuous batching)."""
+
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.frontend.llm import LLM
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "LLMEngine",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]

@@ -18,8 +18,8 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len without chunking
+    max_model_len: int | None = None  # None: the model's limit (resolved by the engine)
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
@@ -28,19 +28,37 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
-        if self.max_model_len < 1:
+        if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if self.long_prefill_token_threshold < 0:
             raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                f">= max_model_len ({self.max_model_len}), or long prompts could never be scheduled."
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}."
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}.")
+
+    def resolved(self, model_max_len: int | None = None) -> SchedulerConfig:
+        """A copy with max_model_len and max_num_batched_tokens filled in and checked."""
+        from dataclasses import replace
+
+        max_len = self.max_model_len or model_max_len
+        if max_len is None:
+            raise ValueError("max_model_len is not set.")
+        if model_max_len is not None and max_len > model_max_len:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's limit of {model_max_len} tokens.")
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_len)
+        if not self.enable_chunked_prefill and budget < max_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({budget}) must be >= max_model_len "
+                f"({max_len}), or long prompts could never be scheduled."
+            )
+        return replace(self, max_model_len=max_len, max_num_batched_tokens=budget)
 
 
 @dataclass

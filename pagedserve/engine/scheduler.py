@@ -92,7 +92,7 @@ _POLICIES = {"fcfs": FCFSQueue, "priority": PriorityQueue}
 
 class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
-        self.config = sched_config
+        self.config = sched_config.resolved()
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting = _POLICIES[sched_config.policy]()

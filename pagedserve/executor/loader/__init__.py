@@ -28,13 +28,18 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: str) -> str:
-    if model in ("default", "", None):
-        return default_model_path()
-    if not os.path.exists(model):
+    """A local HF directory for `model`: a directory as is; a GGUF file (or "default")
+    through its cached conversion. Nothing is ever downloaded."""
+    path = default_model_path() if model in ("default", "", None) else model
+    if not os.path.exists(path):
         raise FileNotFoundError(
             f"model {model!r} is neither a local directory nor a GGUF file (no hub downloads), nor 'default'"
         )
-    return model
+    if is_gguf(path):
+        from pagedserve.executor.loader.gguf_loader import converted_dir
+
+        return converted_dir(path)
+    return path
 
 
 def is_gguf(path: str) -> bool:
@@ -42,20 +47,12 @@ def is_gguf(path: str) -> bool:
 
 
 def load_hf_config_dict(path: str) -> dict:
-    if is_gguf(path):
-        from pagedserve.executor.loader.gguf_loader import gguf_to_hf_config
-
-        return gguf_to_hf_config(path)
     from pagedserve.executor.loader.safetensors_loader import read_hf_config
 
     return read_hf_config(path)
 
 
 def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if is_gguf(path):
-        from pagedserve.executor.loader.gguf_loader import iterate_gguf
-
-        return iterate_gguf(path)
     from pagedserve.executor.loader.safetensors_loader import iterate_safetensors
 
     return iterate_safetensors(path)

@@ -2,16 +2,28 @@
 
 Metadata becomes a HF-style config dict, tensors are dequantized to float32 (any type the
 library knows: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...), and llama.cpp's
-rotary permutation of the Q/K rows is undone. The tokenizer is read by transformers'
-GGUF support (see frontend/tokenizer.py).
+rotary permutation of the Q/K rows is undone. The tokenizer is converted by transformers'
+GGUF support.
+
+Parsing a GGUF's metadata is slow in Python (seconds for a 49k-token vocabulary), so a
+file is converted once into a Hugging Face directory (config.json, tokenizer files,
+float32 safetensors) under the cache dir ($PAGEDSERVE_CACHE_DIR, default
+~/.cache/pagedserve), keyed by the file's path, size and mtime; later loads mmap it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+CONVERTER_VERSION = 1
 
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -46,8 +58,8 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def gguf_to_hf_config(path: str) -> dict:
-    r = _reader(path)
+def gguf_to_hf_config(path: str, reader=None) -> dict:
+    r = reader or _reader(path)
     arch = _field(r, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama').")
@@ -86,10 +98,10 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iterate_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf(path: str, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
-    r = _reader(path)
+    r = reader or _reader(path)
     heads = _field(r, "llama.attention.head_count")
     kv_heads = _field(r, "llama.attention.head_count_kv", heads)
     for t in r.tensors:
@@ -107,4 +119,45 @@ def iterate_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             w = unpermute_rope(w, heads)
         elif t.name.endswith("attn_k.weight"):
             w = unpermute_rope(w, kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w))
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+
+
+def cache_dir() -> str:
+    return os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pagedserve"
+    )
+
+
+def converted_dir(path: str) -> str:
+    """The cached HF directory for a GGUF file (converting it on first use)."""
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
+    name = os.path.basename(path).removesuffix(".gguf")
+    out = os.path.join(cache_dir(), "gguf", f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    if os.path.exists(os.path.join(out, "pagedserve_gguf.json")):
+        return out
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out))
+    try:
+        reader = _reader(path)
+        cfg = gguf_to_hf_config(path, reader)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        save_file(dict(iterate_gguf(path, reader)), os.path.join(tmp, "model.safetensors"))
+        del reader
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, "pagedserve_gguf.json"), "w") as f:
+            json.dump({"source": os.path.abspath(path), "key": key}, f)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process converted it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

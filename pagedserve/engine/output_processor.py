@@ -1,0 +1,179 @@
+"""Turns the scheduler's per-step token deltas into RequestOutputs: detokenization, stop
+strings, logprob text, n>1 fan-in, timing metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.engine.messages import EngineCoreOutput, PositionLogprobs
+from pagedserve.frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class SeqState:
+    """One generated sequence (one of a request's n)."""
+
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None  # None: decode once at the end (no stops, final-only)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    sent_tokens: int = 0  # for DELTA outputs
+    sent_logprobs: int = 0
+    sent_finish: bool = False
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[SeqState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    num_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_seq: dict[str, tuple[ParentState, SeqState]] = {}
+
+    def add_request(self, parent: ParentState, child_ids: list[str]) -> None:
+        self.parents[parent.request_id] = parent
+        for cid, seq in zip(child_ids, parent.seqs):
+            self.child_to_seq[cid] = (parent, seq)
+        if parent.params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+
+    def child_ids_of(self, request_id: str) -> list[str]:
+        return [cid for cid, (p, _) in self.child_to_seq.items() if p.request_id == request_id]
+
+    def remove(self, request_id: str) -> None:
+        for cid in self.child_ids_of(request_id):
+            del self.child_to_seq[cid]
+        self.parents.pop(request_id, None)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (outputs to report, child ids that hit a stop string and must be ended)."""
+        now = time.time()
+        touched: dict[str, ParentState] = {}
+        stopped: list[str] = []
+        for co in core_outputs:
+            entry = self.child_to_seq.get(co.req_id)
+            if entry is None:
+                continue
+            parent, seq = entry
+            touched[parent.request_id] = parent
+            m = parent.metrics
+            if co.new_prompt_logprobs and parent.prompt_logprobs is not None and seq.index == 0:
+                parent.prompt_logprobs.extend(self._decorate(co.new_prompt_logprobs))
+            if co.new_token_ids:
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.last_token_time = now
+                parent.num_cached_tokens = co.num_cached_tokens
+                seq.token_ids.extend(co.new_token_ids)
+                if co.new_logprobs is not None:
+                    self._add_logprobs(seq, co.new_logprobs)
+                if seq.detok is not None:
+                    n = len(seq.detok.add_tokens(co.new_token_ids))
+                    stop = seq.detok.check_stop(n)
+                    if stop is not None:
+                        co.finish_reason, co.stop_reason = "stop", stop
+                        if seq.finish_reason is None:
+                            stopped.append(co.req_id)
+            if co.finish_reason is not None and seq.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
+                parent.num_finished += 1
+                if seq.detok is not None and not isinstance(co.stop_reason, str):
+                    seq.detok.flush()  # a stop string already trimmed the text
+                if parent.finished:
+                    m.finished_time = now
+        outputs = []
+        for parent in touched.values():
+            out = self._make_output(parent)
+            if out is not None:
+                outputs.append(out)
+            if parent.finished:
+                self.remove(parent.request_id)
+        return outputs, stopped
+
+    def _add_logprobs(self, seq: SeqState, new: list[PositionLogprobs]) -> None:
+        if seq.logprobs is None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        tok_iter = seq.token_ids[len(seq.token_ids) - len(new) :]
+        for lp, tok in zip(self._decorate(new), tok_iter):
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp[tok].logprob
+
+    def _decorate(self, entries: list[PositionLogprobs]) -> list[PositionLogprobs]:
+        for d in entries:
+            for tid, lp in d.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.decode([tid])
+        return entries
+
+    def _text(self, seq: SeqState, finished: bool, delta: bool) -> str:
+        if seq.detok is None:
+            if not finished:
+                return ""
+            if not seq.text:
+                seq.text = self.tokenizer.decode(
+                    seq.token_ids, skip_special_tokens=seq.params.skip_special_tokens
+                )
+            return seq.text
+        if delta:
+            return seq.detok.next_delta(finished)
+        return seq.detok.output_text
+
+    def _make_output(self, parent: ParentState) -> RequestOutput | None:
+        kind = parent.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not parent.finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        comps = []
+        for seq in parent.seqs:
+            done = seq.finish_reason is not None
+            if delta:
+                text = self._text(seq, done, True)
+                toks = seq.token_ids[seq.sent_tokens :]
+                lps = seq.logprobs[seq.sent_logprobs :] if seq.logprobs is not None else None
+                if not toks and not text and (not done or seq.sent_finish):
+                    continue
+                seq.sent_finish = done
+                seq.sent_tokens = len(seq.token_ids)
+                seq.sent_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
+            else:
+                text, toks, lps = self._text(seq, done, False), list(seq.token_ids), seq.logprobs
+            comps.append(
+                CompletionOutput(
+                    seq.index, text, toks, seq.cumulative_logprob, lps, seq.finish_reason, seq.stop_reason
+                )
+            )
+        if not comps and not parent.prompt_logprobs:
+            return None
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=comps,
+            finished=parent.finished,
+            prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics=parent.metrics,
+        )

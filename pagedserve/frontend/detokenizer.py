@@ -1,0 +1,79 @@
+"""Incremental detokenization and stop strings.
+
+Text is emitted only once it decodes to whole characters: a token that ends inside a
+multi-byte UTF-8 character (Chinese, emoji) is held until the character completes, so
+no broken text is ever emitted, and the pieces concatenate to `tokenizer.decode(ids)`.
+Each step decodes a short window (a few tokens of context plus the new ones), not the
+whole output, so the cost per token stays constant.
+"""
+
+from __future__ import annotations
+
+from pagedserve.sampling_params import SamplingParams
+
+_CONTEXT = 5  # prompt tokens kept as decoding context (leading-space handling)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = params.skip_special_tokens
+        self.stop = params.stop or []
+        self.include_stop = params.include_stop_str_in_output
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.output_text = ""
+        # streaming holds back this many characters: they might start a stop string
+        self.stop_buffer = max((len(s) for s in self.stop), default=1) - 1 if not self.include_stop else 0
+        self._sent = 0  # characters already handed out as deltas
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add_tokens(self, new_ids: list[int]) -> str:
+        """Append tokens; returns the newly completed text (possibly empty)."""
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for the next token
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.output_text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end: whatever is still held (an unfinished character decodes as U+FFFD)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        delta = self._decode(self.ids[self.prefix_offset :])[len(prefix_text) :]
+        self.read_offset = len(self.ids)
+        self.output_text += delta
+        return delta
+
+    def check_stop(self, new_chars: int) -> str | None:
+        """Look for a stop string in text that includes the last `new_chars` characters;
+        if one is found, trim the output at it and return it."""
+        if not self.stop or not new_chars:
+            return None
+        text = self.output_text
+        best = None
+        for s in self.stop:
+            idx = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.output_text = text[: idx + len(s)] if self.include_stop else text[:idx]
+        return s
+
+    def next_delta(self, finished: bool) -> str:
+        """Text not yet handed out, keeping back a possible stop-string prefix until the end."""
+        end = len(self.output_text) if finished else max(len(self.output_text) - self.stop_buffer, self._sent)
+        delta = self.output_text[self._sent : end]
+        self._sent = end
+        return delta

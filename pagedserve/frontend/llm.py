@@ -1,0 +1,162 @@
+"""The offline API, compatible with vLLM's `LLM` so that switching is a change of import."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pagedserve.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.stats import EngineStats
+from pagedserve.frontend.tokenizer import apply_chat_template
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """An engine for offline batches.
+
+    >>> llm = LLM()                                  # the embedded SmolLM2-135M-Instruct
+    >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    """
+
+    def __init__(
+        self,
+        model: str = "default",
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        num_kv_blocks: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        device: str = "auto",
+        long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
+        scheduling: str = "continuous",
+    ) -> None:
+        cache = CacheConfig(
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        sched = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            policy=scheduling_policy,
+            scheduling=scheduling,
+        )
+        cfg = EngineConfig(
+            model=ModelLoadConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed),
+            cache=cache,
+            scheduler=sched,
+        )
+        self.engine = LLMEngine(cfg)
+
+    # -- generation -----------------------------------------------------------------
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for a str, a list of str, or a list of {"prompt_token_ids": [...]} dicts.
+        Returns RequestOutputs in input order. All requests are validated before any runs."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            raise ValueError("pass token ids as [{'prompt_token_ids': [...]}], not a flat list of ints.")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts.")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts.")
+        return self._run(
+            [(p, sp, priority[i] if priority else 0) for i, (p, sp) in enumerate(zip(prompts, params))],
+            use_tqdm,
+        )
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(tok, c, add_generation_prompt, chat_template)}
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, sp, prio in items:
+                if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    sp = replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(engine.add_request(None, prompt, sp, priority=prio))
+        except ValueError:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        t0 = time.perf_counter()
+        n_in = n_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            n_in += len(out.prompt_token_ids)
+                            n_out += sum(len(c.token_ids) for c in out.outputs)
+                            dt = max(time.perf_counter() - t0, 1e-9)
+                            bar.set_postfix_str(
+                                f"in {n_in / dt:.0f} tok/s, out {n_out / dt:.0f} tok/s", refresh=False
+                            )
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    # -- misc -------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -1,0 +1,58 @@
+import pytest
+
+from pagedserve.frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.sampling_params import SamplingParams
+
+TEXTS = [
+    "你好，世界！今天天气很好。",
+    "Emoji: 🚀🔥😀👍🏽 done",
+    "mixed 你好 🚀 text with spaces  and\nnewlines",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from tests.checkpoints import build_tokenizer
+
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_never_breaks_characters(tok, text):
+    prompt = tok.encode("Say:")
+    ids = tok.encode(text)
+    assert len(ids) > len(text) // 3  # multi-byte characters really span several tokens
+    d = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    pieces = [d.add_tokens([t]) for t in ids] + [d.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert d.output_text == text
+
+
+def test_stop_string_across_tokens_is_trimmed(tok):
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(text)
+    for include in (False, True):
+        d = IncrementalDetokenizer(
+            tok, [], SamplingParams(stop=["fox ju", "never"], include_stop_str_in_output=include)
+        )
+        hit = None
+        for t in ids:
+            n = len(d.add_tokens([t]))
+            hit = d.check_stop(n)
+            if hit:
+                break
+        assert hit == "fox ju"
+        assert d.output_text == ("The quick brown fox ju" if include else "The quick brown ")
+
+
+def test_streaming_holds_back_possible_stop_prefix(tok):
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["lazy dog"]))
+    sent = ""
+    for t in tok.encode("over the lazy"):
+        d.add_tokens([t])
+        sent += d.next_delta(finished=False)
+    # "lazy" could begin "lazy dog": at most len("lazy dog") - 1 characters are held back
+    assert "over the lazy".startswith(sent) and len(sent) >= len("over the lazy") - 7
+    sent += d.next_delta(finished=True)
+    assert sent == "over the lazy"
