@@ -32,9 +32,14 @@ def permute(w, n_head):  # llama.cpp's convert_hf_to_gguf permutation of Q/K row
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def write_gguf(hf_dir, out, qtype=Q.F32):
-    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    tokj = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
+    cfg = read_json(os.path.join(hf_dir, "config.json"))
+    tokj = read_json(os.path.join(hf_dir, "tokenizer.json"))
     w = gguf.GGUFWriter(out, "llama")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -93,7 +98,7 @@ def test_written_gguf_tensors_and_config(checkpoint, tmp_path, qtype):
     hf_dir = checkpoint("llama")
     path = write_gguf(hf_dir, str(tmp_path / "m.gguf"), qtype)
     cfg = gguf_to_hf_config(path)
-    ref_cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    ref_cfg = read_json(os.path.join(hf_dir, "config.json"))
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         assert cfg[k] == ref_cfg[k]
     ref = dict(iterate_safetensors(hf_dir))
