@@ -32,10 +32,24 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """True where bfloat16 matmuls run in hardware (AVX512-BF16 or AMX); elsewhere (e.g. AVX2
+    only) oneDNN emulates them at a fraction of float32 speed."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
 def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """ "auto" follows the checkpoint; on CPU float16 becomes bfloat16 (CPUs lack fast fp16)."""
+    """ "auto" follows the checkpoint; on a CPU it is bfloat16 only with native bf16 support,
+    else float32. float16 on a CPU becomes bfloat16 (CPUs lack fast fp16)."""
     if dtype == "auto":
         dtype = cfg.checkpoint_dtype or "bfloat16"
+        if device.type == "cpu":
+            dtype = "bfloat16" if dtype != "float32" and cpu_has_native_bf16() else "float32"
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}.")
     if device.type == "cpu" and dtype == "float16":

@@ -1,10 +1,11 @@
 """Vectorized sampling over a batch of logits rows (one row per request that samples).
 
 Order, as vLLM: logprobs of the raw model output -> penalties -> greedy argmax, or
-temperature -> top-k / top-p -> min-p -> softmax -> sample. Sampling uses the
-exponential-race trick (argmax(p / q), q ~ Exp(1)), which needs no host sync and lets a
-seeded row draw its noise from its own generator, so a seed reproduces whatever else is
-in the batch.
+temperature -> top-k / top-p -> min-p -> softmax -> sample. Sampling inverts the CDF
+with one uniform draw per row (searchsorted over the cumulative probabilities): no host
+sync, O(V) cheap work (drawing V exponentials for the exponential-race trick costs ~25x
+more on a CPU), and a seeded row draws its number from its own generator, so a seed
+reproduces whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -96,14 +97,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def exponential_noise(
-    shape, generators: dict[int, torch.Generator] | None, device, default: torch.Generator | None = None
+def uniform_draws(
+    n: int, generators: dict[int, torch.Generator] | None, device, default: torch.Generator | None = None
 ) -> torch.Tensor:
-    q = torch.empty(shape, device=device).exponential_(generator=default)
+    """n numbers in (0, 1]; row i from generators[i] when it has one."""
+    u = torch.rand(n, device=device, generator=default)
     if generators:
         for row, g in generators.items():
-            q[row].exponential_(generator=g)
-    return q
+            u[row] = torch.rand(1, device=device, generator=g)[0]
+    return 1.0 - u
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: the first token whose cumulative probability reaches u * total.
+    With u > 0 a zero-probability token is never chosen."""
+    cdf = probs.cumsum(dim=-1)
+    x = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, x).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 class Sampler:
@@ -131,8 +141,8 @@ class Sampler:
             if b.min_p is not None:
                 scaled = apply_min_p(scaled, b.min_p)
             probs = scaled.softmax(dim=-1)
-            q = exponential_noise(probs.shape, b.generators, probs.device, self.generator)
-            random = (probs / q).argmax(dim=-1)
+            u = uniform_draws(probs.shape[0], b.generators, probs.device, self.generator)
+            random = sample_from_probs(probs, u)
             sampled = torch.where(is_greedy, greedy, random)
         out = SamplerOutput(sampled=sampled)
         if raw_logprobs is not None:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -70,6 +70,8 @@ def gguf_to_hf_config(path: str, reader=None) -> dict:
     hidden = _field(r, p + "embedding_length")
     cfg = {
         "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": _field(r, p + "feed_forward_length"),

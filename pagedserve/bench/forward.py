@@ -1,0 +1,136 @@
+"""Forward throughput: pagedserve's engine step beside transformers' forward, same run.
+
+    python -m pagedserve.bench.forward [--model default] [--dtypes float32 bfloat16]
+        [--batches 1 8 32 64] [--context 256] [--prefill-len 512] [--steps 8]
+
+Prefill: tokens/s for one prompt of --prefill-len tokens. Decode: tokens/s at each batch
+size with --context tokens already cached per sequence (pagedserve: one full engine
+step = schedule + paged forward + sample + update; transformers: one forward of
+[B, 1] tokens over its DynamicCache, greedy argmax). One JSON line per measurement,
+with the ratio pagedserve / transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _median_time(fn, steps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_pagedserve(model: str, dtype: str, batches, context: int, prefill_len: int, steps: int) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=max(2048, prefill_len))
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    res = {}
+    # prefill: a fresh 512-token prompt each time (no cache hits), sampling its first token
+    n = [0]
+
+    def prefill():
+        n[0] += 1
+        ids = [(n[0] * 7919 + j * 31) % (vocab - 100) + 100 for j in range(prefill_len)]
+        eng.add_request(f"p{n[0]}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+
+    res["prefill"] = prefill_len / _median_time(prefill, max(3, steps // 2))
+    for b in batches:
+        for i in range(b):
+            ids = [(i * 131 + j * 17) % (vocab - 100) + 100 for j in range(context)]
+            eng.add_request(
+                f"d{b}-{i}",
+                {"prompt_token_ids": ids},
+                SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0),
+            )
+        while eng.scheduler.last_num_scheduled_tokens != b or eng.scheduler.num_waiting:
+            eng.step()  # prefill everything (not timed)
+        res[f"decode_b{b}"] = b / _median_time(eng.step, steps)
+        for i in range(b):
+            eng.abort_request(f"d{b}-{i}")
+    return res
+
+
+@torch.inference_mode()
+def bench_hf(model_dir: str, dtype: str, batches, context: int, prefill_len: int, steps: int) -> dict:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    vocab = m.config.vocab_size
+    res = {}
+    ids = torch.tensor([[(j * 31) % (vocab - 100) + 100 for j in range(prefill_len)]])
+    res["prefill"] = prefill_len / _median_time(
+        lambda: m(ids, use_cache=True).logits[:, -1].argmax(-1), max(3, steps // 2)
+    )
+    for b in batches:
+        prompt = torch.tensor(
+            [[(i * 131 + j * 17) % (vocab - 100) + 100 for j in range(context)] for i in range(b)]
+        )
+        cache = DynamicCache()
+        out = m(prompt, past_key_values=cache, use_cache=True)
+        state = {"tok": out.logits[:, -1].argmax(-1, keepdim=True), "pos": context}
+
+        def decode(cache=cache, state=state, b=b):
+            o = m(
+                state["tok"],
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.full((b, 1), state["pos"]),
+            )
+            state["tok"] = o.logits[:, -1].float().argmax(-1, keepdim=True)
+            state["pos"] += 1
+
+        res[f"decode_b{b}"] = b / _median_time(decode, steps)
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8)
+    a = ap.parse_args(argv)
+    from pagedserve.executor.loader import resolve_model_path
+
+    model_dir = resolve_model_path(a.model)
+    torch.set_num_threads(torch.get_num_threads())
+    for dtype in a.dtypes:
+        ours = bench_pagedserve(a.model, dtype, a.batches, a.context, a.prefill_len, a.steps)
+        hf = bench_hf(model_dir, dtype, a.batches, a.context, a.prefill_len, a.steps)
+        for k in ours:
+            print(
+                json.dumps(
+                    {
+                        "bench": "forward",
+                        "model": a.model,
+                        "dtype": dtype,
+                        "what": k,
+                        "context": a.context if k.startswith("decode") else 0,
+                        "pagedserve_tok_s": round(ours[k], 1),
+                        "transformers_tok_s": round(hf[k], 1),
+                        "ratio": round(ours[k] / hf[k], 2),
+                    }
+                ),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
