@@ -131,12 +131,22 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; raises ValueError (changing nothing) if it
-        is invalid or could never fit. Returns its id."""
+        is invalid or could never fit. Returns its id.
+
+        `cache_salt` (or a prompt dict's "cache_salt") isolates prefix-cache entries: a
+        request only reuses blocks computed under the same salt. With n > 1 the samples are
+        child requests "<id>#<i>" that share the prompt's full blocks through the prefix
+        cache (the partial last block is not shared: each child writes its own, vLLM's
+        choice, so no copy-on-write is ever needed)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         text, ids = self.tokenize(prompt)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string.")
         max_len = self.config.scheduler.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
         if params.max_tokens == 0 and params.prompt_logprobs is None:
@@ -217,6 +227,7 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_steps=s.num_steps,
+            computed_tokens=s.num_computed_tokens_total,
             last_batch_size=s.last_batch_size,
             last_num_scheduled_tokens=s.last_num_scheduled_tokens,
             block_size=s.block_size,

@@ -105,6 +105,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests
         self.num_generation_tokens = 0
+        self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
         self.last_batch_size = 0
         self.last_num_scheduled_tokens = 0
 
@@ -237,6 +238,7 @@ class Scheduler:
                 budget -= num_new
 
         total = cfg.max_num_batched_tokens - budget
+        self.num_computed_tokens_total += total
         finished, preempted_ids = self._finished_since_last_step, self._preempted_since_last_step
         self._finished_since_last_step, self._preempted_since_last_step = set(), set()
         self.num_steps += 1

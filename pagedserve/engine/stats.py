@@ -19,6 +19,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_steps: int
+    computed_tokens: int  # tokens run through the model: prefill chunks, recomputes, decodes
     last_batch_size: int
     last_num_scheduled_tokens: int
     block_size: int

@@ -187,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="the continuous-batching demo on the default model")
     d.set_defaults(fn=lambda a: __import__("pagedserve.frontend.demo", fromlist=["main"]).main([]))
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s, model_positional=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    s.add_argument("--max-queue", type=int, default=None, help="answer 503 while this many requests wait")
+    s.add_argument("--max-body-bytes", type=parse_bytes, default=16 << 20)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(fn=lambda a: __import__("pagedserve.server.api_server", fromlist=["serve"]).serve(a))
+
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     b.add_argument("what", choices=["scheduler"], help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER)

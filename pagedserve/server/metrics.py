@@ -1,0 +1,85 @@
+"""Prometheus metrics with vLLM's names under the `pagedserve:` prefix.
+
+Gauges and counters are read from the engine's stats snapshot at scrape time; latency
+histograms are observed when a request finishes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedserve.outputs import RequestOutput
+
+P = "pagedserve:"
+
+
+class _StatsCollector:
+    def __init__(self, get_stats, model_name: str) -> None:
+        self.get_stats = get_stats
+        self.model_name = model_name
+
+    def collect(self):
+        s = self.get_stats()
+        lbl = ["model_name"]
+        val = [self.model_name]
+
+        def gauge(name, doc, v):
+            g = GaugeMetricFamily(P + name, doc, labels=lbl)
+            g.add_metric(val, v)
+            return g
+
+        def counter(name, doc, v):
+            c = CounterMetricFamily(P + name, doc, labels=lbl)
+            c.add_metric(val, v)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%).", s.kv_cache_usage)
+        yield gauge("kv_blocks_used", "KV blocks in use.", s.kv_blocks_used)
+        yield gauge("kv_blocks_total", "KV blocks in the cache.", s.kv_blocks_total)
+        yield gauge("kv_utilization", "Stored tokens / allocated token slots.", s.kv_utilization)
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries
+        )
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("num_preemptions", "Requests preempted for memory.", s.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
+        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
+
+
+class ServerMetrics:
+    def __init__(self, get_stats, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(get_stats, model_name))
+        lat = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds", "Time to first token.", buckets=lat, registry=self.registry
+        )
+        self.tpot = Histogram(
+            P + "time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            buckets=lat,
+            registry=self.registry,
+        )
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            n = max((len(c.token_ids) for c in out.outputs), default=0)
+            if n > 1 and m.last_token_time is not None:
+                self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
