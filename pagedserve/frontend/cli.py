@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=lambda a: __import__("pagedserve.server.api_server", fromlist=["serve"]).serve(a))
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
-    b.add_argument("what", choices=["scheduler"], help="which benchmark")
+    b.add_argument("what", choices=["scheduler", "throughput", "forward", "prefix"], help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 
@@ -212,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    if a.what == "scheduler":
-        from pagedserve.bench.scheduler_overhead import main as run
+    import importlib
 
-        run(a.rest)
+    module = {"scheduler": "scheduler_overhead"}.get(a.what, a.what)
+    importlib.import_module(f"pagedserve.bench.{module}").main(a.rest)
     return 0
 
 

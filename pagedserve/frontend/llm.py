@@ -11,7 +11,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.stats import EngineStats
 from pagedserve.frontend.tokenizer import apply_chat_template
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -144,6 +144,13 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams):
+        """Beam search with vLLM's semantics (see frontend/beam_search.py): returns one
+        BeamSearchOutput per prompt, its `sequences` best first."""
+        from pagedserve.frontend.beam_search import beam_search
+
+        return beam_search(self, prompts, params)
 
     # -- misc -------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
