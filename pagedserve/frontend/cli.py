@@ -199,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=lambda a: __import__("pagedserve.server.api_server", fromlist=["serve"]).serve(a))
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
-    b.add_argument("what", choices=["scheduler", "throughput", "forward", "prefix"], help="which benchmark")
+    b.add_argument(
+        "what", choices=["scheduler", "throughput", "forward", "prefix", "kv"], help="which benchmark"
+    )
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 

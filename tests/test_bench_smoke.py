@@ -1,0 +1,54 @@
+"""Fast smoke runs of the benchmark commands on the tiny model: they run and report sane JSON."""
+
+import json
+
+from pagedserve.bench import forward, kv, prefix, scheduler_overhead, throughput
+
+
+def last_json(capsys):
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    return [json.loads(ln) for ln in lines]
+
+
+def test_scheduler_overhead_smoke():
+    r = scheduler_overhead.measure(32, 5)
+    assert r["running_requests"] == 32 and r["total_us_per_step"] > 0
+
+
+def test_throughput_with_hf_baseline_and_plot(checkpoint, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    png = tmp_path / "t.png"
+    throughput.main(["--model", checkpoint("llama"), "--dtype", "float32", "--num-requests", "6",
+                     "--input-len", "4", "20", "--output-len", "2", "8", "--baseline", "hf-static",
+                     "--hf-batch-sizes", "1", "4", "--output-json", str(out), "--plot", str(png)])
+    (r,) = last_json(capsys)
+    assert r["pagedserve"]["requests"] == 6 and r["ratio_vs_best_baseline"] > 0
+    assert [b["batch_size"] for b in r["baseline"]] == [1, 4]
+    assert json.loads(out.read_text())["num_requests"] == 6 and png.stat().st_size > 1000
+
+
+def test_kv_sweep_smoke(checkpoint, tmp_path, capsys):
+    kv.main(["--model", checkpoint("llama"), "--dtype", "float32", "--num-requests", "8", "--input-len", "4", "40",
+             "--output-len", "2", "12", "--block-sizes", "8", "16", "--kv-tokens", "512", "--max-model-len", "256",
+             "--plot", str(tmp_path / "kv.png")])
+    (r,) = last_json(capsys)
+    for row in r["results"]:
+        assert 0 < row["paged_util_min"] <= row["paged_util_mean"] <= 1
+        assert row["contiguous_util_mean"] < row["paged_util_mean"]
+        assert row["max_concurrent_paged"] > row["max_concurrent_contiguous"]
+
+
+def test_prefix_bench_smoke(checkpoint, capsys):
+    prefix.main(["--model", checkpoint("llama"), "--dtype", "float32", "--requests", "4", "--system-len", "64",
+                 "--question-len", "8", "--output-len", "3", "--n", "3", "--n-prompts", "2", "--n-prompt-len", "40"])
+    a, b = last_json(capsys)
+    assert a["with_caching"]["prompt_tokens_computed"] < a["without_caching"]["prompt_tokens_computed"]
+    assert a["with_caching"]["prefix_cache_hit_tokens"] == 3 * 64
+    assert b["with_caching"]["prefix_cache_hit_tokens"] > 0
+
+
+def test_forward_smoke(checkpoint, capsys):
+    forward.main(["--model", checkpoint("llama"), "--dtypes", "float32", "--batches", "2", "--context", "16",
+                  "--prefill-len", "32", "--steps", "2"])
+    rows = last_json(capsys)
+    assert {r["what"] for r in rows} == {"prefill", "decode_b2"} and all(r["ratio"] > 0 for r in rows)
