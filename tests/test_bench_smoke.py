@@ -18,9 +18,31 @@ def test_scheduler_overhead_smoke():
 def test_throughput_with_hf_baseline_and_plot(checkpoint, tmp_path, capsys):
     out = tmp_path / "t.json"
     png = tmp_path / "t.png"
-    throughput.main(["--model", checkpoint("llama"), "--dtype", "float32", "--num-requests", "6",
-                     "--input-len", "4", "20", "--output-len", "2", "8", "--baseline", "hf-static",
-                     "--hf-batch-sizes", "1", "4", "--output-json", str(out), "--plot", str(png)])
+    throughput.main(
+        [
+            "--model",
+            checkpoint("llama"),
+            "--dtype",
+            "float32",
+            "--num-requests",
+            "6",
+            "--input-len",
+            "4",
+            "20",
+            "--output-len",
+            "2",
+            "8",
+            "--baseline",
+            "hf-static",
+            "--hf-batch-sizes",
+            "1",
+            "4",
+            "--output-json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     (r,) = last_json(capsys)
     assert r["pagedserve"]["requests"] == 6 and r["ratio_vs_best_baseline"] > 0
     assert [b["batch_size"] for b in r["baseline"]] == [1, 4]
@@ -28,9 +50,31 @@ def test_throughput_with_hf_baseline_and_plot(checkpoint, tmp_path, capsys):
 
 
 def test_kv_sweep_smoke(checkpoint, tmp_path, capsys):
-    kv.main(["--model", checkpoint("llama"), "--dtype", "float32", "--num-requests", "8", "--input-len", "4", "40",
-             "--output-len", "2", "12", "--block-sizes", "8", "16", "--kv-tokens", "512", "--max-model-len", "256",
-             "--plot", str(tmp_path / "kv.png")])
+    kv.main(
+        [
+            "--model",
+            checkpoint("llama"),
+            "--dtype",
+            "float32",
+            "--num-requests",
+            "8",
+            "--input-len",
+            "4",
+            "40",
+            "--output-len",
+            "2",
+            "12",
+            "--block-sizes",
+            "8",
+            "16",
+            "--kv-tokens",
+            "512",
+            "--max-model-len",
+            "256",
+            "--plot",
+            str(tmp_path / "kv.png"),
+        ]
+    )
     (r,) = last_json(capsys)
     for row in r["results"]:
         assert 0 < row["paged_util_min"] <= row["paged_util_mean"] <= 1
@@ -39,8 +83,28 @@ def test_kv_sweep_smoke(checkpoint, tmp_path, capsys):
 
 
 def test_prefix_bench_smoke(checkpoint, capsys):
-    prefix.main(["--model", checkpoint("llama"), "--dtype", "float32", "--requests", "4", "--system-len", "64",
-                 "--question-len", "8", "--output-len", "3", "--n", "3", "--n-prompts", "2", "--n-prompt-len", "40"])
+    prefix.main(
+        [
+            "--model",
+            checkpoint("llama"),
+            "--dtype",
+            "float32",
+            "--requests",
+            "4",
+            "--system-len",
+            "64",
+            "--question-len",
+            "8",
+            "--output-len",
+            "3",
+            "--n",
+            "3",
+            "--n-prompts",
+            "2",
+            "--n-prompt-len",
+            "40",
+        ]
+    )
     a, b = last_json(capsys)
     assert a["with_caching"]["prompt_tokens_computed"] < a["without_caching"]["prompt_tokens_computed"]
     assert a["with_caching"]["prefix_cache_hit_tokens"] == 3 * 64
@@ -48,7 +112,21 @@ def test_prefix_bench_smoke(checkpoint, capsys):
 
 
 def test_forward_smoke(checkpoint, capsys):
-    forward.main(["--model", checkpoint("llama"), "--dtypes", "float32", "--batches", "2", "--context", "16",
-                  "--prefill-len", "32", "--steps", "2"])
+    forward.main(
+        [
+            "--model",
+            checkpoint("llama"),
+            "--dtypes",
+            "float32",
+            "--batches",
+            "2",
+            "--context",
+            "16",
+            "--prefill-len",
+            "32",
+            "--steps",
+            "2",
+        ]
+    )
     rows = last_json(capsys)
     assert {r["what"] for r in rows} == {"prefill", "decode_b2"} and all(r["ratio"] > 0 for r in rows)

@@ -33,14 +33,31 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """`use_cpp_decode`: decode through the C++ kernel (cpu_kernels.py) when it builds; it
+    reads K/V in place through the block table instead of gathering a copy (2-3x faster)."""
+
     name = "torch"
+
+    def __init__(self, use_cpp_decode: bool = False) -> None:
+        self._cpp = None
+        if use_cpp_decode:
+            from pagedserve.executor.attention import cpu_kernels
+
+            self._cpp = cpu_kernels.load()
+            if self._cpp is not None:
+                self.name = "torch+cpp-decode"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+            if self._cpp is not None and q.device.type == "cpu":
+                out[:nd] = self._cpp.paged_decode(
+                    q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+                )
+            else:
+                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
         for r in range(nd, meta.num_reqs):
             s, e = qsl[r], qsl[r + 1]

@@ -1,0 +1,98 @@
+// Paged decode attention on the CPU: one query token per sequence, K/V read in place from
+// the paged cache through the block table (no gathered copy), GQA-aware (each K/V row is
+// read once for all query heads that share it). Parallel over (sequence, kv head).
+//
+//   q        [n, h, d]                  (float32 or bfloat16)
+//   k_cache  [num_blocks, bs, kvh, d]   (same dtype)
+//   v_cache  [num_blocks, bs, kvh, d]
+//   block_tables [n, max_blocks] int64, seq_lens [n] int64
+//   returns  [n, h, d]
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename T>
+static inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename T>
+static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* seq_lens, T* out,
+                          int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t max_blocks, float scale) {
+  const int64_t g = h / kvh;
+  at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), acc(g * d), scores;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / kvh, kh = job % kvh;
+      const int64_t L = seq_lens[i];
+      for (int64_t gi = 0; gi < g; ++gi)
+        for (int64_t x = 0; x < d; ++x) qf[gi * d + x] = to_f(q[(i * h + kh * g + gi) * d + x]) * scale;
+      scores.assign(g * L, 0.f);
+      // pass 1: scores = q . k for every cached token
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t blk = bt[i * max_blocks + t / bs];
+        const T* k = kc + ((blk * bs + t % bs) * kvh + kh) * d;
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float* qq = &qf[gi * d];
+          float s = 0.f;
+          for (int64_t x = 0; x < d; ++x) s += qq[x] * to_f(k[x]);
+          scores[gi * L + t] = s;
+        }
+      }
+      // softmax per query head
+      for (int64_t gi = 0; gi < g; ++gi) {
+        float* sc = &scores[gi * L];
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          sc[t] = std::exp(sc[t] - m);
+          sum += sc[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+      }
+      // pass 2: out = sum_t p_t * v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t blk = bt[i * max_blocks + t / bs];
+        const T* v = vc + ((blk * bs + t % bs) * kvh + kh) * d;
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float p = scores[gi * L + t];
+          float* a = &acc[gi * d];
+          for (int64_t x = 0; x < d; ++x) a[x] += p * to_f(v[x]);
+        }
+      }
+      for (int64_t gi = 0; gi < g; ++gi)
+        for (int64_t x = 0; x < d; ++x) out[(i * h + kh * g + gi) * d + x] = static_cast<T>(acc[gi * d + x]);
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [n,h,d], k_cache [nb,bs,kvh,d]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
+  auto bt = block_tables.contiguous();
+  auto sl = seq_lens.contiguous();
+  const int64_t n = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t bs = k_cache.size(1), kvh = k_cache.size(2);
+  TORCH_CHECK(h % kvh == 0 && k_cache.size(3) == d, "head shapes");
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt.data_ptr<int64_t>(),
+                         sl.data_ptr<int64_t>(), out.data_ptr<float>(), n, h, kvh, d, bs, bt.size(1), (float)scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    using B = at::BFloat16;
+    decode_kernel<B>(q.data_ptr<B>(), k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), bt.data_ptr<int64_t>(),
+                     sl.data_ptr<int64_t>(), out.data_ptr<B>(), n, h, kvh, d, bs, bt.size(1), (float)scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
