@@ -130,3 +130,36 @@ def test_forward_smoke(checkpoint, capsys):
     )
     rows = last_json(capsys)
     assert {r["what"] for r in rows} == {"prefill", "decode_b2"} and all(r["ratio"] > 0 for r in rows)
+
+
+def test_serve_bench_compares_static(checkpoint, tmp_path, capsys):
+    from pagedserve.bench import serve
+
+    serve.main(
+        [
+            "--launch",
+            checkpoint("llama"),
+            "--dtype",
+            "float32",
+            "--compare-static",
+            "--max-num-seqs",
+            "4",
+            "--num-requests",
+            "8",
+            "--request-rate",
+            "50",
+            "--input-len",
+            "4",
+            "30",
+            "--output-len",
+            "2",
+            "10",
+            "--plot",
+            str(tmp_path / "lat.png"),
+        ]
+    )
+    (r,) = last_json(capsys)
+    for mode in ("continuous", "static"):
+        run = r["runs"][mode]
+        assert run["completed"] == 8 and run["failed"] == 0 and run["ttft_s"]["p50"] > 0
+    assert r["ttft_p50_static_over_continuous"] > 0

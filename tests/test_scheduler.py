@@ -297,3 +297,28 @@ def test_random_add_step_abort_keeps_invariants(ops, block_size, num_blocks, bud
         assert outs.get(rid) == reference_output(prompt, mtok)
     assert s.kv.num_used_blocks == 0
     assert s.kv.pool.num_free_blocks == num_blocks - 1
+
+
+def test_static_scheduling_admits_a_batch_and_nothing_until_it_ends():
+    s = make_sched(num_blocks=400, max_num_batched_tokens=64, max_num_seqs=4, scheduling="static")
+    for i in range(6):
+        s.add_request(req(f"r{i}", list(range(i, i + 50)), 3 + i))
+    runner = FakeRunner()
+    so = s.schedule()
+    # four admitted at once although only 64 tokens fit in the step
+    assert s.num_running == 4 and so.num_scheduled_tokens == 64
+    outs = {}
+    for o in s.update_from_output(so, runner.execute(so)):
+        outs.setdefault(o.req_id, []).extend(o.new_token_ids)
+    admitted_at_end = []
+    while s.has_unfinished_requests():
+        so = s.schedule()
+        if {"r4", "r5"} & {x.req_id for x in so.scheduled}:
+            admitted_at_end.append(len(s.running))
+        for o in s.update_from_output(so, runner.execute(so)):
+            outs.setdefault(o.req_id, []).extend(o.new_token_ids)
+        check_invariants(s)
+    for i in range(6):
+        assert outs[f"r{i}"] == reference_output(list(range(i, i + 50)), 3 + i)
+    # r4/r5 only started once the first batch had fully finished
+    assert admitted_at_end and admitted_at_end[0] <= 2

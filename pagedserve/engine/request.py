@@ -63,6 +63,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
+        self.in_executor = False  # the executor holds state for it (set at its first scheduling)
         if not self.arrival_time:
             self.arrival_time = time.time()
 

@@ -180,15 +180,18 @@ class Scheduler:
             if new_blocks is None:
                 continue  # req itself was preempted; the list shifted under index i
             end = start + num_new
-            scheduled.append(
-                ScheduledRequest(
-                    req.request_id,
-                    toks[start:end],
-                    start,
-                    [b.block_id for b in new_blocks] if new_blocks else [],
-                    end == len(toks),
+            if req.in_executor:
+                scheduled.append(
+                    ScheduledRequest(
+                        req.request_id,
+                        toks[start:end],
+                        start,
+                        [b.block_id for b in new_blocks] if new_blocks else [],
+                        end == len(toks),
+                    )
                 )
-            )
+            else:  # admitted without tokens (static batch): first time the executor sees it
+                scheduled.append(self._first_schedule(req, start, num_new))
             scheduled_reqs.append(req)
             # Progress advances now, so that the next schedule() could run before this
             # step's results arrive (overlapped scheduling).
@@ -196,17 +199,19 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2) waiting requests, unless memory was short this step
+        # 2) waiting requests, unless memory was short this step. Static scheduling (a
+        #    benchmark baseline) admits a whole batch at once when nothing runs, even past
+        #    the token budget: its prefill then proceeds through the running loop.
         static = cfg.scheduling == "static"
         if not preempted and (not static or not self.running):
-            while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            while self.waiting and len(self.running) < cfg.max_num_seqs and (budget > 0 or static):
                 req = self.waiting.peek()
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
                 if threshold and num_new > threshold:
                     num_new = threshold
                 if num_new > budget:
-                    if not cfg.enable_chunked_prefill:
+                    if not cfg.enable_chunked_prefill and not static:
                         break
                     num_new = budget
                 new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks, num_hit)
@@ -220,22 +225,11 @@ class Scheduler:
                     req.num_cached_tokens = num_hit
                     self.num_prompt_tokens += req.num_prompt_tokens
                 self.kv.record_prefix_query(req.num_tokens, num_hit)
-                scheduled.append(
-                    ScheduledRequest(
-                        req_id=req.request_id,
-                        token_ids=req.all_token_ids[num_hit : num_hit + num_new],
-                        num_computed_tokens=num_hit,
-                        block_ids=self.kv.get_block_ids(req.request_id),
-                        sample=num_hit + num_new == req.num_tokens,
-                        is_new=True,
-                        sampling_params=req.sampling_params,
-                        prompt_token_ids=req.prompt_token_ids,
-                        output_token_ids=list(req.output_token_ids),
-                    )
-                )
-                scheduled_reqs.append(req)
-                req.num_computed_tokens = num_hit + num_new
-                budget -= num_new
+                if num_new:
+                    scheduled.append(self._first_schedule(req, num_hit, num_new))
+                    scheduled_reqs.append(req)
+                    req.num_computed_tokens = num_hit + num_new
+                    budget -= num_new
 
         total = cfg.max_num_batched_tokens - budget
         self.num_computed_tokens_total += total
@@ -246,10 +240,26 @@ class Scheduler:
         self.last_num_scheduled_tokens = total
         return SchedulerOutput(scheduled, total, finished, preempted_ids)
 
+    def _first_schedule(self, req: Request, start: int, num_new: int) -> ScheduledRequest:
+        """The executor (re)creates its state for the request from this message."""
+        req.in_executor = True
+        return ScheduledRequest(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            sample=start + num_new == req.num_tokens,
+            is_new=True,
+            sampling_params=req.sampling_params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+        )
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
+        req.in_executor = False
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1

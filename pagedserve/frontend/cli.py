@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     b.add_argument(
-        "what", choices=["scheduler", "throughput", "forward", "prefix", "kv"], help="which benchmark"
+        "what",
+        choices=["scheduler", "throughput", "forward", "prefix", "kv", "serve"],
+        help="which benchmark",
     )
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)

@@ -16,6 +16,21 @@ logger = logging.getLogger(__name__)
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
 
 
+def _cpu_tag() -> str:
+    """Built with -march=native: key the build cache by the CPU's flags, so a cache dir
+    shared by different CPUs never loads code with instructions this one lacks."""
+    import hashlib
+    import platform
+
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
 @functools.cache
 def load():
     if os.environ.get("PAGEDSERVE_NO_CPP_KERNELS"):
@@ -24,7 +39,7 @@ def load():
         from torch.utils.cpp_extension import load as build
 
         return build(
-            name="pagedserve_cpu_kernels",
+            name=f"pagedserve_cpu_kernels_{_cpu_tag()}",
             sources=[_SRC],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

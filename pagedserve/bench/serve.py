@@ -1,0 +1,226 @@
+"""Online serving benchmark: Poisson arrivals, streaming, latency percentiles.
+
+    pagedserve bench serve --url http://127.0.0.1:8000 --model NAME [--request-rate 2]
+        [--num-requests 64] [--input-len 16 512] [--output-len 16 256] [--seed 0]
+    pagedserve bench serve --launch MODEL_PATH --compare-static [--max-num-seqs 16] ...
+
+Against any OpenAI-compatible /v1/completions (prompts are token-id lists; ignore_eos and
+min_tokens make output lengths exact on servers that know vLLM's extras). --launch starts
+pagedserve in this process instead; with --compare-static it runs the same arrival
+trace twice, against continuous batching and against `--scheduling static` (a batch is
+admitted when nothing runs, and nothing joins until it has finished), and prints ratios.
+Reports TTFT, TPOT (per request), inter-token latency and end-to-end latency at
+p50/p90/p99, throughput, and goodput (requests/s meeting --slo-ttft and --slo-tpot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import threading
+import time
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    s = sorted(xs)
+
+    def q(p):
+        return round(s[min(len(s) - 1, int(p * len(s)))], 4)
+
+    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": round(sum(s) / len(s), 4)}
+
+
+async def one_request(client, url, model, prompt, out_len, t_sched, api_key) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": out_len,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "min_tokens": out_len,
+    }
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    t0 = time.perf_counter()
+    times, n_tok = [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"ok": False, "status": r.status_code}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):  # one chunk per step with new tokens (text may still be held)
+                times.append(time.perf_counter())
+                n_tok += 1
+    end = time.perf_counter()
+    if not times:
+        return {"ok": False, "status": 200}
+    itl = [b - a for a, b in zip(times, times[1:])]
+    return {
+        "ok": True,
+        "ttft": times[0] - t0,
+        "e2e": end - t0,
+        "itl": itl,
+        "chunks": n_tok,
+        "tokens": out_len,
+        "tpot": (end - times[0]) / max(out_len - 1, 1),
+        "queue_delay": t0 - t_sched,
+    }
+
+
+async def run_load(url, model, work, rate: float, seed: int, api_key=None, timeout=600) -> dict:
+    import httpx
+
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000)) as client:
+        t_start = time.perf_counter()
+        tasks, t = [], t_start
+        for prompt, out_len in work:
+            if rate != float("inf"):
+                t += rng.expovariate(rate)
+                await asyncio.sleep(max(0.0, t - time.perf_counter()))
+            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, out_len, t, api_key)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t_start
+    return {"results": results, "duration": duration}
+
+
+def summarize(load: dict, slo_ttft: float, slo_tpot: float) -> dict:
+    ok = [r for r in load["results"] if r["ok"]]
+    dur = load["duration"]
+    good = [r for r in ok if r["ttft"] <= slo_ttft and r["tpot"] <= slo_tpot]
+    return {
+        "completed": len(ok),
+        "failed": len(load["results"]) - len(ok),
+        "duration_s": round(dur, 2),
+        "request_throughput": round(len(ok) / dur, 3),
+        "output_tok_s": round(sum(r["tokens"] for r in ok) / dur, 1),
+        "goodput_req_s": round(len(good) / dur, 3),
+        "ttft_s": percentiles([r["ttft"] for r in ok]),
+        "tpot_s": percentiles([r["tpot"] for r in ok]),
+        "itl_s": percentiles([x for r in ok for x in r["itl"]]),
+        "e2e_s": percentiles([r["e2e"] for r in ok]),
+    }
+
+
+class LocalServer:
+    """pagedserve in this process (a uvicorn thread) on a free loopback port."""
+
+    def __init__(self, model: str, scheduling: str, **llm_kw) -> None:
+        import socket
+
+        import uvicorn
+
+        from pagedserve import LLM
+        from pagedserve.engine.async_engine import AsyncLLM
+        from pagedserve.server.api_server import build_app
+
+        self.llm = LLM(model, scheduling=scheduling, **llm_kw)
+        app = build_app(AsyncLLM(self.llm.engine), "bench")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def plot(runs: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, load in runs.items():
+        ok = [r for r in load["results"] if r["ok"]]
+        for ax, key in zip(axes, ("ttft", "e2e")):
+            xs = sorted(r[key] for r in ok)
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+    for ax, title in zip(axes, ("time to first token", "end-to-end latency")):
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"CDF of {title}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None)
+    ap.add_argument("--model", default=None, help="model name sent to --url")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--launch", default=None, help="start pagedserve in-process with this model")
+    ap.add_argument("--compare-static", action="store_true")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once"
+    )
+    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 512])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 256])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-ttft", type=float, default=2.0)
+    ap.add_argument("--slo-tpot", type=float, default=0.2)
+    ap.add_argument("--output-json", default=None)
+    ap.add_argument("--plot", default=None)
+    a = ap.parse_args(argv)
+    if not a.url and not a.launch:
+        ap.error("give --url (a running server) or --launch MODEL")
+    rng = random.Random(a.seed)
+    vocab = 1000
+    if a.launch:
+        from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
+
+        vocab = load_hf_config_dict(resolve_model_path(a.launch))["vocab_size"]
+    work = [
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(*a.input_len))], rng.randint(*a.output_len))
+        for _ in range(a.num_requests)
+    ]
+    runs = {}
+    if a.url:
+        runs["server"] = asyncio.run(run_load(a.url, a.model, work, a.request_rate, a.seed, a.api_key))
+    else:
+        modes = ["continuous", "static"] if a.compare_static else ["continuous"]
+        for mode in modes:
+            srv = LocalServer(a.launch, mode, dtype=a.dtype, max_num_seqs=a.max_num_seqs)
+            try:
+                runs[mode] = asyncio.run(run_load(srv.url, "bench", work, a.request_rate, a.seed))
+            finally:
+                srv.stop()
+    out = {
+        "bench": "serve",
+        "request_rate": a.request_rate,
+        "num_requests": a.num_requests,
+        "max_num_seqs": a.max_num_seqs,
+        "runs": {k: summarize(v, a.slo_ttft, a.slo_tpot) for k, v in runs.items()},
+    }
+    if "static" in out["runs"]:
+        c, s = out["runs"]["continuous"], out["runs"]["static"]
+        out["ttft_p50_static_over_continuous"] = round(s["ttft_s"]["p50"] / c["ttft_s"]["p50"], 2)
+        out["throughput_continuous_over_static"] = round(c["output_tok_s"] / s["output_tok_s"], 2)
+    print(json.dumps(out), flush=True)
+    if a.output_json:
+        with open(a.output_json, "w") as f:
+            f.write(json.dumps(out) + "\n")
+    if a.plot:
+        plot(runs, a.plot)
+
+
+if __name__ == "__main__":
+    main()
