@@ -1,0 +1,288 @@
+"""Triton attention backend (the GPU path), same contract as the PyTorch backend.
+
+Kernels:
+  * write_kv: scatter the step's K/V rows into their cache slots (slot_mapping).
+  * decode: one query token per sequence, split-K over the context (flash-decoding): grid
+    (sequence, kv head, partition); each program walks its partition's tokens through the
+    block table, keeps an online softmax for the `group` query heads that share the KV
+    head (GQA: each K/V row is read once), and writes a partial (max, sum, acc); a second
+    kernel merges the partitions. Partitions past a sequence's length exit at once, so
+    the grid can be fixed (CUDA graphs).
+  * prefill: chunks over a cached prefix, flash-attention style with tl.dot (tensor
+    cores): grid (query block, query head, sequence); keys come from the paged cache (the
+    chunk's own K/V were written first), with the causal mask offset by the context length.
+Keys are addressed per token (block_table[pos // bs] * bs + pos % bs), so any block size
+works with any tile size. Checked on the CPU under TRITON_INTERPRET=1 against the
+PyTorch backend (tests/test_triton_backend.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.executor.attention.backend import AttentionBackend, AttentionMetadata
+
+PARTITION = 256  # context tokens per decode program
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    offs = tl.arange(0, BLOCK)
+    m = offs < ROW
+    tl.store(kc_ptr + slot * ROW + offs, tl.load(k_ptr + t * ROW + offs, mask=m), mask=m)
+    tl.store(vc_ptr + slot * ROW + offs, tl.load(v_ptr + t * ROW + offs, mask=m), mask=m)
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    scale,
+    max_blocks,
+    num_parts,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PART: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * PART
+    if start < seq_len:
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
+        gm = g < G
+        q = tl.load(q_ptr + (seq * H + kvh * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+        q = q.to(tl.float32) * scale
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        end = tl.minimum(start + PART, seq_len)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pm = pos < end
+            blk = tl.load(bt_ptr + seq * max_blocks + pos // BS, mask=pm, other=0)
+            row = ((blk * BS + pos % BS) * KVH + kvh) * D
+            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
+            s = tl.where(pm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        base = (seq * H + kvh * G + g) * num_parts + part
+        tl.store(m_ptr + base, m_i, mask=gm)
+        tl.store(l_ptr + base, l_i, mask=gm)
+        tl.store(acc_ptr + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    num_parts,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    PART: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    used = tl.cdiv(tl.load(seq_lens_ptr + seq), PART)
+    p = tl.arange(0, BLOCK_P)
+    pm = p < used
+    base = (seq * H + h) * num_parts + p
+    m = tl.load(m_ptr + base, mask=pm, other=float("-inf"))
+    l = tl.load(l_ptr + base, mask=pm, other=0.0)
+    d = tl.arange(0, D)
+    acc = tl.load(acc_ptr + base[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(pm, tl.exp(m - m_all), 0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + (seq * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    out_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    scale,
+    max_blocks,
+    first_req,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    mblk = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.program_id(2) + first_req
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    if mblk * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + r)
+        ctx = seq_len - q_len
+        kvh = h // (H // KVH)
+        i = mblk * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+        im = i < q_len
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + ((q_start + i) * H + h)[:, None] * D + d[None, :], mask=im[:, None], other=0.0)
+        qpos = ctx + i
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        hi = tl.minimum(seq_len, ctx + (mblk + 1) * BLOCK_M)  # causal: no key after the last query
+        for n0 in range(0, hi, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pm = pos < hi
+            blk = tl.load(bt_ptr + r * max_blocks + pos // BS, mask=pm, other=0)
+            row = ((blk * BS + pos % BS) * KVH + kvh) * D
+            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0)
+            if IEEE:  # exact float32 (no tf32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            ok = pm[None, :] & (pos[None, :] <= qpos[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + ((q_start + i) * H + h)[:, None] * D + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=im[:, None],
+        )
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, block_m: int = 16, block_n: int = 32) -> None:
+        self.block_m, self.block_n = block_m, block_n
+
+    def write_kv(self, k, v, k_cache, v_cache, slots) -> None:
+        t, kvh, d = k.shape
+        _write_kv_kernel[(t,)](
+            k.contiguous(), v.contiguous(), k_cache, v_cache, slots, ROW=kvh * d, BLOCK=_pow2(kvh * d)
+        )
+
+    def decode(
+        self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int, scale: float
+    ) -> torch.Tensor:
+        """q [n, h, d] -> [n, h, d]. The grid depends only on n and max_seq_len (fixed for a
+        captured CUDA graph: pass the largest length the graph serves)."""
+        n, h, d = q.shape
+        _, bs, kvh, _ = k_cache.shape
+        g = h // kvh
+        parts = max(1, triton.cdiv(max_seq_len, PARTITION))
+        m = torch.empty(n, h, parts, device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        acc = torch.empty(n, h, parts, d, device=q.device, dtype=torch.float32)
+        _decode_partial_kernel[(n, kvh, parts)](
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            m,
+            l,
+            acc,
+            scale,
+            block_tables.shape[1],
+            parts,
+            H=h,
+            KVH=kvh,
+            D=d,
+            BS=bs,
+            G=g,
+            BLOCK_G=max(2, _pow2(g)),
+            BLOCK_N=self.block_n,
+            PART=PARTITION,
+        )
+        out = torch.empty_like(q)
+        _decode_reduce_kernel[(n, h)](
+            m, l, acc, seq_lens, out, parts, H=h, D=d, PART=PARTITION, BLOCK_P=max(2, _pow2(parts))
+        )
+        return out
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self.decode(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                meta.max_decode_seq_len,
+                scale,
+            )
+        n_pre = meta.num_reqs - nd
+        if n_pre:
+            h, d = q.shape[1], q.shape[2]
+            _, bs, kvh, _ = k_cache.shape
+            grid = (triton.cdiv(meta.max_query_len, self.block_m), h, n_pre)
+            _prefill_kernel[grid](
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                out,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                scale,
+                meta.block_tables.shape[1],
+                nd,
+                H=h,
+                KVH=kvh,
+                D=d,
+                BS=bs,
+                BLOCK_M=self.block_m,
+                BLOCK_N=self.block_n,
+                IEEE=q.dtype == torch.float32,
+            )
+        return out
