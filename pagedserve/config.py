@@ -69,8 +69,11 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights + activations + KV
 
     def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -86,6 +89,8 @@ class ModelLoadConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
+    load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights, for benchmarks)
+    enforce_eager: bool = False  # GPU: no CUDA graphs
 
 
 @dataclass

@@ -163,3 +163,15 @@ def test_serve_bench_compares_static(checkpoint, tmp_path, capsys):
         run = r["runs"][mode]
         assert run["completed"] == 8 and run["failed"] == 0 and run["ttft_s"]["p50"] > 0
     assert r["ttft_p50_static_over_continuous"] > 0
+
+
+def test_gpu_bench_script_smoke(tmp_path):
+    """benchmarks/gpu_bench.py (run for real by benchmarks/gpu_check.sh on a GPU) at tiny shapes."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.json"
+    subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--smoke", "--ctx", "32", "--steps", "2",
+                    "--out", str(out)], check=True, timeout=300, capture_output=True)
+    r = json.loads(out.read_text())
+    assert {row["what"] for row in r["runs"]} == {"decode", "prefill"} and r["params"] > 0

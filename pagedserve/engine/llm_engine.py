@@ -58,11 +58,19 @@ class LLMEngine:
         sc = config.scheduler = config.scheduler.resolved(limit)
         t0 = time.perf_counter()
         self.executor = executor or UniProcExecutor(
-            self.model_path, self.model_config, mc.dtype, self.device, mc.seed
+            self.model_path,
+            self.model_config,
+            mc.dtype,
+            self.device,
+            mc.seed,
+            mc.load_format,
+            mc.enforce_eager,
         )
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()
         self.executor.initialize_kv_cache(self.num_blocks, config.cache.block_size)
+        if self.device.startswith("cuda"):
+            self.executor.capture_cuda_graphs(sc.max_num_seqs, sc.max_model_len)
         self.scheduler = Scheduler(sc, config.cache, self.num_blocks)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_path, self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -84,6 +92,11 @@ class LLMEngine:
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
         per_block = self.executor.kv_bytes_per_block(cc.block_size)
+        if cc.kv_cache_memory_bytes is None and self.device.startswith("cuda"):
+            n = self.executor.profile_num_kv_blocks(
+                cc.gpu_memory_utilization, sc.max_num_batched_tokens, cc.block_size
+            )
+            return int(min(n, sc.max_num_seqs * cdiv(sc.max_model_len, cc.block_size) + 1))
         budget = cc.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
         n = budget // per_block
         if n < 2:

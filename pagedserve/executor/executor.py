@@ -32,12 +32,27 @@ class Executor(ABC):
 
 class UniProcExecutor(Executor):
     def __init__(
-        self, model_path: str, model_config: ModelConfig, dtype: str, device: str, seed: int
+        self,
+        model_path: str,
+        model_config: ModelConfig,
+        dtype: str,
+        device: str,
+        seed: int,
+        load_format: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         from pagedserve.executor.model_runner import ModelRunner
 
         self.model_config = model_config
-        self.runner = ModelRunner(model_path, model_config, dtype=dtype, device=device, seed=seed)
+        self.runner = ModelRunner(
+            model_path,
+            model_config,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            load_format=load_format,
+            enforce_eager=enforce_eager,
+        )
         self.dtype = self.runner.dtype
         self.device = self.runner.device
 
@@ -49,3 +64,11 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def profile_num_kv_blocks(
+        self, gpu_memory_utilization: float, max_num_batched_tokens: int, block_size: int
+    ) -> int:
+        return self.runner.profile_num_kv_blocks(gpu_memory_utilization, max_num_batched_tokens, block_size)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)

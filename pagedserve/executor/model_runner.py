@@ -86,13 +86,17 @@ class ModelRunner:
         device: str = "cpu",
         seed: int = 0,
         attention_backend: str = "auto",
+        load_format: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, model_config, self.device)
         self.backend = get_attention_backend(attention_backend, self.device.type)
         torch.manual_seed(seed)
-        self.model = build_model(model_path, model_config, self.dtype, self.device, self.backend)
+        self.model = build_model(model_path, model_config, self.dtype, self.device, self.backend, load_format)
+        self.enforce_eager = enforce_eager
+        self.graph_runner = None
         self.sampler = Sampler(seed, self.device)
         self.requests: dict[str, RequestState] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -116,6 +120,61 @@ class ModelRunner:
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.block_size = block_size
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(c.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def profile_num_kv_blocks(
+        self, gpu_memory_utilization: float, max_num_batched_tokens: int, block_size: int
+    ) -> int:
+        """GPU: how many KV blocks fit under gpu_memory_utilization of the device's memory
+        after the weights and the activations of a max_num_batched_tokens forward."""
+        from pagedserve.engine.messages import ScheduledRequest
+
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = max_num_batched_tokens
+        nb = -(-n // block_size) + 1
+        self.initialize_kv_cache(nb, block_size)
+        scratch = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        toks = [0] * n
+        req = ScheduledRequest(
+            "__profile__", toks, 0, list(range(1, nb)), True, True, SamplingParams(max_tokens=1), toks, []
+        )
+        self.execute_model(SchedulerOutput([req], n))
+        self.requests.pop("__profile__", None)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - scratch
+        free, total = torch.cuda.mem_get_info()
+        others = (total - free) - torch.cuda.memory_reserved()  # CUDA context, other processes
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        budget = total * gpu_memory_utilization - peak - max(others, 0)
+        blocks = int(budget // self.kv_bytes_per_block(block_size))
+        logger.info(
+            "KV cache: %.1f GiB for %d blocks (peak activations+weights %.1f GiB of %.1f GiB)",
+            budget / 2**30,
+            blocks,
+            peak / 2**30,
+            total / 2**30,
+        )
+        if blocks < 2:
+            raise ValueError(
+                f"no memory left for the KV cache at gpu_memory_utilization={gpu_memory_utilization}"
+            )
+        return blocks
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Decode-only steps replay CUDA graphs (Triton backend on CUDA, unless enforce_eager)."""
+        if self.enforce_eager or self.device.type != "cuda" or self.backend.name != "triton":
+            return
+        from pagedserve.executor.cuda_graphs import CudaGraphRunner, capture_sizes
+
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graph_runner = CudaGraphRunner(
+            self.model, self.kv_caches, capture_sizes(max_num_seqs), max_blocks, max_model_len, self.device
+        )
+        self.graph_runner.capture()
 
     def _zeros(self, shape) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -192,16 +251,24 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         inp = self.prepare_inputs(so)
         order, states, cu, dev = inp.order, inp.states, inp.cu, self.device
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        rows = [i for i, sr in enumerate(order) if sr.sample]
+        # host -> device copies of sampling settings go before the forward (no sync after it)
+        sample_states = [states[i] for i in rows]
+        batch = self._sampling_batch(sample_states) if rows else None
+        hidden = None
+        if self.graph_runner is not None and inp.meta.num_decodes == inp.meta.num_reqs:
+            m = inp.meta
+            hidden = self.graph_runner.run(
+                inp.input_ids, inp.positions, m.slot_mapping, m.block_tables, m.seq_lens
+            )
+        if hidden is None:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
 
         out = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(order, states, cu, hidden, out)
-        rows = [i for i, sr in enumerate(order) if sr.sample]
         if not rows:
             return out
-        sample_states = [states[i] for i in rows]
         logits = self.model.compute_logits(hidden[torch.from_numpy(cu[1:][rows] - 1).to(dev)])
-        batch = self._sampling_batch(sample_states)
         res = self.sampler(logits, batch)
         sampled = res.sampled.tolist()
         for j, i in enumerate(rows):

@@ -39,12 +39,16 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
         scheduling: str = "continuous",
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        load_format: str = "auto",
     ) -> None:
         cache = CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -56,7 +60,15 @@ class LLM:
             scheduling=scheduling,
         )
         cfg = EngineConfig(
-            model=ModelLoadConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed),
+            model=ModelLoadConfig(
+                model=model,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                load_format=load_format,
+                enforce_eager=enforce_eager,
+            ),
             cache=cache,
             scheduler=sched,
         )

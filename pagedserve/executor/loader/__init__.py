@@ -59,12 +59,20 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(
-    path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+    path: str,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    load_format: str = "auto",
 ):
-    """Construct the model without initialising weights, then load the checkpoint into it."""
+    """Construct the model without initialising weights, then load the checkpoint into it.
+    load_format="dummy": random weights made on the device (benchmarks of large shapes)."""
     from pagedserve.executor.models import get_model_class
     from pagedserve.executor.models.llama import rope_inv_freq
 
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}.")
     cls = get_model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, backend)
@@ -73,5 +81,13 @@ def build_model(
         model.lm_head.weight = model.embed_tokens.weight
     # buffers are not in the checkpoint; inv_freq stays float32 as in transformers
     model.rotary.inv_freq = rope_inv_freq(cfg).to(device)
-    model.load_weights(iterate_weights(path))
+    if load_format == "dummy":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+    else:
+        model.load_weights(iterate_weights(path))
     return model.eval()
