@@ -171,7 +171,21 @@ def test_gpu_bench_script_smoke(tmp_path):
     import sys
 
     out = tmp_path / "gpu.json"
-    subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--smoke", "--ctx", "32", "--steps", "2",
-                    "--out", str(out)], check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gpu_bench.py",
+            "--smoke",
+            "--ctx",
+            "32",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     r = json.loads(out.read_text())
     assert {row["what"] for row in r["runs"]} == {"decode", "prefill"} and r["params"] > 0

@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 
-from pagedserve.bench.throughput import make_workload
+from pagedserve.bench.workload import add_workload_args, make_workload
 
 
 def run_block_size(a, bs: int, work) -> dict:
@@ -132,11 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-requests", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 512])
-    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 256])
-    ap.add_argument("--dataset", default=None)
+    add_workload_args(ap)
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--kv-tokens", type=int, default=65536, help="KV cache size in token slots")
     ap.add_argument("--max-model-len", type=int, default=2048)

@@ -22,6 +22,8 @@ import random
 import threading
 import time
 
+from pagedserve.bench.workload import make_workload
+
 
 def percentiles(xs: list[float]) -> dict:
     if not xs:
@@ -182,16 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if not a.url and not a.launch:
         ap.error("give --url (a running server) or --launch MODEL")
-    rng = random.Random(a.seed)
     vocab = 1000
     if a.launch:
         from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
 
         vocab = load_hf_config_dict(resolve_model_path(a.launch))["vocab_size"]
-    work = [
-        ([rng.randrange(100, vocab) for _ in range(rng.randint(*a.input_len))], rng.randint(*a.output_len))
-        for _ in range(a.num_requests)
-    ]
+    work = make_workload(a, vocab)
     runs = {}
     if a.url:
         runs["server"] = asyncio.run(run_load(a.url, a.model, work, a.request_rate, a.seed, a.api_key))
