@@ -170,13 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compare-static", action="store_true")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--num-requests", type=int, default=64)
+    add_workload_args(ap, num_requests=64)
     ap.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once"
     )
-    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 512])
-    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 256])
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-tpot", type=float, default=0.2)
     ap.add_argument("--output-json", default=None)
