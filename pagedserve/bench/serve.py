@@ -22,7 +22,7 @@ import random
 import threading
 import time
 
-from pagedserve.bench.workload import make_workload
+from pagedserve.bench.workload import add_workload_args, make_workload
 
 
 def percentiles(xs: list[float]) -> dict:
