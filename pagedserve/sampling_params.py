@@ -107,11 +107,6 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def clone(self, **changes) -> SamplingParams:
-        from dataclasses import replace
-
-        return replace(self, **changes)
-
 
 @dataclass
 class BeamSearchParams:

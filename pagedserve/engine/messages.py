@@ -44,10 +44,6 @@ class SchedulerOutput:
     # as is_new (the executor may keep what survives preemption, e.g. a seeded generator).
     preempted_req_ids: set[str] = field(default_factory=set)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 @dataclass(slots=True)
 class Logprob:

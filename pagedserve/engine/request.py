@@ -78,11 +78,3 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished

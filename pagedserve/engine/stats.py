@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -27,8 +27,3 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
-        return d
