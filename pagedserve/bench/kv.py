@@ -64,14 +64,16 @@ def run_block_size(a, bs: int, work) -> dict:
         stored = sched.kv_stored_tokens()
         running = sched.num_running
         max_running = max(max_running, running)
+        if not used:
+            continue  # nothing allocated (the last step): no utilization to speak of
         trace.append(
             {
                 "t": round(time.perf_counter() - t0, 3),
                 "used_blocks": used,
                 "stored": stored,
                 "running": running,
-                "paged_util": stored / (used * bs) if used else 1.0,
-                "contig_util": stored / (running * max_len) if running else 1.0,
+                "paged_util": stored / (used * bs),
+                "contig_util": stored / (running * max_len),
                 "fill": used / sched.kv.num_total_blocks,
             }
         )
@@ -81,10 +83,11 @@ def run_block_size(a, bs: int, work) -> dict:
     return {
         "block_size": bs,
         "kv_token_slots": (num_blocks - 1) * bs,
-        "paged_util_min": round(min(x["paged_util"] for x in trace if x["used_blocks"]), 4),
+        "paged_util_min": round(min(x["paged_util"] for x in trace), 4),
         "paged_util_mean": round(sum(x["paged_util"] for x in trace) / len(trace), 4),
         "paged_util_mean_when_over_half_full": round(sum(x["paged_util"] for x in busy) / len(busy), 4),
         "contiguous_util_mean": round(sum(x["contig_util"] for x in trace) / len(trace), 4),
+        "max_fill": round(max(x["fill"] for x in trace), 3),  # the "over half full" mean needs > 0.5
         "max_concurrent_paged": max_running,
         "max_concurrent_contiguous": (num_blocks - 1) * bs // max_len,
         "preemptions": sched.num_preemptions,
