@@ -34,6 +34,7 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30  # committed lazily: RSS grows only as blocks fill
+MAX_LOGPROBS = 20  # top logprobs a request may ask for (vLLM's default max_logprobs)
 
 
 def resolve_device(device: str) -> str:
@@ -164,8 +165,12 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
         if params.max_tokens == 0 and params.prompt_logprobs is None:
             raise ValueError("max_tokens must be >= 1 unless prompt_logprobs are requested.")
-        if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:
-            raise ValueError(f"logprobs must be <= vocab size {self.model_config.vocab_size}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > min(MAX_LOGPROBS, self.model_config.vocab_size):
+                raise ValueError(
+                    f"{name} must be <= {min(MAX_LOGPROBS, self.model_config.vocab_size)}, got {k}."
+                )
         params = replace(params, _eos_token_ids=self.eos_token_ids)
         arrival = arrival_time or time.time()
         children = []

@@ -196,7 +196,7 @@ class ModelRunner:
                 gen = self._generators.get(sr.req_id)  # survives preemption: seeds stay exact
                 if gen is None and params.seed is not None:
                     gen = self._generators[sr.req_id] = torch.Generator(device=self.device)
-                    gen.manual_seed(params.seed)
+                    gen.manual_seed(params.seed % 2**63)  # any int64 (or larger) seed
                 self.requests[sr.req_id] = RequestState(
                     list(sr.prompt_token_ids), list(sr.output_token_ids), params, list(sr.block_ids), gen
                 )
@@ -283,7 +283,9 @@ class ModelRunner:
         dev = self.device
         ps = [s.params for s in states]
         b = SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+            temperature=torch.tensor(
+                [0.0 if p.greedy else p.temperature for p in ps], dtype=torch.float32, device=dev
+            )
         )
         if any(p.top_k > 0 for p in ps):
             b.top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev)
