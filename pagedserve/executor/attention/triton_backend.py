@@ -28,6 +28,14 @@ PARTITION = 256  # context tokens per decode program
 
 
 @triton.jit
+def _kv_row_offsets(table_ptr, pos, mask, kvh, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    """Element offsets of the K/V rows (one per token position) of KV head `kvh`, found
+    through a sequence's block table: block_table[pos // BS] * BS + pos % BS is the slot."""
+    blk = tl.load(table_ptr + pos // BS, mask=mask, other=0)
+    return ((blk * BS + pos % BS) * KVH + kvh) * D
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -77,8 +85,7 @@ def _decode_partial_kernel(
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pm = pos < end
-            blk = tl.load(bt_ptr + seq * max_blocks + pos // BS, mask=pm, other=0)
-            row = ((blk * BS + pos % BS) * KVH + kvh) * D
+            row = _kv_row_offsets(bt_ptr + seq * max_blocks, pos, pm, kvh, KVH, D, BS)
             k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
             s = tl.where(pm[None, :], s, float("-inf"))
@@ -165,8 +172,7 @@ def _prefill_kernel(
         for n0 in range(0, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pm = pos < hi
-            blk = tl.load(bt_ptr + r * max_blocks + pos // BS, mask=pm, other=0)
-            row = ((blk * BS + pos % BS) * KVH + kvh) * D
+            row = _kv_row_offsets(bt_ptr + r * max_blocks, pos, pm, kvh, KVH, D, BS)
             k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0)
             if IEEE:  # exact float32 (no tf32)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
