@@ -14,6 +14,7 @@ import json
 import time
 
 from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.engine.llm_engine import freeze_startup_objects
 from pagedserve.engine.messages import ModelRunnerOutput
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
@@ -32,6 +33,7 @@ def measure(num_reqs: int, steps: int, block_size: int = 16, prompt_len: int = 6
         CacheConfig(block_size=block_size),
         need_blocks,
     )
+    freeze_startup_objects()  # as LLMEngine does once it has started
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_reqs):
         prompt = [(i * 31 + j) % 30000 for j in range(prompt_len)]
