@@ -1,6 +1,6 @@
 // Paged decode attention on the CPU: one query token per sequence, K/V read in place from
 // the paged cache through the block table (no gathered copy), GQA-aware (each K/V row is
-// read once for all query heads that share it). Parallel over (sequence, kv head).
+// read once for all query heads that share it). Parallel over sequences.
 //
 //   q        [n, h, d]                  (float32 or bfloat16)
 //   k_cache  [num_blocks, bs, kvh, d]   (same dtype)
@@ -21,29 +21,32 @@ static inline float to_f(T x) { return static_cast<float>(x); }
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* seq_lens, T* out,
                           int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t max_blocks, float scale) {
+  // One job per sequence, all heads together: a token's K (and V) rows for every KV head
+  // are contiguous in the cache ([.., kvh, d]), so each job streams through memory in order.
   const int64_t g = h / kvh;
-  at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * d), acc(g * d), scores;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = job / kvh, kh = job % kvh;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(h * d), acc(h * d), scores;
+    for (int64_t i = begin; i < end; ++i) {
       const int64_t L = seq_lens[i];
-      for (int64_t gi = 0; gi < g; ++gi)
-        for (int64_t x = 0; x < d; ++x) qf[gi * d + x] = to_f(q[(i * h + kh * g + gi) * d + x]) * scale;
-      scores.assign(g * L, 0.f);
-      // pass 1: scores = q . k for every cached token
+      for (int64_t x = 0; x < h * d; ++x) qf[x] = to_f(q[i * h * d + x]) * scale;
+      scores.assign(h * L, 0.f);
+      // pass 1: scores[head, t] = q[head] . k[t, head / g]
       for (int64_t t = 0; t < L; ++t) {
         const int64_t blk = bt[i * max_blocks + t / bs];
-        const T* k = kc + ((blk * bs + t % bs) * kvh + kh) * d;
-        for (int64_t gi = 0; gi < g; ++gi) {
-          const float* qq = &qf[gi * d];
-          float s = 0.f;
-          for (int64_t x = 0; x < d; ++x) s += qq[x] * to_f(k[x]);
-          scores[gi * L + t] = s;
+        const T* krow = kc + (blk * bs + t % bs) * kvh * d;
+        for (int64_t kh = 0; kh < kvh; ++kh) {
+          const T* k = krow + kh * d;
+          for (int64_t gi = 0; gi < g; ++gi) {
+            const float* qq = &qf[(kh * g + gi) * d];
+            float s = 0.f;
+            for (int64_t x = 0; x < d; ++x) s += qq[x] * to_f(k[x]);
+            scores[(kh * g + gi) * L + t] = s;
+          }
         }
       }
       // softmax per query head
-      for (int64_t gi = 0; gi < g; ++gi) {
-        float* sc = &scores[gi * L];
+      for (int64_t hh = 0; hh < h; ++hh) {
+        float* sc = &scores[hh * L];
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
         float sum = 0.f;
@@ -54,19 +57,21 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
       }
-      // pass 2: out = sum_t p_t * v_t
+      // pass 2: out[head] = sum_t p[head, t] * v[t, head / g]
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const int64_t blk = bt[i * max_blocks + t / bs];
-        const T* v = vc + ((blk * bs + t % bs) * kvh + kh) * d;
-        for (int64_t gi = 0; gi < g; ++gi) {
-          const float p = scores[gi * L + t];
-          float* a = &acc[gi * d];
-          for (int64_t x = 0; x < d; ++x) a[x] += p * to_f(v[x]);
+        const T* vrow = vc + (blk * bs + t % bs) * kvh * d;
+        for (int64_t kh = 0; kh < kvh; ++kh) {
+          const T* v = vrow + kh * d;
+          for (int64_t gi = 0; gi < g; ++gi) {
+            const float p = scores[(kh * g + gi) * L + t];
+            float* a = &acc[(kh * g + gi) * d];
+            for (int64_t x = 0; x < d; ++x) a[x] += p * to_f(v[x]);
+          }
         }
       }
-      for (int64_t gi = 0; gi < g; ++gi)
-        for (int64_t x = 0; x < d; ++x) out[(i * h + kh * g + gi) * d + x] = static_cast<T>(acc[gi * d + x]);
+      for (int64_t x = 0; x < h * d; ++x) out[i * h * d + x] = static_cast<T>(acc[x]);
     }
   });
 }
