@@ -30,11 +30,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+ENGINE_KW = dict(dtype="float32", num_kv_blocks=400, max_model_len=512)
+
+
 class Server:
+    """The engine belongs to the server's engine thread from here on: tests read it only
+    through HTTP or the published stats snapshot, and use a separate offline LLM for
+    reference outputs."""
+
     def __init__(self, model_dir, **app_kw):
         import uvicorn
 
-        self.llm = LLM(model_dir, dtype="float32", num_kv_blocks=400, max_model_len=512)
+        self.llm = LLM(model_dir, **ENGINE_KW)
         self.async_llm = AsyncLLM(self.llm.engine)
         app = build_app(self.async_llm, MODEL, **app_kw)
         self.port = free_port()
@@ -59,6 +66,12 @@ def server(checkpoint):
     s = Server(checkpoint("llama"))
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint):
+    """A separate engine with the server's settings, for reference outputs."""
+    return LLM(checkpoint("llama"), **ENGINE_KW)
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +109,12 @@ def test_models_health_metrics(server):
         assert f"pagedserve:{name}" in text, name
 
 
-def test_completion_matches_offline_and_stream_equals_non_stream(server, client):
+def test_completion_matches_offline_and_stream_equals_non_stream(server, client, offline):
     prompt = "The quick brown fox"
     r = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
     )
-    ref = server.llm.generate(
+    ref = offline.generate(
         prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False
     )
     assert r.choices[0].text == ref[0].outputs[0].text
@@ -140,7 +153,7 @@ def test_chat_stream_and_n(client):
     assert sorted(c.index for c in r3.choices) == [0, 1]
 
 
-def test_logprobs_and_echo_for_loglikelihood(server, client):
+def test_logprobs_and_echo_for_loglikelihood(client, offline):
     r = client.completions.create(model=MODEL, prompt="The quick", max_tokens=4, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(len(t) == 3 for t in lp.top_logprobs)
@@ -150,7 +163,7 @@ def test_logprobs_and_echo_for_loglikelihood(server, client):
     )
     c = e.choices[0]
     assert c.text == "The quick brown fox"
-    n = len(server.llm.get_tokenizer().encode("The quick brown fox"))
+    n = len(offline.get_tokenizer().encode("The quick brown fox"))
     assert len(c.logprobs.tokens) == n and c.logprobs.token_logprobs[0] is None
     assert all(v is not None and v <= 0 for v in c.logprobs.token_logprobs[1:])
     ch = client.chat.completions.create(
@@ -206,7 +219,7 @@ def test_malformed_json_unknown_model_oversize(server):
     assert r.status_code == 413
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": "hello"})
     assert r.status_code == 400
-    assert server.llm.get_stats().kv_blocks_used == 0
+    assert metric(server.url, "pagedserve:kv_blocks_used") == 0
 
 
 def test_api_key_and_queue_limit(checkpoint):
@@ -258,9 +271,9 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert metric(server.url, "pagedserve:generation_tokens_total") - before < 500
 
 
-def test_32_concurrent_streams_match_offline(server):
+def test_32_concurrent_streams_match_offline(server, offline):
     prompts = [f"Request number {i}: the quick brown fox" for i in range(32)]
-    refs = server.llm.generate(
+    refs = offline.generate(
         prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False
     )
 
@@ -356,4 +369,9 @@ def test_schemathesis_finds_no_server_errors(server):
         check_operation(result.ok())
     assert failures == []
     assert httpx.get(server.url + "/health").status_code == 200
-    assert server.llm.get_stats().kv_blocks_used == 0
+    assert metric(server.url, "pagedserve:kv_blocks_used") == 0
+
+
+def test_served_engine_refuses_other_threads(server):
+    with pytest.raises(RuntimeError, match="AsyncLLM"):
+        server.llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)

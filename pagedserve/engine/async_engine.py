@@ -126,6 +126,7 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         engine = self.engine
+        engine.owner_thread = threading.get_ident()
         try:
             while True:
                 with self._wake:

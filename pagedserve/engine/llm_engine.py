@@ -13,6 +13,7 @@ import gc
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -92,6 +93,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_path, self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.owner_thread: int | None = None  # set by AsyncLLM: only that thread may drive the engine
         freeze_startup_objects()
         logger.info(
             "pagedserve engine: %s (%s, %s) on %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -169,6 +171,7 @@ class LLMEngine:
         child requests "<id>#<i>" that share the prompt's full blocks through the prefix
         cache (the partial last block is not shared: each child writes its own, vLLM's
         choice, so no copy-on-write is ever needed)."""
+        self._check_thread()
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.parents:
@@ -234,7 +237,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # -- the loop -------------------------------------------------------------------
+    def _check_thread(self) -> None:
+        if self.owner_thread is not None and threading.get_ident() != self.owner_thread:
+            raise RuntimeError(
+                "this engine is driven by an AsyncLLM (a server) thread; use a separate LLM for offline work"
+            )
+
     def step(self) -> list[RequestOutput]:
+        self._check_thread()
         so = self.scheduler.schedule()
         if so.scheduled:
             ro = self.executor.execute_model(so)
