@@ -41,6 +41,7 @@ class ParentState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     num_finished: int = 0
+    child_ids: list[str] = field(default_factory=list)  # the scheduler's request ids, one per seq
 
     @property
     def finished(self) -> bool:
@@ -55,18 +56,21 @@ class OutputProcessor:
 
     def add_request(self, parent: ParentState, child_ids: list[str]) -> None:
         self.parents[parent.request_id] = parent
+        parent.child_ids = list(child_ids)
         for cid, seq in zip(child_ids, parent.seqs):
             self.child_to_seq[cid] = (parent, seq)
         if parent.params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
 
     def child_ids_of(self, request_id: str) -> list[str]:
-        return [cid for cid, (p, _) in self.child_to_seq.items() if p.request_id == request_id]
+        parent = self.parents.get(request_id)
+        return list(parent.child_ids) if parent is not None else []
 
     def remove(self, request_id: str) -> None:
-        for cid in self.child_ids_of(request_id):
-            del self.child_to_seq[cid]
-        self.parents.pop(request_id, None)
+        parent = self.parents.pop(request_id, None)
+        if parent is not None:
+            for cid in parent.child_ids:
+                self.child_to_seq.pop(cid, None)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (outputs to report, child ids that hit a stop string and must be ended)."""
