@@ -91,6 +91,9 @@ class ModelLoadConfig:
     seed: int = 0
     load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights, for benchmarks)
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    # None: the checkpoint's own (GGUF types run packed; safetensors dequantized/float);
+    # "int8" / "int4": weight-only quantization at load; "none": dequantize everything.
+    quantization: str | None = None
 
 
 @dataclass

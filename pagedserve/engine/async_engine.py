@@ -18,14 +18,13 @@ from dataclasses import dataclass
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.stats import EngineStats
+from pagedserve.errors import EngineDeadError
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -46,6 +45,15 @@ class AsyncLLM:
         self.stats: EngineStats = engine.get_stats()
         self._thread = threading.Thread(target=self._loop, name="pagedserve-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self):
+        """The engine's resolved EngineConfig (max_model_len etc. filled in)."""
+        return self.engine.config
 
     # -- called from the event loop ---------------------------------------------------
     async def add_request(

@@ -83,6 +83,7 @@ class LLMEngine:
             mc.seed,
             mc.load_format,
             mc.enforce_eager,
+            mc.quantization,
         )
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()

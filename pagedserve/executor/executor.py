@@ -40,6 +40,7 @@ class UniProcExecutor(Executor):
         seed: int,
         load_format: str = "auto",
         enforce_eager: bool = False,
+        quantization: str | None = None,
     ) -> None:
         from pagedserve.executor.model_runner import ModelRunner
 
@@ -52,6 +53,7 @@ class UniProcExecutor(Executor):
             seed=seed,
             load_format=load_format,
             enforce_eager=enforce_eager,
+            quantization=quantization,
         )
         self.dtype = self.runner.dtype
         self.device = self.runner.device

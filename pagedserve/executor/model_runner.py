@@ -88,13 +88,16 @@ class ModelRunner:
         attention_backend: str = "auto",
         load_format: str = "auto",
         enforce_eager: bool = False,
+        quantization: str | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, model_config, self.device)
         self.backend = get_attention_backend(attention_backend, self.device.type)
         torch.manual_seed(seed)
-        self.model = build_model(model_path, model_config, self.dtype, self.device, self.backend, load_format)
+        self.model = build_model(
+            model_path, model_config, self.dtype, self.device, self.backend, load_format, quantization
+        )
         self.enforce_eager = enforce_eager
         self.graph_runner = None
         self.sampler = Sampler(seed, self.device)

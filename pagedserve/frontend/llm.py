@@ -42,6 +42,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         load_format: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         cache = CacheConfig(
             block_size=block_size,
@@ -68,6 +69,7 @@ class LLM:
                 seed=seed,
                 load_format=load_format,
                 enforce_eager=enforce_eager,
+                quantization=quantization,
             ),
             cache=cache,
             scheduler=sched,

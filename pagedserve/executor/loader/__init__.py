@@ -65,12 +65,15 @@ def build_model(
     device: torch.device,
     backend: AttentionBackend,
     load_format: str = "auto",
+    quantization: str | None = None,
 ):
     """Construct the model without initialising weights, then load the checkpoint into it.
     load_format="dummy": random weights made on the device (benchmarks of large shapes)."""
     from pagedserve.executor.models import get_model_class
     from pagedserve.executor.models.llama import rope_inv_freq
 
+    if quantization not in (None, "none"):
+        raise NotImplementedError(f"quantization={quantization!r} is not implemented yet.")
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}.")
     cls = get_model_class(cfg.architecture)
