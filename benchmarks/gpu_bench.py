@@ -104,7 +104,7 @@ def decode_bench(llm, batch: int, ctx: int, steps: int, dev) -> float:
             {"prompt_token_ids": [(i * 7919 + j) % (vocab - 10) + 5 for j in range(ctx)]},
             SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0),
         )
-    sched = eng.scheduler
+    sched = eng.engine_core.scheduler
     while sched.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
         eng.step()
     for _ in range(3):
@@ -179,7 +179,7 @@ def main() -> None:
             enable_prefix_caching=False,
             num_kv_blocks=None if dev == "cuda" else 400,
         )
-        model = llm.engine.executor.runner.model
+        model = llm.engine.engine_core.executor.runner.model
         n_params = sum(p.numel() for p in model.parameters())
         c = llm.engine.model_config
         kv_per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem

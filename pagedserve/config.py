@@ -13,8 +13,8 @@ class SchedulerConfig:
     max_num_seqs: most requests in one step.
     long_prefill_token_threshold: cap on one request's prefill chunk per step (0: none).
     policy: "fcfs" or "priority" (lower `priority` first, then arrival).
-    scheduling: "continuous" (the engine) or "static" (a benchmark baseline only: admit a
-    batch when nothing runs, and nothing else until it has fully finished).
+    scheduler_cls: dotted path of the Scheduler class (the benchmarks' static-batching
+    baseline is `pagedserve.bench.static_scheduler.StaticScheduler`).
     """
 
     max_num_seqs: int = 256
@@ -23,7 +23,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
-    scheduling: str = "continuous"
+    scheduler_cls: str = "pagedserve.engine.scheduler.Scheduler"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -38,8 +38,6 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
-        if self.scheduling not in ("continuous", "static"):
-            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}.")
 
     def resolved(self, model_max_len: int | None = None) -> SchedulerConfig:
         """A copy with max_model_len and max_num_batched_tokens filled in and checked."""
@@ -86,6 +84,7 @@ class ModelLoadConfig:
 
     model: str = "default"
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
@@ -97,7 +96,21 @@ class ModelLoadConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+
+
+@dataclass
 class EngineConfig:
+    """Every setting of one engine. `pagedserve.engine_args.EngineArgs` builds it; after
+    the engine core started, `scheduler.max_model_len` and `max_num_batched_tokens` are
+    resolved (never None)."""
+
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

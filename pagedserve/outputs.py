@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.engine.messages import Logprob, PositionLogprobs
+from pagedserve.messages import Logprob, PositionLogprobs
 
 __all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
 

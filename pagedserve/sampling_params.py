@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
+
+from pagedserve.errors import InvalidRequestError
 
 
 class RequestOutputKind(enum.Enum):
@@ -15,14 +18,21 @@ class RequestOutputKind(enum.Enum):
 
 
 _GREEDY_EPS = 1e-5
+_I32 = 2**31 - 1
+
+
+def _short(value, limit: int = 64) -> str:
+    """repr() of a (user-supplied) value, cut to a short prefix for error messages."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + "..."
 
 
 @dataclass
 class SamplingParams:
     """How to sample one prompt's completions (vLLM-compatible fields).
 
-    `temperature == 0` means greedy. Invalid values raise ValueError naming the
-    field and its allowed range at construction time.
+    `temperature == 0` means greedy. Invalid values raise InvalidRequestError (a
+    ValueError) naming the field and its allowed range at construction time.
     """
 
     n: int = 1
@@ -45,8 +55,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the engine: the model's EOS ids (never user-facing).
-    _eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,43 +69,59 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
+        """Every numeric field bounded and finite: values reach tensor ops (int64 seeds and
+        top-k, float temperatures), so out-of-range input must stop here. Errors are
+        InvalidRequestError (a ValueError) naming the field in `param`."""
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def bad(name: str, rule: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{name} must be {rule}, got {_short(getattr(self, name))}.", name)
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_int(self.n) or not 1 <= self.n <= _I32:
             raise bad("n", "an integer >= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", "non-negative")
-        if not 0.0 < self.top_p <= 1.0:
+        if not is_num(self.temperature) or self.temperature < 0.0:
+            raise bad("temperature", "a finite number >= 0")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "0 or -1 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not is_int(self.top_k) or not 0 <= self.top_k <= _I32:
+            raise bad("top_k", f"0 or -1 (disabled) or an integer in [1, {_I32}]")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or not 0 <= self.max_tokens <= _I32):
             raise bad("max_tokens", "an integer >= 0 (0 only with prompt_logprobs / echo)")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= _I32:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise InvalidRequestError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}.", "min_tokens"
+            )
+        if not is_num(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not is_num(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
             raise bad("repetition_penalty", "in (0, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= _I32):
             raise bad("logprobs", "an integer >= 0")
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= _I32
         ):
             raise bad("prompt_logprobs", "an integer >= 0")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
+            raise InvalidRequestError(f"stop must be non-empty strings, got {_short(self.stop)}.", "stop")
+        if any(not is_int(t) or not 0 <= t <= _I32 for t in self.stop_token_ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must be integers in [0, {_I32}], got {_short(self.stop_token_ids)}.",
+                "stop_token_ids",
+            )
+        # n > 1 seeds its samples seed, seed + 1, ...: all must fit a 64-bit generator seed
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed <= 2**63 - self.n):
+            raise bad("seed", "a 64-bit signed integer or None")
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-from pagedserve.engine.messages import ModelRunnerOutput, SchedulerOutput
+from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
 
 
 def next_token(tokens: list[int], vocab: int = 1000) -> int:

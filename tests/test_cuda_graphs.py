@@ -84,7 +84,7 @@ def test_padded_decode_gives_the_real_rows_exactly(checkpoint):
         )
     so = sched.schedule()
     runner.execute_model(so)  # prefill
-    from pagedserve.engine.messages import ModelRunnerOutput
+    from pagedserve.messages import ModelRunnerOutput
 
     sched.update_from_output(so, ModelRunnerOutput({r: 7 for r in ("r0", "r1", "r2")}))
     so = sched.schedule()  # three decodes

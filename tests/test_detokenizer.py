@@ -1,6 +1,6 @@
 import pytest
 
-from pagedserve.frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.sampling_params import SamplingParams
 
 TEXTS = [

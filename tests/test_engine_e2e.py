@@ -101,7 +101,7 @@ def test_late_request_joins_running_batch(model_dir, hf):
     joined = False
     while eng.has_unfinished_requests():
         outs = eng.step()
-        ids = {r.request_id for r in eng.scheduler.running}
+        ids = eng.engine_core.running_request_ids()
         if "late" in ids and {"early0", "early1"} <= ids:
             joined = True  # the late request runs in the same batch as the earlier ones
         for o in outs:

@@ -21,8 +21,8 @@ def test_greedy_matches_transformers_fp32(checkpoint, arch, enforce_eager):
     llm = LLM(
         path, dtype="float32", device="cuda", num_kv_blocks=300, max_num_seqs=16, enforce_eager=enforce_eager
     )
-    assert llm.engine.executor.runner.backend.name == "triton"
-    assert (llm.engine.executor.runner.graph_runner is None) == enforce_eager
+    assert llm.engine.engine_core.executor.runner.backend.name == "triton"
+    assert (llm.engine.engine_core.executor.runner.graph_runner is None) == enforce_eager
     prompts = [[(7 * i + j) % 1000 for j in range(5 + 9 * i)] for i in range(6)]
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.engine.messages import ModelRunnerOutput
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.executor.loader import load_hf_config_dict
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.executor.model_runner import ModelRunner
+from pagedserve.messages import ModelRunnerOutput
 from pagedserve.sampling_params import SamplingParams
 from tests.checkpoints import load_hf
 

@@ -75,7 +75,7 @@ def test_n8_samples_hold_the_prompt_blocks_once(model_dir):
     sp = SamplingParams(n=8, max_tokens=5, temperature=1.0, seed=123, ignore_eos=True)
     eng.add_request("p", prompt, sp)
     eng.step()  # all 8 children admitted in one step
-    kv = eng.scheduler.kv
+    kv = eng.engine_core.scheduler.kv
     tables = [kv.req_to_blocks[f"p#{i}"] for i in range(8)]
     shared = tables[0][:2]
     assert all(t[:2] == shared for t in tables)

@@ -209,11 +209,9 @@ def test_stop_conditions():
     s = make_sched()
     eos = reference_output([5, 6, 7], 1)[0]
     p = SamplingParams(max_tokens=10)
-    p._eos_token_ids = frozenset({eos})
-    s.add_request(Request("eos", [5, 6, 7], p, max_tokens=10))
+    s.add_request(Request("eos", [5, 6, 7], p, max_tokens=10, eos_token_ids=frozenset({eos})))
     p2 = SamplingParams(max_tokens=10, min_tokens=3)
-    p2._eos_token_ids = frozenset({eos})
-    s.add_request(Request("min", [5, 6, 7], p2, max_tokens=10))
+    s.add_request(Request("min", [5, 6, 7], p2, max_tokens=10, eos_token_ids=frozenset({eos})))
     third = reference_output([9, 9], 3)[2]
     s.add_request(
         Request("stoptok", [9, 9], SamplingParams(max_tokens=10, stop_token_ids=[third]), max_tokens=10)
@@ -300,7 +298,11 @@ def test_random_add_step_abort_keeps_invariants(ops, block_size, num_blocks, bud
 
 
 def test_static_scheduling_admits_a_batch_and_nothing_until_it_ends():
-    s = make_sched(num_blocks=400, max_num_batched_tokens=64, max_num_seqs=4, scheduling="static")
+    from pagedserve.bench.static_scheduler import StaticScheduler
+
+    s = StaticScheduler(
+        SchedulerConfig(max_model_len=4096, max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(), 400
+    )
     for i in range(6):
         s.add_request(req(f"r{i}", list(range(i, i + 50)), 3 + i))
     runner = FakeRunner()

@@ -57,7 +57,7 @@ def bench_pagedserve(model: str, dtype: str, batches, context: int, prefill_len:
                 {"prompt_token_ids": ids},
                 SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0),
             )
-        sched = eng.scheduler
+        sched = eng.engine_core.scheduler
         while sched.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
             eng.step()  # prefill everything (not timed): from here on, every step is B decodes
         res[f"decode_b{b}"] = b / _median_time(eng.step, steps)

@@ -34,7 +34,7 @@ def run_block_size(a, bs: int, work) -> dict:
         enable_prefix_caching=False,
     )
     eng = llm.engine
-    sched = eng.scheduler
+    sched = eng.engine_core.scheduler
     max_len = eng.config.scheduler.max_model_len
     for i, (p, o) in enumerate(work):
         eng.add_request(

@@ -14,10 +14,10 @@ import json
 import time
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.engine.llm_engine import freeze_startup_objects
-from pagedserve.engine.messages import ModelRunnerOutput
+from pagedserve.engine.core import freeze_startup_objects
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.messages import ModelRunnerOutput
 from pagedserve.sampling_params import SamplingParams
 
 

@@ -7,7 +7,7 @@
 Against any OpenAI-compatible /v1/completions (prompts are token-id lists; ignore_eos and
 min_tokens make output lengths exact on servers that know vLLM's extras). --launch starts
 pagedserve in this process instead; with --compare-static it runs the same arrival
-trace twice, against continuous batching and against `--scheduling static` (a batch is
+trace twice, against continuous batching and against the StaticScheduler (a batch is
 admitted when nothing runs, and nothing joins until it has finished), and prints ratios.
 Reports TTFT, TPOT (per request), inter-token latency and end-to-end latency at
 p50/p90/p99, throughput, and goodput (requests/s meeting --slo-ttft and --slo-tpot).
@@ -114,17 +114,20 @@ def summarize(load: dict, slo_ttft: float, slo_tpot: float) -> dict:
 class LocalServer:
     """pagedserve in this process (a uvicorn thread) on a free loopback port."""
 
-    def __init__(self, model: str, scheduling: str, **llm_kw) -> None:
+    def __init__(self, model: str, scheduling: str, **engine_kw) -> None:
         import socket
 
         import uvicorn
 
-        from pagedserve import LLM
+        from pagedserve.bench.static_scheduler import STATIC_SCHEDULER_CLS
         from pagedserve.engine.async_engine import AsyncLLM
+        from pagedserve.engine_args import EngineArgs
         from pagedserve.server.api_server import build_app
 
-        self.llm = LLM(model, scheduling=scheduling, **llm_kw)
-        app = build_app(AsyncLLM(self.llm.engine), "bench")
+        if scheduling == "static":
+            engine_kw["scheduler_cls"] = STATIC_SCHEDULER_CLS
+        self.llm = AsyncLLM.from_engine_args(EngineArgs(model=model, **engine_kw))
+        app = build_app(self.llm, "bench")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -138,6 +141,7 @@ class LocalServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+        self.llm.shutdown()
 
 
 def plot(runs: dict, path: str) -> None:

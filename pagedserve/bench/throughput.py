@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     load_s = time.perf_counter() - t
     eng = llm.engine
-    dtype = str(eng.executor.dtype).removeprefix("torch.")
+    dtype = eng.core.info.dtype
     work = make_workload(a, eng.model_config.vocab_size, eng.tokenizer)
     # warm-up (first-touch of memory, lazy init), not timed
     llm.generate([{"prompt_token_ids": work[0][0][:16]}], use_tqdm=False)

@@ -1,84 +1,98 @@
-"""AsyncLLM: the engine loop in a background thread, fed by a command queue, for asyncio callers.
+"""AsyncLLM: the asyncio front end of the server, over an engine core in its own process.
 
-Why a thread and not a process: the engine's work is torch kernels and numpy, which
-release the GIL, so the event loop stays responsive while a step runs, and outputs reach
-the HTTP handlers without serialization. The thread owns the LLMEngine: every engine
-call (add, abort, step) happens on it; other threads only enqueue commands and read the
-stats snapshot it publishes after each step.
+Front end (this process, the event loop): input processor (tokenize, validate, n > 1),
+output processor (detokenize, stop strings) in one task that reads the core's per-step
+outputs from ZMQ and hands each request's RequestOutputs to its stream. Engine core (a
+child process by default, or a thread with `engine_core_process=False`): the scheduler,
+the executor and the step loop (`engine/core_proc.py`), so HTTP, JSON and
+detokenization never hold the GIL the step needs.
+
+If the core dies (an executor fault, or the process was killed), every in-flight stream
+gets an EngineDeadError at once, `is_alive` turns False (the server's /health says 503),
+and new requests are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import pickle
 import threading
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from multiprocessing.connection import wait
 
-from pagedserve.engine.llm_engine import LLMEngine
+import zmq
+import zmq.asyncio
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core_proc import CoreHandle
+from pagedserve.engine.llm_engine import FrontEnd
 from pagedserve.engine.stats import EngineStats
-from pagedserve.errors import EngineDeadError
+from pagedserve.engine_args import EngineArgs
+from pagedserve.errors import EngineDeadError, InvalidRequestError
+from pagedserve.messages import CoreRequestType, EngineCoreOutputs
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+LARGE_PROMPT_CHARS = 1 << 16  # tokenize prompts longer than this off the event loop
 
 
+class AsyncLLM(FrontEnd):
+    def __init__(self, config: EngineConfig, engine_core_process: bool = True, on_finished=None) -> None:
+        super().__init__(config)
+        self.on_finished = on_finished  # callback(RequestOutput) for finished requests, on the event loop
+        self.handle = CoreHandle(config, process=engine_core_process)
+        # input: a plain socket (sends never block: unbounded queue); output: asyncio
+        self.sync_ctx, self.ctx = zmq.Context(), zmq.asyncio.Context()
+        self.input = self.sync_ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)
+        self.input.bind(self.handle.input_addr)
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.bind(self.handle.output_addr)
+        info = self.handle.start()
+        self.core_ready(info.num_kv_blocks)
+        self.num_blocks = info.num_kv_blocks
+        self.stats: EngineStats = info.stats
+        self.core_times = (0.0, 0.0, 0.0)  # the core loop's seconds: stepping, input, idle
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._dead: str | None = None
+        self._output_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kw) -> AsyncLLM:
+        process = True if args.engine_core_process is None else args.engine_core_process
+        return cls(args.create_engine_config(), engine_core_process=process, **kw)
 
-
-class AsyncLLM:
-    def __init__(self, engine: LLMEngine, on_finished=None) -> None:
-        self.engine = engine
-        self.on_finished = on_finished  # callback(RequestOutput), on the engine thread
-        self._cmds: deque = deque()
-        self._wake = threading.Condition()
-        self._streams: dict[str, _Stream] = {}
-        self._stop = False
-        self._dead: BaseException | None = None
-        self.stats: EngineStats = engine.get_stats()
-        self._thread = threading.Thread(target=self._loop, name="pagedserve-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def config(self):
-        """The engine's resolved EngineConfig (max_model_len etc. filled in)."""
-        return self.engine.config
-
-    # -- called from the event loop ---------------------------------------------------
+    # -- requests -------------------------------------------------------------------------
     async def add_request(
         self, prompt, params: SamplingParams, request_id: str, priority: int = 0
     ) -> RequestStream:
-        """Queue a request and wait until the engine accepted it; raises ValueError (nothing
-        queued) if it is invalid. Iterate the returned stream for its outputs."""
+        """Validate and queue a request; raises InvalidRequestError (nothing queued) if it is
+        invalid, EngineDeadError if the core is gone. Iterate the stream for its outputs."""
         if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+            raise EngineDeadError(f"the engine core died: {self._dead}")
+        if request_id in self._streams or request_id in self.output_processor.parents:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use.", "request_id")
+        self._ensure_output_task()
+        process = self.input_processor.process
+        if _prompt_size(prompt) > LARGE_PROMPT_CHARS:
+            req = await asyncio.to_thread(process, request_id, prompt, params, None, priority)
+        else:
+            req = process(request_id, prompt, params, None, priority)
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine core died: {self._dead}")
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, asyncio.Queue())
-        added: asyncio.Future = loop.create_future()
-        self._streams[request_id] = _Stream(loop, stream.queue)
-        self._send(("add", request_id, prompt, params, priority, loop, added))
-        try:
-            await added
-        except asyncio.CancelledError:
-            stream.close()  # the abort is queued after the add, so it finds the request
-            raise
-        except Exception:
-            self._streams.pop(request_id, None)
-            raise
-        return stream
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use.", "request_id")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self.output_processor.add_request(req)
+        self._send(CoreRequestType.ADD, req.children)
+        return RequestStream(self, request_id, queue)
 
     async def generate(
         self, prompt, params: SamplingParams, request_id: str, priority: int = 0
@@ -92,69 +106,108 @@ class AsyncLLM:
             stream.close()
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        """Abort a request from any state; the core frees its blocks at once."""
+        self._streams.pop(request_id, None)
+        children = self.output_processor.child_ids_of(request_id)
+        self.output_processor.remove(request_id)
+        if children and self._dead is None:
+            self._send(CoreRequestType.ABORT, children)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight and stop the loop."""
-        self._send(("abort_all",))
-        self._stop = True
-        with self._wake:
-            self._wake.notify()
-        self._thread.join(timeout)
+    def reset_prefix_cache(self) -> None:
+        self._send(CoreRequestType.RESET_PREFIX_CACHE)
 
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and not self._closed
 
-    # -- the engine thread ----------------------------------------------------------------
-    def _send(self, cmd) -> None:
-        with self._wake:
-            self._cmds.append(cmd)
-            self._wake.notify()
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
 
-    def _deliver(self, request_id: str, item) -> None:
-        s = self._streams.get(request_id)
-        if s is not None:
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core (in-flight requests end) and release its process."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._dead is None and self.handle.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self.input.send(pickle.dumps((CoreRequestType.SHUTDOWN, None)), flags=zmq.NOBLOCK)
+        self.handle.join(timeout)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self._fail_all("the engine was shut down")
+        self.input.close(0)
+        self.output.close(0)
+        self.sync_ctx.term()
+        self.ctx.term()
 
-    def _run_commands(self, pending: deque) -> None:
-        for cmd in pending:
-            kind = cmd[0]
-            if kind == "add":
-                _, rid, prompt, params, priority, loop, fut = cmd
-                try:
-                    self.engine.add_request(rid, prompt, params, priority=priority)
-                    loop.call_soon_threadsafe(_resolve, fut, None)
-                except Exception as e:  # noqa: BLE001 (handed to the caller)
-                    loop.call_soon_threadsafe(_resolve, fut, e)
-            elif kind == "abort":
-                self.engine.abort_request(cmd[1])
-            elif kind == "abort_all":
-                self.engine.abort_request(list(self.engine.output_processor.parents))
+    # -- plumbing -------------------------------------------------------------------------
+    def _send(self, kind: CoreRequestType, payload=None) -> None:
+        # Never blocks (no high-water mark); pickling takes microseconds.
+        self.input.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _loop(self) -> None:
-        engine = self.engine
-        engine.owner_thread = threading.get_ident()
+    def _ensure_output_task(self) -> None:
+        if self._output_task is None:
+            self._loop = asyncio.get_running_loop()
+            self._output_task = self._loop.create_task(self._output_loop())
+            threading.Thread(target=self._watch_core, name="pagedserve-core-watch", daemon=True).start()
+
+    def _watch_core(self) -> None:
+        """Notices a dead core process within milliseconds (threads die with their loop)."""
+        sentinel = self.handle.sentinel
+        if sentinel is None:
+            return
+        wait([sentinel])
+        if not self._closed and self._loop is not None:
+            code = self.handle.process.exitcode
+            self._loop.call_soon_threadsafe(self._on_dead, f"engine core process exited (code {code})")
+
+    def _on_dead(self, why: str) -> None:
+        if self._dead is None and not self._closed:
+            logger.error("engine core died: %s", why)
+            self._dead = why
+            self._fail_all(f"the engine core died: {why}")
+
+    def _fail_all(self, why: str) -> None:
+        for rid, queue in list(self._streams.items()):
+            queue.put_nowait(EngineDeadError(why))
+            self.output_processor.remove(rid)
+        self._streams.clear()
+
+    async def _output_loop(self) -> None:
+        recv, process = self.output.recv, self.output_processor.process
         try:
             while True:
-                with self._wake:
-                    while not self._cmds and not self._stop and not engine.has_unfinished_requests():
-                        self._wake.wait(timeout=1.0)
-                    if self._stop and not self._cmds:
-                        break
-                    pending, self._cmds = self._cmds, deque()
-                self._run_commands(pending)
-                if engine.has_unfinished_requests():
-                    for out in engine.step():
-                        self._deliver(out.request_id, out)
-                        if out.finished and self.on_finished is not None:
-                            self.on_finished(out)
-                self.stats = engine.get_stats()
-        except BaseException as e:  # fail the waiting clients instead of hanging them
-            logger.exception("engine loop failed")
-            self._dead = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
+                msg: EngineCoreOutputs = pickle.loads(await recv())
+                if msg.fatal is not None:
+                    self._on_dead(msg.fatal)
+                    return
+                self.stats = msg.stats
+                self.core_times = (msg.step_seconds, msg.input_seconds, msg.idle_seconds)
+                for rid, err in msg.errors.items():
+                    parent = rid.split("#", 1)[0]
+                    queue = self._streams.pop(parent, None)
+                    if queue is not None:
+                        self.abort(parent)
+                        queue.put_nowait(InvalidRequestError(err))
+                if not msg.outputs:
+                    continue
+                outputs, stopped = process(msg.outputs)
+                if stopped:
+                    self._send(CoreRequestType.FINISH_STOPPED, stopped)
+                for out in outputs:
+                    queue = self._streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                        if out.finished:
+                            del self._streams[out.request_id]
+                    if out.finished and self.on_finished is not None:
+                        self.on_finished(out)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a front-end bug must not hang every client
+            logger.exception("output loop failed")
+            self._on_dead(f"output processing failed: {e!r}")
 
 
 class RequestStream:
@@ -174,26 +227,23 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self.queue.get()
         if isinstance(item, BaseException):
-            self.close()
+            self.finished = True
             raise item
         if item.finished:
             self.finished = True
-            self.llm._streams.pop(self.request_id, None)
         return item
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self.llm._streams.pop(self.request_id, None)
         if not self.finished:
             self.llm.abort(self.request_id)
 
 
-def _resolve(fut: asyncio.Future, err: BaseException | None) -> None:
-    if fut.done():
-        return
-    if err is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(err)
+def _prompt_size(prompt) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return len(prompt["prompt"])
+    return 0

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.engine.messages import EngineCoreOutput, PositionLogprobs
-from pagedserve.frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.input_processor import ProcessedRequest
+from pagedserve.messages import EngineCoreOutput, PositionLogprobs
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -49,18 +50,37 @@ class ParentState:
 
 
 class OutputProcessor:
+    """Front-end state of every live request. With `tokenizer=None` (skip_tokenizer_init)
+    outputs carry token ids and no text, and stop strings are refused."""
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_seq: dict[str, tuple[ParentState, SeqState]] = {}
 
-    def add_request(self, parent: ParentState, child_ids: list[str]) -> None:
+    def add_request(self, req: ProcessedRequest) -> None:
+        params = req.params
+        if req.request_id in self.parents:
+            raise ValueError(f"request_id {req.request_id!r} is already in use.")
+        final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+        seqs = []
+        for i, child in enumerate(req.children):
+            detok = None
+            if self.tokenizer is not None and (params.stop or not final_only):
+                detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+            seqs.append(SeqState(i, child.sampling_params, detok))
+        parent = ParentState(
+            req.request_id, req.prompt, req.prompt_token_ids, params, seqs, RequestMetrics(req.arrival_time)
+        )
         self.parents[parent.request_id] = parent
-        parent.child_ids = list(child_ids)
-        for cid, seq in zip(child_ids, parent.seqs):
+        parent.child_ids = [c.request_id for c in req.children]
+        for cid, seq in zip(parent.child_ids, parent.seqs):
             self.child_to_seq[cid] = (parent, seq)
-        if parent.params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
 
     def child_ids_of(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -126,6 +146,8 @@ class OutputProcessor:
             seq.cumulative_logprob += lp[tok].logprob
 
     def _decorate(self, entries: list[PositionLogprobs]) -> list[PositionLogprobs]:
+        if self.tokenizer is None:
+            return entries
         for d in entries:
             for tid, lp in d.items():
                 if lp.decoded_token is None:
@@ -134,7 +156,7 @@ class OutputProcessor:
 
     def _text(self, seq: SeqState, finished: bool, delta: bool) -> str:
         if seq.detok is None:
-            if not finished:
+            if not finished or self.tokenizer is None:
                 return ""
             if not seq.text:
                 seq.text = self.tokenizer.decode(

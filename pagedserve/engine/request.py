@@ -52,6 +52,7 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy (as vLLM)
     cache_salt: str | None = None
     max_tokens: int = 16  # resolved (never None)
+    eos_token_ids: frozenset[int] = frozenset()  # the model's; ignored with ignore_eos
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []

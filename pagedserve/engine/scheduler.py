@@ -13,12 +13,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.engine.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.stats import EngineStats
+from pagedserve.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 # -- waiting-queue policies -----------------------------------------------------
@@ -49,10 +51,6 @@ class FCFSQueue:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._q)
 
-    @staticmethod
-    def victim(running: list[Request]) -> Request:
-        return running[-1]  # the latest admitted
-
 
 class PriorityQueue:
     """Lowest `priority` value first, then earliest arrival (vLLM's convention)."""
@@ -82,12 +80,20 @@ class PriorityQueue:
     def __iter__(self) -> Iterator[Request]:
         return (e[3] for e in sorted(self._heap))
 
-    @staticmethod
-    def victim(running: list[Request]) -> Request:
-        return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+@dataclass(frozen=True)
+class SchedulingPolicy:
+    """A policy: the order of the waiting queue, and which running request gives its
+    blocks back when memory is short (the one the policy would have admitted last)."""
+
+    queue_cls: type
+    pick_victim: Callable[[list[Request]], Request]
 
 
-_POLICIES = {"fcfs": FCFSQueue, "priority": PriorityQueue}
+POLICIES = {
+    "fcfs": SchedulingPolicy(FCFSQueue, lambda running: running[-1]),  # the latest admitted
+    "priority": SchedulingPolicy(PriorityQueue, lambda running: max(running, key=lambda r: (r.priority, r.arrival_time))),
+}
 
 
 class Scheduler:
@@ -95,7 +101,8 @@ class Scheduler:
         self.config = sched_config.resolved()
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.waiting = _POLICIES[sched_config.policy]()
+        self.policy = POLICIES[sched_config.policy]
+        self.waiting = self.policy.queue_cls()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: set[str] = set()
@@ -134,7 +141,7 @@ class Scheduler:
             )
         params = req.sampling_params
         req.stop_token_set = frozenset(params.stop_token_ids).union(
-            () if params.ignore_eos else params._eos_token_ids
+            () if params.ignore_eos else req.eos_token_ids
         )
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
@@ -167,7 +174,7 @@ class Scheduler:
                 new_blocks = allocate(req, num_new)
                 if new_blocks is not None:
                     break
-                victim = self.waiting.victim(running)
+                victim = self.policy.pick_victim(running)
                 if running.index(victim) < i:  # already scheduled this step: take its slot back
                     j = scheduled_reqs.index(victim)
                     budget += len(scheduled[j].token_ids)
@@ -190,7 +197,7 @@ class Scheduler:
                         end == len(toks),
                     )
                 )
-            else:  # admitted without tokens (static batch): first time the executor sees it
+            else:  # admitted without tokens (a static batch): first time the executor sees it
                 scheduled.append(self._first_schedule(req, start, num_new))
             scheduled_reqs.append(req)
             # Progress advances now, so that the next schedule() could run before this
@@ -199,37 +206,9 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2) waiting requests, unless memory was short this step. Static scheduling (a
-        #    benchmark baseline) admits a whole batch at once when nothing runs, even past
-        #    the token budget: its prefill then proceeds through the running loop.
-        static = cfg.scheduling == "static"
-        if not preempted and (not static or not self.running):
-            while self.waiting and len(self.running) < cfg.max_num_seqs and (budget > 0 or static):
-                req = self.waiting.peek()
-                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-                num_new = req.num_tokens - num_hit
-                if threshold and num_new > threshold:
-                    num_new = threshold
-                if num_new > budget:
-                    if not cfg.enable_chunked_prefill and not static:
-                        break
-                    num_new = budget
-                new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks, num_hit)
-                if new_blocks is None:
-                    break
-                self.waiting.pop()
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:  # first admission (not a resumption)
-                    req.num_cached_tokens = num_hit
-                    self.num_prompt_tokens += req.num_prompt_tokens
-                self.kv.record_prefix_query(req.num_tokens, num_hit)
-                if num_new:
-                    scheduled.append(self._first_schedule(req, num_hit, num_new))
-                    scheduled_reqs.append(req)
-                    req.num_computed_tokens = num_hit + num_new
-                    budget -= num_new
+        # 2) waiting requests, unless memory was short this step
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled, scheduled_reqs)
 
         total = cfg.max_num_batched_tokens - budget
         self.num_computed_tokens_total += total
@@ -239,6 +218,55 @@ class Scheduler:
         self.last_batch_size = len(scheduled)
         self.last_num_scheduled_tokens = total
         return SchedulerOutput(scheduled, total, finished, preempted_ids)
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]
+    ) -> int:
+        """Admit waiting requests in policy order while seats, budget and blocks last;
+        returns the budget left. (The benchmarks' StaticScheduler overrides this.)"""
+        cfg = self.config
+        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            req = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if cfg.long_prefill_token_threshold and num_new > cfg.long_prefill_token_threshold:
+                num_new = cfg.long_prefill_token_threshold
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self._admit(req, hit_blocks, num_hit, num_new, scheduled, scheduled_reqs):
+                break
+            budget -= num_new
+        return budget
+
+    def _admit(
+        self,
+        req: Request,
+        hit_blocks: list,
+        num_hit: int,
+        num_new: int,
+        scheduled: list[ScheduledRequest],
+        scheduled_reqs: list[Request],
+    ) -> bool:
+        """Move the head of the waiting queue to running with `num_new` tokens scheduled
+        after its `num_hit` prefix-cache hit; False (nothing changed) if blocks are short."""
+        new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks, num_hit)
+        if new_blocks is None:
+            return False
+        self.waiting.pop()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:  # first admission (not a resumption)
+            req.num_cached_tokens = num_hit
+            self.num_prompt_tokens += req.num_prompt_tokens
+        self.kv.record_prefix_query(req.num_tokens, num_hit)
+        if num_new:
+            scheduled.append(self._first_schedule(req, num_hit, num_new))
+            scheduled_reqs.append(req)
+            req.num_computed_tokens = num_hit + num_new
+        return True
 
     def _first_schedule(self, req: Request, start: int, num_new: int) -> ScheduledRequest:
         """The executor (re)creates its state for the request from this message."""
@@ -327,7 +355,7 @@ class Scheduler:
         params = req.sampling_params
         n_out = len(req.output_token_ids)
         if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in params._eos_token_ids:
+            if not params.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 req.stop_reason = token
@@ -387,3 +415,28 @@ class Scheduler:
         """Stored tokens / allocated token slots (1.0 when nothing is allocated)."""
         used = self.kv.num_used_blocks
         return self.kv_stored_tokens() / (used * self.block_size) if used else 1.0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached-but-free block (held blocks are untouched)."""
+        self.kv.reset_prefix_cache()
+
+    def make_stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_total=kv.num_total_blocks,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_cache_usage=kv.usage,
+            kv_utilization=self.kv_utilization(),
+            num_preemptions=self.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_steps=self.num_steps,
+            computed_tokens=self.num_computed_tokens_total,
+            last_batch_size=self.last_batch_size,
+            last_num_scheduled_tokens=self.last_num_scheduled_tokens,
+            block_size=self.block_size,
+        )

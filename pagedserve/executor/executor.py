@@ -1,27 +1,44 @@
-"""The executor seam: the engine talks to the model only through this interface.
+"""The executor seam: the engine core talks to the model only through this interface.
 
-`UniProcExecutor` runs the ModelRunner in the engine's process. Because requests,
-outputs and configs are plain picklable messages, an executor that runs the runner in a
-worker thread or process (or several, for tensor parallelism over torch.distributed)
-implements the same three calls.
+Life cycle, driven by the engine core (`engine/core.py`), which never reaches past it:
+  1. construction loads the model;
+  2. `kv_bytes_per_block()` and `determine_available_kv_memory()` size the KV cache
+     (the core turns bytes into blocks, in one place for CPU and GPU);
+  3. `initialize_kv_cache(num_blocks, block_size)`;
+  4. `compile_or_warm_up(...)` (CUDA graph capture on a GPU; nothing on a CPU);
+  5. `execute_model(SchedulerOutput) -> ModelRunnerOutput`, once per step;
+  6. `shutdown()`.
+`UniProcExecutor` runs the ModelRunner in the core's process. Requests, outputs and
+configs are plain picklable messages, so an executor with worker processes (tensor
+parallelism over torch.distributed) implements the same calls.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from pagedserve.engine.messages import ModelRunnerOutput, SchedulerOutput
+from pagedserve.config import EngineConfig
 from pagedserve.executor.model_config import ModelConfig
+from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
     model_config: ModelConfig
+    dtype_name: str  # the activation dtype actually used ("float32", "bfloat16", ...)
+    device: str
 
     @abstractmethod
     def kv_bytes_per_block(self, block_size: int) -> int: ...
 
     @abstractmethod
+    def determine_available_kv_memory(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
+        """Bytes the KV cache may take when the user did not say."""
+
+    @abstractmethod
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
+
+    def compile_or_warm_up(self, max_num_seqs: int, max_model_len: int) -> None:  # noqa: B027 (optional)
+        """After the KV cache exists: capture CUDA graphs, warm kernels up."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -31,46 +48,36 @@ class Executor(ABC):
 
 
 class UniProcExecutor(Executor):
-    def __init__(
-        self,
-        model_path: str,
-        model_config: ModelConfig,
-        dtype: str,
-        device: str,
-        seed: int,
-        load_format: str = "auto",
-        enforce_eager: bool = False,
-        quantization: str | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig, device: str) -> None:
         from pagedserve.executor.model_runner import ModelRunner
 
+        mc = config.model
         self.model_config = model_config
         self.runner = ModelRunner(
             model_path,
             model_config,
-            dtype=dtype,
+            dtype=mc.dtype,
             device=device,
-            seed=seed,
-            load_format=load_format,
-            enforce_eager=enforce_eager,
-            quantization=quantization,
+            seed=mc.seed,
+            load_format=mc.load_format,
+            enforce_eager=mc.enforce_eager,
+            quantization=mc.quantization,
         )
-        self.dtype = self.runner.dtype
-        self.device = self.runner.device
+        self.dtype_name = str(self.runner.dtype).removeprefix("torch.")
+        self.device = str(self.runner.device)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.runner.kv_bytes_per_block(block_size)
 
+    def determine_available_kv_memory(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
+        return self.runner.determine_available_kv_memory(gpu_memory_utilization, max_num_batched_tokens)
+
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.initialize_kv_cache(num_blocks, block_size)
 
+    def compile_or_warm_up(self, max_num_seqs: int, max_model_len: int) -> None:
+        if self.runner.device.type == "cuda":
+            self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
-
-    def profile_num_kv_blocks(
-        self, gpu_memory_utilization: float, max_num_batched_tokens: int, block_size: int
-    ) -> int:
-        return self.runner.profile_num_kv_blocks(gpu_memory_utilization, max_num_batched_tokens, block_size)
-
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)

@@ -14,21 +14,22 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.engine.messages import (
+from pagedserve.executor.attention import AttentionMetadata, get_attention_backend
+from pagedserve.executor.loader import build_model
+from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.sampler import Sampler, SamplingBatch
+from pagedserve.messages import (
     Logprob,
     ModelRunnerOutput,
     PositionLogprobs,
     ScheduledRequest,
     SchedulerOutput,
 )
-from pagedserve.executor.attention import AttentionMetadata, get_attention_backend
-from pagedserve.executor.loader import build_model
-from pagedserve.executor.model_config import ModelConfig
-from pagedserve.executor.sampler import Sampler, SamplingBatch
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_CPU_KV_BYTES = 2 << 30  # committed lazily: RSS grows only as blocks fill
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -125,18 +126,16 @@ class ModelRunner:
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(c.num_hidden_layers)]
 
     @torch.inference_mode()
-    def profile_num_kv_blocks(
-        self, gpu_memory_utilization: float, max_num_batched_tokens: int, block_size: int
-    ) -> int:
-        """GPU: how many KV blocks fit under gpu_memory_utilization of the device's memory
-        after the weights and the activations of a max_num_batched_tokens forward."""
-        from pagedserve.engine.messages import ScheduledRequest
-
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}.")
+    def determine_available_kv_memory(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
+        """Bytes the KV cache may take. GPU: what is left under gpu_memory_utilization of
+        the device's memory after the weights and the activations of a
+        max_num_batched_tokens forward (profiled). CPU: DEFAULT_CPU_KV_BYTES (committed
+        lazily, so a large figure costs RSS only as blocks fill)."""
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        n = max_num_batched_tokens
+        n, block_size = max_num_batched_tokens, 16
         nb = -(-n // block_size) + 1
         self.initialize_kv_cache(nb, block_size)
         scratch = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
@@ -152,20 +151,14 @@ class ModelRunner:
         others = (total - free) - torch.cuda.memory_reserved()  # CUDA context, other processes
         self.kv_caches = []
         torch.cuda.empty_cache()
-        budget = total * gpu_memory_utilization - peak - max(others, 0)
-        blocks = int(budget // self.kv_bytes_per_block(block_size))
+        budget = int(total * gpu_memory_utilization - peak - max(others, 0))
         logger.info(
-            "KV cache: %.1f GiB for %d blocks (peak activations+weights %.1f GiB of %.1f GiB)",
+            "KV cache: %.1f GiB (peak activations+weights %.1f GiB of %.1f GiB)",
             budget / 2**30,
-            blocks,
             peak / 2**30,
             total / 2**30,
         )
-        if blocks < 2:
-            raise ValueError(
-                f"no memory left for the KV cache at gpu_memory_utilization={gpu_memory_utilization}"
-            )
-        return blocks
+        return max(budget, 0)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Decode-only steps replay CUDA graphs (Triton backend on CUDA, unless enforce_eager)."""

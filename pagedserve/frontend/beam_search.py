@@ -50,7 +50,7 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
     )
     instances = []
     for p in prompts if isinstance(prompts, list) else [prompts]:
-        _, ids = engine.tokenize(p)
+        _, ids = engine.input_processor.tokenize(p)
         instances.append({"prompt_len": len(ids), "beams": [BeamSearchSequence(list(ids))], "completed": []})
     key = lambda s: beam_score(s, eos, params.length_penalty)  # noqa: E731
     for _ in range(params.max_tokens):

@@ -3,92 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import re
 import sys
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1e3,
-    "kb": 1e3,
-    "kib": 1024,
-    "m": 1e6,
-    "mb": 1e6,
-    "mib": 1024**2,
-    "g": 1e9,
-    "gb": 1e9,
-    "gib": 1024**3,
-    "t": 1e12,
-    "tb": 1e12,
-    "tib": 1024**4,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1e9' or a plain number of bytes."""
-    m = _SIZE.match(text)
-    if m is None or m.group(2) is not None and m.group(2).lower() not in _UNITS:
-        try:
-            return int(float(text))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB)") from None
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+from pagedserve.engine_args import EngineArgs  # noqa: E402
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    if model_positional:
-        p.add_argument("model", nargs="?", default="default", help="HF directory, GGUF file, or 'default'")
-    else:
-        p.add_argument(
-            "--model", default="default", help="HF directory, GGUF file, or 'default' (SmolLM2-135M)"
-        )
-    g = p.add_argument_group("engine")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument(
-        "--kv-cache-memory",
-        type=parse_bytes,
-        default=None,
-        metavar="BYTES",
-        help="KV cache size, e.g. 2GiB (default 2GiB on CPU, committed as it fills)",
-    )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    """The engine flags, generated from EngineArgs (one flag per field)."""
+    EngineArgs.add_cli_args(p, model_positional)
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(
-        model=a.model,
-        tokenizer=a.tokenizer,
-        dtype=a.dtype,
-        device=a.device,
-        seed=a.seed,
-        block_size=a.block_size,
-        num_kv_blocks=a.num_kv_blocks,
-        kv_cache_memory_bytes=a.kv_cache_memory,
-        max_model_len=a.max_model_len,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        enable_prefix_caching=not a.no_prefix_caching,
-        enable_chunked_prefill=not a.no_chunked_prefill,
-        long_prefill_token_threshold=a.long_prefill_token_threshold,
-        scheduling_policy=a.scheduling_policy,
-    )
+    """The parsed engine flags as `LLM(**kwargs)` keywords."""
+    return dataclasses.asdict(EngineArgs.from_cli_args(a))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -128,11 +61,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_chat(a: argparse.Namespace) -> int:
     from pagedserve import LLM
-    from pagedserve.frontend.tokenizer import apply_chat_template
     from pagedserve.sampling_params import RequestOutputKind
+    from pagedserve.tokenizer import apply_chat_template
 
     llm = LLM(**engine_kwargs(a))
     engine = llm.engine
+    if engine.tokenizer is None:
+        raise ValueError("chat needs a tokenizer (drop --skip-tokenizer-init).")
     history: list[dict] = []
     if a.system:
         history.append({"role": "system", "content": a.system})
@@ -189,13 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s, model_positional=True)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    s.add_argument("--max-queue", type=int, default=None, help="answer 503 while this many requests wait")
-    s.add_argument("--max-body-bytes", type=parse_bytes, default=16 << 20)
-    s.add_argument("--served-model-name", default=None)
-    s.add_argument("--log-level", default="info")
+    __import__("pagedserve.server.api_server", fromlist=["add_server_args"]).add_server_args(s)
     s.set_defaults(fn=lambda a: __import__("pagedserve.server.api_server", fromlist=["serve"]).serve(a))
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")

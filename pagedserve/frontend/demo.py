@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.frontend.tokenizer import apply_chat_template
     from pagedserve.sampling_params import RequestOutputKind
+    from pagedserve.tokenizer import apply_chat_template
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = llm.engine
     print(
         f"loaded {os.path.basename(eng.model_path)} ({eng.model_config.architecture}, "
-        f"{eng.executor.dtype}) in {time.perf_counter() - t0:.1f}s; KV cache: {eng.num_blocks - 1} blocks "
+        f"{eng.core.info.dtype}) in {time.perf_counter() - t0:.1f}s; KV cache: {eng.num_blocks - 1} blocks "
         f"x {args.block_size} tokens\n"
     )
 
@@ -81,12 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     peak_blocks = 0
     utils = []
     while eng.has_unfinished_requests():
-        before = {r.request_id for r in eng.scheduler.running}
+        before = eng.engine_core.running_request_ids()
         outs = eng.step()
         s = eng.get_stats()
         step += 1
         peak_blocks = max(peak_blocks, s.kv_blocks_used)
-        after = {r.request_id for r in eng.scheduler.running}
+        after = eng.engine_core.running_request_ids()
         done = [o.request_id for o in outs if o.finished]
         for o in outs:
             if o.finished:

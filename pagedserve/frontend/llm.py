@@ -6,12 +6,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.stats import EngineStats
-from pagedserve.frontend.tokenizer import apply_chat_template
+from pagedserve.engine_args import EngineArgs, signature
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.tokenizer import apply_chat_template
 
 
 class LLM:
@@ -21,60 +21,13 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     """
 
-    def __init__(
-        self,
-        model: str = "default",
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        seed: int = 0,
-        block_size: int = 16,
-        kv_cache_memory_bytes: int | None = None,
-        num_kv_blocks: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        device: str = "auto",
-        long_prefill_token_threshold: int = 0,
-        scheduling_policy: str = "fcfs",
-        scheduling: str = "continuous",
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        load_format: str = "auto",
-        quantization: str | None = None,
-    ) -> None:
-        cache = CacheConfig(
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=gpu_memory_utilization,
+    def __init__(self, model: str = "default", **kwargs) -> None:
+        """Engine arguments are `pagedserve.engine_args.EngineArgs`' fields, with vLLM's
+        names and defaults; an unsupported or unknown one raises ValueError naming it."""
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(
+            self.engine_args.create_engine_config(), engine_core_process=bool(self.engine_args.engine_core_process)
         )
-        sched = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            policy=scheduling_policy,
-            scheduling=scheduling,
-        )
-        cfg = EngineConfig(
-            model=ModelLoadConfig(
-                model=model,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                device=device,
-                seed=seed,
-                load_format=load_format,
-                enforce_eager=enforce_eager,
-                quantization=quantization,
-            ),
-            cache=cache,
-            scheduler=sched,
-        )
-        self.engine = LLMEngine(cfg)
 
     # -- generation -----------------------------------------------------------------
     def generate(
@@ -175,6 +128,13 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine (and its engine-core process, if any)."""
+        self.engine.shutdown()
+
+
+LLM.__init__.__signature__ = signature()  # help(LLM) lists every engine argument
 
 
 def _progress(total: int):

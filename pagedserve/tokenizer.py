@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from pagedserve.executor.loader import is_gguf
+from pagedserve.model_files import is_gguf
 
 
 def load_tokenizer(model_path: str, tokenizer: str | None = None):

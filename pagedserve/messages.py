@@ -1,14 +1,33 @@
-"""Plain messages passed between the layers: scheduler -> executor -> scheduler -> front end.
+"""Plain messages passed between the layers:
+front end -> engine core (`EngineCoreRequest`), scheduler -> executor (`SchedulerOutput`),
+executor -> scheduler (`ModelRunnerOutput`), engine core -> front end (`EngineCoreOutput`).
 
-They carry only data (no behaviour) so that the executor can live in another thread or
-process: everything here pickles.
+A neutral module: it imports nothing from the layers, and they all import it. Messages
+carry only data (no behaviour), so the engine core and the executor can live in another
+thread or process: everything here pickles.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """One sequence for the engine core to run (a request with n > 1 arrives as n of
+    these, "<id>#<i>"). Validated and tokenized by the front end's input processor."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: never None
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -82,3 +101,28 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class CoreRequestType(enum.IntEnum):
+    """Front end -> engine core commands; each travels as `(type, payload)`."""
+
+    ADD = 0  # payload: list[EngineCoreRequest]
+    ABORT = 1  # payload: list of request ids
+    FINISH_STOPPED = 2  # payload: list of request ids (a stop string was found)
+    RESET_PREFIX_CACHE = 3  # payload: None
+    SHUTDOWN = 4  # payload: None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Engine core -> front end, once per step (and after commands while idle)."""
+
+    outputs: list[EngineCoreOutput]
+    stats: object = None  # EngineStats snapshot taken after the step
+    # request id -> message, for requests the core refused (they are not running)
+    errors: dict[str, str] = field(default_factory=dict)
+    # the core loop's time split so far: seconds stepping, handling input, idle
+    step_seconds: float = 0.0
+    input_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    fatal: str | None = None  # the core stopped on this error (an executor fault); nothing follows

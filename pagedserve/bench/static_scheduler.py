@@ -1,0 +1,32 @@
+"""Static batching, the baseline of `pagedserve bench serve --compare-static`: a batch of
+up to max_num_seqs requests is admitted when nothing runs (even past the token budget:
+its prefill then proceeds in chunks through the running loop), and nothing joins until
+every member has finished. Not for production: it exists to measure what continuous
+batching gains.
+
+Select it with `--scheduler-cls pagedserve.bench.static_scheduler.StaticScheduler`.
+"""
+
+from __future__ import annotations
+
+from pagedserve.engine.request import Request
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.messages import ScheduledRequest
+
+STATIC_SCHEDULER_CLS = f"{__name__}.StaticScheduler"
+
+
+class StaticScheduler(Scheduler):
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]
+    ) -> int:
+        if self.running:
+            return budget
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, max(budget, 0))
+            if not self._admit(req, hit_blocks, num_hit, num_new, scheduled, scheduled_reqs):
+                break
+            budget -= num_new
+        return budget

@@ -1,0 +1,225 @@
+"""The engine core's busy loop behind ZMQ, in its own process (or a thread).
+
+Transport: two ZMQ PUSH/PULL pipes over ipc:// sockets that the front end binds, pickled
+plain messages (`messages.CoreRequestType` commands in, `EngineCoreOutputs` out). The
+loop drains its input without blocking whenever it has work, runs a step, sends that
+step's outputs and stats, and blocks on the input only when idle. It never waits on the
+front end while requests are running.
+
+Start-up goes over a multiprocessing pipe: the child answers ("ready", info) or
+("error", message). A child whose parent dies exits (PR_SET_PDEATHSIG where available,
+and a parent-pid check whenever idle), so no orphan is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import zmq
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import CoreInfo, EngineCore
+from pagedserve.messages import CoreRequestType, EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+class EngineCoreProc:
+    """Runs an EngineCore's loop, fed and drained over ZMQ."""
+
+    def __init__(self, core: EngineCore, input_addr: str, output_addr: str, parent_pid: int | None) -> None:
+        self.core = core
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.connect(output_addr)
+        self.parent_pid = parent_pid
+        self.step_seconds = self.input_seconds = self.idle_seconds = 0.0
+
+    def run(self) -> None:
+        core, poll, recv = self.core, self.input.poll, self.input.recv
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if not core.has_unfinished_requests():
+                    if not poll(1000):  # idle: block for input, checking on the parent
+                        self.idle_seconds += time.perf_counter() - t0
+                        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                            return
+                        continue
+                    t1 = time.perf_counter()
+                    self.idle_seconds += t1 - t0
+                    t0 = t1
+                errors: dict[str, str] = {}
+                handled = False
+                while True:
+                    try:
+                        kind, payload = pickle.loads(recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if kind == CoreRequestType.SHUTDOWN:
+                        return
+                    self._handle(kind, payload, errors)
+                    handled = True
+                t1 = time.perf_counter()
+                self.input_seconds += t1 - t0
+                if core.has_unfinished_requests():
+                    outputs = core.step()
+                    self.step_seconds += time.perf_counter() - t1
+                    self._send(outputs, errors)
+                elif handled:  # aborts and refusals while idle: report the state they left
+                    self._send([], errors)
+        except Exception as e:  # an executor fault: tell the front end, then stop
+            logger.exception("engine core loop failed")
+            with contextlib.suppress(Exception):
+                msg = EngineCoreOutputs([], fatal=f"{type(e).__name__}: {e}")
+                self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            raise
+        finally:
+            self.core.shutdown()
+            self.input.close(0)
+            self.output.close(linger=1000)  # let the last message out
+            self.ctx.term()
+
+    def _handle(self, kind: int, payload, errors: dict[str, str]) -> None:
+        core = self.core
+        if kind == CoreRequestType.ADD:
+            added = []
+            try:
+                for req in payload:
+                    core.add_request(req)
+                    added.append(req.request_id)
+            except ValueError as e:  # the input processor checks first; this is a safety net
+                core.abort_requests(added)
+                for req in payload:
+                    errors[req.request_id] = str(e)
+        elif kind == CoreRequestType.ABORT:
+            core.abort_requests(payload)
+        elif kind == CoreRequestType.FINISH_STOPPED:
+            core.finish_requests_stopped(payload)
+        elif kind == CoreRequestType.RESET_PREFIX_CACHE:
+            core.reset_prefix_cache()
+
+    def _send(self, outputs, errors) -> None:
+        msg = EngineCoreOutputs(
+            outputs,
+            self.core.get_stats(),
+            errors,
+            self.step_seconds,
+            self.input_seconds,
+            self.idle_seconds,
+        )
+        self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (no orphans)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, conn: Connection) -> None:
+    """The engine-core process's entry point."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    try:
+        core = EngineCore(config)
+        conn.send(("ready", core.info()))
+    except BaseException as e:  # noqa: BLE001 (reported to the front end)
+        logger.exception("engine core failed to start")
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    finally:
+        conn.close()
+    EngineCoreProc(core, input_addr, output_addr, parent_pid).run()
+
+
+class CoreHandle:
+    """The front end's handle on an engine core running its busy loop in a child process
+    (`process=True`) or in a thread of this process. Owns the ipc addresses; the clients
+    open their own sockets on them (`input_addr`: bind PUSH; `output_addr`: bind PULL)."""
+
+    def __init__(self, config: EngineConfig, process: bool = True) -> None:
+        self._dir = tempfile.mkdtemp(prefix="pagedserve-")
+        self.input_addr = f"ipc://{self._dir}/input"
+        self.output_addr = f"ipc://{self._dir}/output"
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.thread: threading.Thread | None = None
+        self._config = config
+        self._as_process = process
+        self.info: CoreInfo | None = None
+
+    def start(self) -> CoreInfo:
+        """Start the core once the caller has bound its sockets; returns when it is ready."""
+        if not self._as_process:
+            core = EngineCore(self._config)
+            self.info = core.info()
+            loop = EngineCoreProc(core, self.input_addr, self.output_addr, None)
+            self.thread = threading.Thread(target=loop.run, name="pagedserve-engine-core", daemon=True)
+            self.thread.start()
+            return self.info
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=run_engine_core,
+            args=(self._config, self.input_addr, self.output_addr, os.getpid(), child),
+            name="pagedserve-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not parent.poll(0.1):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the engine core process exited during start-up (exit code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        kind, payload = parent.recv()
+        parent.close()
+        if kind == "error":
+            self.process.join(10)
+            raise RuntimeError(f"the engine core failed to start: {payload}")
+        self.info = payload
+        return payload
+
+    @property
+    def sentinel(self) -> int | None:
+        """A handle that becomes ready when the core process ends (None: a thread)."""
+        return self.process.sentinel if self.process is not None else None
+
+    def is_alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self.thread is not None and self.thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        if self.process is not None:
+            self.process.join(timeout)
+            if self.process.is_alive():
+                self.kill()
+        elif self.thread is not None:
+            self.thread.join(timeout)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)

@@ -1,0 +1,143 @@
+"""InputProcessor: a user's request -> the engine core's requests, validated once.
+
+Tokenizes (str prompts), checks token ids, resolves max_tokens against max_model_len,
+caps logprobs, fans n > 1 out into child requests "<id>#<i>" (seed + i each) and attaches
+the model's EOS ids. Every refusal is an `InvalidRequestError` naming the OpenAI `param`,
+raised before anything is queued.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from pagedserve.config import EngineConfig
+from pagedserve.errors import InvalidRequestError
+from pagedserve.messages import EngineCoreRequest
+from pagedserve.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # top logprobs a request may ask for (vLLM's default max_logprobs)
+
+
+@dataclass
+class ProcessedRequest:
+    """What the front end keeps of one user request (the core gets `children`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[EngineCoreRequest]
+    arrival_time: float
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, vocab_size: int, tokenizer, eos_token_ids: frozenset[int]) -> None:
+        self.max_model_len = config.scheduler.max_model_len
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer  # None with skip_tokenizer_init
+        self.eos_token_ids = eos_token_ids
+        self.block_size = config.cache.block_size
+        self.num_kv_blocks: int | None = None  # set once the engine core has sized its cache
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """str | list[int] | {"prompt": str} | {"prompt_token_ids": [...]} -> (text, ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'.", "prompt")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "text prompts need a tokenizer (the engine runs with skip_tokenizer_init); "
+                    "pass {'prompt_token_ids': [...]}.",
+                    "prompt",
+                )
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise InvalidRequestError(
+            f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}.", "prompt"
+        )
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = list(ids)
+        vocab = self.vocab_size
+        for t in ids:
+            # bool is an int subclass; floats are refused even when integral
+            if type(t) is not int or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab}), got {t!r}.", "prompt")
+        return ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> ProcessedRequest:
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt must contain at least one token.", "prompt")
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string.", "cache_salt")
+        max_len = self.max_model_len
+        if params.max_tokens is None:  # "up to max_model_len", as vLLM
+            if len(ids) >= max_len:
+                raise InvalidRequestError(
+                    f"This model's maximum context length (max_model_len) is {max_len} tokens, but the "
+                    f"prompt has {len(ids)} tokens, which leaves no room to generate.",
+                    "prompt",
+                )
+            max_tokens = max_len - len(ids)
+        else:
+            max_tokens = params.max_tokens
+            if len(ids) + max_tokens > max_len:
+                raise InvalidRequestError(
+                    f"This model's maximum context length (max_model_len) is {max_len} tokens, but the "
+                    f"request needs {len(ids) + max_tokens} ({len(ids)} in the prompt, max_tokens={max_tokens}).",
+                    "max_tokens",
+                )
+        if max_tokens == 0 and params.prompt_logprobs is None:
+            raise InvalidRequestError("max_tokens must be >= 1 unless prompt_logprobs are requested.", "max_tokens")
+        # The last sampled token is never written to the cache.
+        need = -(-max(len(ids) + max_tokens - 1, len(ids)) // self.block_size)
+        if self.num_kv_blocks is not None and need > self.num_kv_blocks:
+            raise InvalidRequestError(
+                f"The request needs up to {need} KV blocks ({len(ids)} prompt tokens + max_tokens="
+                f"{max_tokens}, block_size={self.block_size}) but the whole KV cache has "
+                f"{self.num_kv_blocks} blocks ({self.num_kv_blocks * self.block_size} tokens); "
+                "lower max_tokens or give the cache more memory.",
+                "max_tokens",
+            )
+        limit = min(MAX_LOGPROBS, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > limit:
+                raise InvalidRequestError(f"{name} must be <= {limit}, got {k}.", name)
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"stop_token_ids must be in [0, {self.vocab_size}), got {t}.", "stop_token_ids"
+                )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init is set).", "stop")
+        arrival = arrival_time or time.time()
+        children = []
+        for i in range(params.n):
+            child_params, cid = params, request_id
+            if params.n > 1:
+                child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                cid = f"{request_id}#{i}"
+            children.append(
+                EngineCoreRequest(
+                    cid, ids, child_params, max_tokens, self.eos_token_ids, arrival, priority, cache_salt
+                )
+            )
+        return ProcessedRequest(request_id, text, ids, params, children, arrival)

@@ -1,0 +1,83 @@
+"""EngineArgs: one registry for the CLI flags and LLM(**kwargs)."""
+
+import argparse
+import dataclasses
+import inspect
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.engine_args import VLLM_ONLY_ARGS, EngineArgs, parse_bytes
+
+
+def _non_default(f: dataclasses.Field):
+    """A value different from the field's default, of the field's type."""
+    md = f.metadata
+    if f.type in ("bool", "bool | None"):
+        return not bool(f.default)
+    if md.get("choices"):
+        return next(c for c in md["choices"] if c != f.default)
+    if f.name == "kv_cache_memory_bytes":
+        return 3 << 30
+    if f.type.startswith("int"):
+        return (f.default or 0) + 7
+    if f.type.startswith("float"):
+        return 0.5
+    return f"x-{f.name}"
+
+
+def _flag_value(v):
+    return str(v)
+
+
+@pytest.mark.parametrize("field", dataclasses.fields(EngineArgs), ids=lambda f: f.name)
+def test_every_cli_flag_maps_to_its_llm_keyword(field):
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    value = _non_default(field)
+    flag = "--" + field.name.replace("_", "-")
+    if isinstance(value, bool):
+        argv = [flag if value else "--no-" + field.name.replace("_", "-")]
+    else:
+        argv = [flag, _flag_value(value)]
+    from_cli = EngineArgs.from_cli_args(parser.parse_args(argv))
+    from_kwargs = EngineArgs.from_kwargs(**{field.name: value})
+    assert from_cli == from_kwargs
+    assert getattr(from_cli, field.name) == value != field.default
+
+
+def test_defaults_agree_and_positional_model():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser, model_positional=True)
+    assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
+    assert EngineArgs.from_cli_args(parser.parse_args(["/m"])).model == "/m"
+    # vLLM's older spellings still work
+    ns = parser.parse_args(["--no-prefix-caching", "--kv-cache-memory", "1GiB"])
+    assert EngineArgs.from_cli_args(ns) == EngineArgs(enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30)
+
+
+def test_llm_signature_is_generated_from_the_dataclass():
+    params = inspect.signature(LLM.__init__).parameters
+    assert list(params)[1:] == [f.name for f in dataclasses.fields(EngineArgs)]
+    assert params["max_num_seqs"].default == 256
+
+
+def test_unsupported_vllm_argument_is_named():
+    with pytest.raises(ValueError, match="vLLM engine argument.*trust_remote_code"):
+        LLM("default", trust_remote_code=True)
+    with pytest.raises(ValueError, match="unknown engine argument.*max_nun_seqs"):
+        LLM("default", max_nun_seqs=3)
+    assert "speculative_config" in VLLM_ONLY_ARGS
+
+
+def test_tensor_parallel_above_one_is_refused_clearly():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        EngineArgs(tensor_parallel_size=2).create_engine_config()
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("512MB") == 512_000_000
+    assert parse_bytes("1e9") == 10**9
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("lots")
