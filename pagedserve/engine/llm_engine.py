@@ -19,6 +19,7 @@ from pagedserve.engine.core_client import InprocClient, SyncMPClient
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.stats import EngineStats
+from pagedserve.executor.loader import resolve_model_path
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import eos_token_ids, load_tokenizer
@@ -36,7 +37,8 @@ class FrontEnd:
         self.model_path = info.model_path
         self.model_config = info.model_config
         mc = config.model
-        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(info.model_path, mc.tokenizer)
+        tok_path = resolve_model_path(mc.tokenizer) if mc.tokenizer else info.model_path
+        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(tok_path)
         eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos = eos_token_ids(self.tokenizer, info.model_path, self.model_config.eos_token_ids)

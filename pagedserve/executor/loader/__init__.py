@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
 
 from pagedserve.executor.attention.backend import AttentionBackend
 from pagedserve.executor.model_config import ModelConfig
-from pagedserve.model_files import default_model_path, is_gguf, resolve_model_path  # noqa: F401 (re-exported)
+from pagedserve.model_files import default_model_path, is_gguf
+
+
+def resolve_model_path(model: str) -> str:
+    """A local HF directory for `model`: a directory as is; a GGUF file (or "default")
+    through its cached conversion. Nothing is ever downloaded."""
+    path = default_model_path() if model in ("default", "", None) else model
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local directory nor a GGUF file (no hub downloads), nor 'default'"
+        )
+    if is_gguf(path):
+        from pagedserve.executor.loader.gguf_loader import converted_dir
+
+        return converted_dir(path)
+    return path
 
 
 def load_hf_config_dict(path: str) -> dict:
