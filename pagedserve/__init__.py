@@ -3,7 +3,12 @@
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.frontend.llm import LLM
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -14,4 +19,5 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

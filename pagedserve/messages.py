@@ -62,6 +62,11 @@ class SchedulerOutput:
     # Requests preempted since the last step: their blocks are gone; they come back later
     # as is_new (the executor may keep what survives preemption, e.g. a seeded generator).
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: the legal next tokens of the constrained requests that sample
+    # this step, one int32 bitmask row each (numpy [k, ceil(V / 32)], bit t % 32 of word
+    # t // 32 = token t), and request id -> row. None when no sampled request is constrained.
+    structured_output_request_ids: dict[str, int] | None = None
+    grammar_bitmask: object | None = None
 
 
 @dataclass(slots=True)

@@ -28,6 +28,63 @@ def _short(value, limit: int = 64) -> str:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's `StructuredOutputsParams`): exactly one of
+    `json` (a JSON schema, dict or str), `json_object` (any JSON object), `regex`, `choice`
+    (one of these strings) or `grammar` (EBNF/GBNF with `root ::= ...`, or a Lark grammar).
+    The engine compiles it into a token mask (`pagedserve.structured_outputs`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON only: no whitespace between tokens (a compact, faster-to-generate form)
+    disable_any_whitespace: bool = False
+    # JSON schemas only: objects without "additionalProperties" admit no other keys
+    disable_additional_properties: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            what = "none is" if not given else f"{', '.join(given)} are"
+            raise InvalidRequestError(
+                f"structured_outputs needs exactly one of {', '.join(self.KINDS)}; {what} given.",
+                "structured_outputs",
+            )
+        kind = given[0]
+        value = getattr(self, kind)
+        ok = {
+            "json": isinstance(value, (str, dict)),
+            "regex": isinstance(value, str) and value != "",
+            "choice": isinstance(value, (list, tuple))
+            and len(value) > 0
+            and all(isinstance(c, str) for c in value),
+            "grammar": isinstance(value, str) and value.strip() != "",
+            "json_object": value is True,
+        }[kind]
+        if not ok:
+            rule = {
+                "json": "a JSON schema (a dict or a JSON string)",
+                "regex": "a non-empty string",
+                "choice": "a non-empty list of strings",
+                "grammar": "a non-empty grammar string",
+                "json_object": "true",
+            }[kind]
+            raise InvalidRequestError(
+                f"structured_outputs.{kind} must be {rule}, got {_short(value)}.", "structured_outputs"
+            )
+        if kind == "choice":
+            self.choice = list(value)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """How to sample one prompt's completions (vLLM-compatible fields).
 
@@ -55,8 +112,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}.",
+                "structured_outputs",
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:

@@ -14,13 +14,16 @@ ROOT = pathlib.Path(pagedserve.__file__).parent
 
 NEUTRAL = {"config", "errors", "messages", "sampling_params", "outputs", "model_files", "tokenizer", "engine_args"}
 # layer -> the layers it may import (besides itself and the neutral modules)
+# structured_outputs (grammars, matchers, the bitmask) sits under the executor: the engine
+# compiles and advances grammars, the executor applies the bitmask, the server validates.
 ALLOWED = {
     "neutral": set(),
-    "executor": set(),
-    "engine": {"executor"},
-    "frontend": {"engine"},
-    "server": {"engine"},
-    "bench": {"engine", "executor", "frontend", "server"},
+    "structured_outputs": set(),
+    "executor": {"structured_outputs"},
+    "engine": {"executor", "structured_outputs"},
+    "frontend": {"engine", "structured_outputs"},
+    "server": {"engine", "structured_outputs"},
+    "bench": {"engine", "executor", "frontend", "server", "structured_outputs"},
     "__init__": {"engine", "frontend"},
 }
 
