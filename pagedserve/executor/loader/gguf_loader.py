@@ -148,6 +148,8 @@ def converted_dir(path: str) -> str:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
         save_file(dict(iterate_gguf(path, reader)), os.path.join(tmp, "model.safetensors"))
+        with open(os.path.join(tmp, PACKED_INDEX), "w") as f:
+            json.dump(tensor_index(reader), f)
         del reader
         from transformers import AutoTokenizer
 
@@ -163,3 +165,109 @@ def converted_dir(path: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# -- packed (quantized) tensors, read from the GGUF itself ------------------------------------------
+PACKED_INDEX = "pagedserve_gguf_tensors.json"
+
+
+def tensor_index(reader) -> dict:
+    """name -> type, ggml shape (fastest dim first), absolute file offset and byte count."""
+    return {
+        t.name: {
+            "type": int(t.tensor_type),
+            "shape": [int(x) for x in t.shape],
+            "offset": int(t.data_offset),
+            "nbytes": int(t.n_bytes),
+        }
+        for t in reader.tensors
+    }
+
+
+def gguf_source(model_dir: str) -> str | None:
+    """The GGUF file a converted directory came from (None for a plain HF directory)."""
+    meta = os.path.join(model_dir, "pagedserve_gguf.json")
+    if not os.path.exists(meta):
+        return None
+    with open(meta) as f:
+        return json.load(f)["source"]
+
+
+def packed_tensor_index(model_dir: str, source: str) -> dict:
+    """The converted directory's tensor index (written once: parsing the GGUF takes seconds)."""
+    path = os.path.join(model_dir, PACKED_INDEX)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    index = tensor_index(_reader(source))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(index, f)
+    os.replace(tmp, path)
+    return index
+
+
+def iterate_gguf_packed(source: str, index: dict, config: dict) -> Iterator[tuple[str, object]]:
+    """(HF name, tensor) with every 2-D tensor of a block-quantized type kept packed (a
+    PackedWeight copied once out of the file, Q/K rows un-permuted), the rest as float32."""
+    import gguf
+
+    from pagedserve.executor.quant.formats import F32, PACKED_TYPES, PackedWeight
+
+    heads = config["num_attention_heads"]
+    kv_heads = config["num_key_value_heads"]
+    # a fused layer (q/k/v, gate/up) is packed whole if any of its parts is: float parts of it
+    # then travel as F32 rows
+    groups = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gu", "ffn_up": "gu"}
+
+    def group(gname: str) -> str | None:
+        parts = gname.split(".")
+        g = groups.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
+        return f"{parts[1]}.{g}" if g else None
+
+    packed_groups = {
+        group(n) for n, i in index.items() if group(n) and i["type"] in PACKED_TYPES and len(i["shape"]) == 2
+    }
+    mm = np.memmap(source, dtype=np.uint8, mode="r")
+    try:
+        for gname, info in index.items():
+            name = _NAMES.get(gname)
+            if name is None and gname.startswith("blk."):
+                _, idx, rest = gname.split(".", 2)
+                if rest in _LAYER_NAMES:
+                    name = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+            if name is None:
+                continue
+            qtype = info["type"]
+            raw = mm[info["offset"] : info["offset"] + info["nbytes"]]
+            shape = tuple(reversed(info["shape"]))
+            n_head = heads if gname.endswith("attn_q.weight") else kv_heads if gname.endswith("attn_k.weight") else 0
+            if qtype in PACKED_TYPES and len(shape) == 2:
+                rows = raw.reshape(shape[0], -1)
+                if n_head:
+                    rows = unpermute_rope(rows, n_head)
+                data = torch.from_numpy(np.array(rows, order="C"))  # one copy, the file is closed after
+                yield name, PackedWeight(qtype, data, shape)
+            else:
+                bsize = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)][1]
+                w = gguf.quants.dequantize(raw.reshape(-1, bsize), gguf.GGMLQuantizationType(qtype))
+                w = np.asarray(w, dtype=np.float32).reshape(shape)
+                if n_head:
+                    w = unpermute_rope(w, n_head)
+                t = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+                if group(gname) in packed_groups:
+                    yield name, PackedWeight(F32, t.view(torch.uint8).reshape(shape[0], -1), shape)
+                else:
+                    yield name, t
+    finally:
+        del mm
+
+
+def iterate_packed_model(model_dir: str) -> Iterator[tuple[str, object]]:
+    """The packed weights of the GGUF behind a converted directory."""
+    source = gguf_source(model_dir)
+    if source is None or not os.path.exists(source):
+        raise FileNotFoundError(f"{model_dir}: its source GGUF file is gone ({source})")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    return iterate_gguf_packed(source, packed_tensor_index(model_dir, source), config)

@@ -186,6 +186,10 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 fused, shard = self._STACKED[parts[-2]]
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if not isinstance(tensor, torch.Tensor) or self._packed(target):  # quantized, kept packed
+                self._load_packed(target, shard, tensor)
+                loaded.add(f"{target}#{shard}")
+                continue
             param = params.get(target)
             if param is None:
                 raise ValueError(
@@ -222,3 +226,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint is missing weights: {', '.join(m.split('#')[0] for m in missing[:8])}"
             )
+        from pagedserve.executor.quant.layers import finish_packed
+
+        finish_packed(self)
+
+    def _packed(self, target: str) -> bool:
+        from pagedserve.executor.quant.layers import QuantLinear
+
+        mod = self.get_submodule(target.rpartition(".")[0]) if "." in target else None
+        return isinstance(mod, QuantLinear)
+
+    def _load_packed(self, target: str, shard: int | None, w) -> None:
+        from pagedserve.executor.quant.layers import load_packed
+
+        sizes = self._shard_sizes(target.split(".")[-2]) if shard is not None else None
+        load_packed(self, target, shard, sizes, w)

@@ -1,0 +1,180 @@
+"""Quantized-weight measurements (JSON on stdout), A/B interleaved in one process.
+
+python -m pagedserve.executor.quant.bench tpot    [--model default] [--tokens 128] [--rounds 5]
+      batch-1 decode time per output token, packed vs dequantized float32 (quantization="none")
+python -m pagedserve.executor.quant.bench kernels [--rounds 20]
+      one linear layer at decode/prefill row counts: packed kernels vs float32 F.linear vs
+      torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu
+python -m pagedserve.executor.quant.bench rss     [--model default] [--quantization ...]
+      resident memory of an engine after start and one generation
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def _tpot(llm, tokens: int, prompt: str) -> tuple[float, float]:
+    from pagedserve import SamplingParams
+
+    sp1 = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    spn = SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompt, sp1, use_tqdm=False)
+    t1 = time.perf_counter()
+    llm.generate(prompt, spn, use_tqdm=False)
+    t2 = time.perf_counter()
+    return (t2 - t1 - (t1 - t0)) / tokens, t1 - t0
+
+
+def cmd_tpot(args) -> dict:
+    from pagedserve import LLM
+
+    variants = [q.strip() for q in args.variants.split(",")]
+    llms = {}
+    for v in variants:
+        q = None if v == "default" else v
+        llms[v] = LLM(args.model, dtype="float32", num_kv_blocks=256, quantization=q)
+        _tpot(llms[v], 8, args.prompt)  # warm up
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v in variants:
+            samples[v].append(_tpot(llms[v], args.tokens, args.prompt)[0] * 1e3)
+    med = {v: statistics.median(s) for v, s in samples.items()}
+    base = variants[-1]
+    return {
+        "bench": "tpot",
+        "model": args.model,
+        "batch": 1,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "median_tpot_ms": med,
+        "all_ms": samples,
+        f"speedup_vs_{base}": {v: med[base] / med[v] for v in variants},
+    }
+
+
+def _time(fn, rounds: int) -> float:
+    fn()
+    ts = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+
+
+def _kernel_fns(x, w, q8, q4, w8, s8, w4, sz4) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from pagedserve.executor.quant import kernels
+
+    out = torch.empty(x.shape[0], w.shape[0])
+    fns = {
+        "float32_linear": lambda: F.linear(x, w),
+        "packed_q8_0": lambda: kernels.gemm(x, q8.data, q8.qtype, out),
+        "packed_q4_1": lambda: kernels.gemm(x, q4.data, q4.qtype, out),
+        "torch_int8pack_mm": lambda: torch._weight_int8pack_mm(x, w8, s8),
+    }
+    if w4 is not None:
+        fns["torch_int4pack_mm_g32"] = lambda: torch._weight_int4pack_mm_for_cpu(x, w4, 32, sz4)
+    return fns
+
+
+def cmd_kernels(args) -> dict:
+    import torch
+
+    from pagedserve.executor.quant import kernels
+    from pagedserve.executor.quant.formats import quantize_q4_1, quantize_q8_0
+
+    torch.manual_seed(0)
+    rows = []
+    for n, k in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
+        w = torch.randn(n, k) * 0.02
+        q8, q4 = quantize_q8_0(w), quantize_q4_1(w)
+        w8 = torch.round(w / (w.abs().amax(1, keepdim=True) / 127)).to(torch.int8)
+        s8 = (w.abs().amax(1) / 127).float()
+        w4 = None
+        try:
+            wq = torch.randint(0, 16, (n, k), dtype=torch.int32)
+            w4 = torch._convert_weight_to_int4pack_for_cpu(wq, 1)
+            sz4 = torch.rand(k // 32, n, 2)
+        except Exception:  # noqa: BLE001
+            w4 = None
+        for m in [int(x) for x in args.rows.split(",")]:
+            fns = _kernel_fns(torch.randn(m, k), w, q8, q4, w8, s8, w4, sz4 if w4 is not None else None)
+            res = {name: None for name in fns}
+            for _ in range(args.rounds):  # interleaved
+                for name, fn in fns.items():
+                    t = _time(fn, 3)
+                    res[name] = min(res[name], t) if res[name] is not None else t
+            rows.append({"N": n, "K": k, "M": m, "us": {a: round(b, 1) for a, b in res.items()}})
+    return {
+        "bench": "quant_kernels",
+        "isa": kernels.current_isa(),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def cmd_rss(args) -> dict:
+    import gc
+
+    from pagedserve import LLM, SamplingParams
+
+    def rss_mb() -> float:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def hwm_mb() -> float:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    q = None if args.quantization == "default" else args.quantization
+    before = rss_mb()
+    llm = LLM(args.model, quantization=q)
+    llm.generate("The capital of France is", SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)
+    gc.collect()
+    return {
+        "bench": "rss",
+        "model": args.model,
+        "quantization": args.quantization,
+        "rss_before_mb": round(before, 1),
+        "rss_after_mb": round(rss_mb(), 1),
+        "peak_rss_mb": round(hwm_mb(), 1),
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m pagedserve.executor.quant.bench")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tpot")
+    t.add_argument("--model", default="default")
+    t.add_argument("--variants", default="default,none", help="quantization values; the last is the baseline")
+    t.add_argument("--tokens", type=int, default=128)
+    t.add_argument("--rounds", type=int, default=5)
+    t.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
+    k = sub.add_parser("kernels")
+    k.add_argument("--shapes", default="1536x576,576x1536,49152x576,2048x2048,5632x2048")
+    k.add_argument("--rows", default="1,4,16,64")
+    k.add_argument("--rounds", type=int, default=5)
+    r = sub.add_parser("rss")
+    r.add_argument("--model", default="default")
+    r.add_argument("--quantization", default="default")
+    args = p.parse_args(argv)
+    out = {"tpot": cmd_tpot, "kernels": cmd_kernels, "rss": cmd_rss}[args.cmd](args)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

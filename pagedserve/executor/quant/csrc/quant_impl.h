@@ -1,0 +1,401 @@
+// Kernels for one instruction set. Included by quant_kernels.cpp once per ISA, inside a
+// namespace and (for AVX2 / AVX-512) a target region, with QK_ISA = 0 (portable scalar),
+// 1 (AVX2 + FMA + F16C) or 2 (AVX-512 F/BW/VL/DQ). No include guard on purpose.
+//
+// Every function computes with float activations: a packed weight is either expanded block
+// by block into registers and multiplied as (scale * sum(x * q) + min * sum(x)) (Q4_0, Q4_1,
+// Q8_0: the same products as dequantize-then-matmul, up to float rounding), or dequantized
+// one row at a time into a small float buffer that is then dotted with every activation row.
+
+static inline float h2f(uint16_t h) {
+#if QK_ISA >= 1
+  return _cvtsh_ss(h);
+#else
+  return fp16_to_f32(h);
+#endif
+}
+
+// ---- dequantization of one row of K elements (any supported type) ----------------------
+static void deq_q4_0(const uint8_t* src, float* y, int64_t K) {
+  const bq4_0* b = reinterpret_cast<const bq4_0*>(src);
+  for (int64_t i = 0; i < K / 32; ++i, y += 32) {
+    const float d = h2f(b[i].d);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = (float)((int)(b[i].qs[j] & 15) - 8) * d;
+      y[j + 16] = (float)((int)(b[i].qs[j] >> 4) - 8) * d;
+    }
+  }
+}
+static void deq_q4_1(const uint8_t* src, float* y, int64_t K) {
+  const bq4_1* b = reinterpret_cast<const bq4_1*>(src);
+  for (int64_t i = 0; i < K / 32; ++i, y += 32) {
+    const float d = h2f(b[i].d), m = h2f(b[i].m);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = (float)(b[i].qs[j] & 15) * d + m;
+      y[j + 16] = (float)(b[i].qs[j] >> 4) * d + m;
+    }
+  }
+}
+static void deq_q5_0(const uint8_t* src, float* y, int64_t K) {
+  const bq5_0* b = reinterpret_cast<const bq5_0*>(src);
+  for (int64_t i = 0; i < K / 32; ++i, y += 32) {
+    const float d = h2f(b[i].d);
+    uint32_t qh;
+    std::memcpy(&qh, b[i].qh, 4);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (b[i].qs[j] & 15) | (((qh >> j) & 1) << 4);
+      const int hi = (b[i].qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      y[j] = (float)(lo - 16) * d;
+      y[j + 16] = (float)(hi - 16) * d;
+    }
+  }
+}
+static void deq_q5_1(const uint8_t* src, float* y, int64_t K) {
+  const bq5_1* b = reinterpret_cast<const bq5_1*>(src);
+  for (int64_t i = 0; i < K / 32; ++i, y += 32) {
+    const float d = h2f(b[i].d), m = h2f(b[i].m);
+    uint32_t qh;
+    std::memcpy(&qh, b[i].qh, 4);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (b[i].qs[j] & 15) | (((qh >> j) & 1) << 4);
+      const int hi = (b[i].qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      y[j] = (float)lo * d + m;
+      y[j + 16] = (float)hi * d + m;
+    }
+  }
+}
+static void deq_q8_0(const uint8_t* src, float* y, int64_t K) {
+  const bq8_0* b = reinterpret_cast<const bq8_0*>(src);
+  for (int64_t i = 0; i < K / 32; ++i, y += 32) {
+    const float d = h2f(b[i].d);
+    for (int j = 0; j < 32; ++j) y[j] = (float)b[i].qs[j] * d;
+  }
+}
+static inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+static void deq_q4_k(const uint8_t* src, float* y, int64_t K) {
+  const bq4_K* b = reinterpret_cast<const bq4_K*>(src);
+  for (int64_t i = 0; i < K / 256; ++i) {
+    const float d = h2f(b[i].d), dmin = h2f(b[i].dmin);
+    const uint8_t* q = b[i].qs;
+    for (int j = 0; j < 4; ++j, q += 32, y += 64) {
+      int sc, m;
+      scale_min_k4(2 * j, b[i].scales, &sc, &m);
+      const float d1 = d * sc, m1 = dmin * m;
+      scale_min_k4(2 * j + 1, b[i].scales, &sc, &m);
+      const float d2 = d * sc, m2 = dmin * m;
+      for (int l = 0; l < 32; ++l) y[l] = d1 * (float)(q[l] & 15) - m1;
+      for (int l = 0; l < 32; ++l) y[l + 32] = d2 * (float)(q[l] >> 4) - m2;
+    }
+  }
+}
+static void deq_q5_k(const uint8_t* src, float* y, int64_t K) {
+  const bq5_K* b = reinterpret_cast<const bq5_K*>(src);
+  for (int64_t i = 0; i < K / 256; ++i) {
+    const float d = h2f(b[i].d), dmin = h2f(b[i].dmin);
+    const uint8_t* q = b[i].qs;
+    const uint8_t* qh = b[i].qh;
+    for (int j = 0; j < 4; ++j, q += 32, y += 64) {
+      int sc, m;
+      scale_min_k4(2 * j, b[i].scales, &sc, &m);
+      const float d1 = d * sc, m1 = dmin * m;
+      scale_min_k4(2 * j + 1, b[i].scales, &sc, &m);
+      const float d2 = d * sc, m2 = dmin * m;
+      const int s1 = 2 * j, s2 = 2 * j + 1;
+      for (int l = 0; l < 32; ++l) y[l] = d1 * (float)((q[l] & 15) | (((qh[l] >> s1) & 1) << 4)) - m1;
+      for (int l = 0; l < 32; ++l) y[l + 32] = d2 * (float)((q[l] >> 4) | (((qh[l] >> s2) & 1) << 4)) - m2;
+    }
+  }
+}
+static void deq_q6_k(const uint8_t* src, float* y, int64_t K) {
+  const bq6_K* b = reinterpret_cast<const bq6_K*>(src);
+  for (int64_t i = 0; i < K / 256; ++i) {
+    const float d = h2f(b[i].d);
+    const uint8_t* ql = b[i].ql;
+    const uint8_t* qh = b[i].qh;
+    const int8_t* sc = b[i].scales;
+    for (int n = 0; n < 2; ++n, y += 128, ql += 64, qh += 32, sc += 8) {
+      for (int l = 0; l < 32; ++l) {
+        const int is = l / 16;
+        const int q1 = ((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        y[l] = d * (float)sc[is] * (float)q1;
+        y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+        y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+        y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+      }
+    }
+  }
+}
+static void deq_f32(const uint8_t* src, float* y, int64_t K) { std::memcpy(y, src, K * sizeof(float)); }
+static void deq_f16(const uint8_t* src, float* y, int64_t K) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < K; ++i) y[i] = h2f(s[i]);
+}
+static void deq_bf16(const uint8_t* src, float* y, int64_t K) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < K; ++i) {
+    const uint32_t u = (uint32_t)s[i] << 16;
+    std::memcpy(&y[i], &u, 4);
+  }
+}
+
+typedef void (*deq_fn)(const uint8_t*, float*, int64_t);
+static deq_fn deq_for(int type) {
+  switch (type) {
+    case T_F32: return deq_f32;
+    case T_F16: return deq_f16;
+    case T_BF16: return deq_bf16;
+    case T_Q4_0: return deq_q4_0;
+    case T_Q4_1: return deq_q4_1;
+    case T_Q5_0: return deq_q5_0;
+    case T_Q5_1: return deq_q5_1;
+    case T_Q8_0: return deq_q8_0;
+    case T_Q4_K: return deq_q4_k;
+    case T_Q5_K: return deq_q5_k;
+    case T_Q6_K: return deq_q6_k;
+    default: return nullptr;
+  }
+}
+
+static void dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, const int64_t* rows, int64_t r0,
+                         int64_t r1, float* out) {
+  deq_fn f = deq_for(type);
+  for (int64_t r = r0; r < r1; ++r) f(W + (rows ? rows[r] : r) * rb, out + r * K, K);
+}
+
+// ---- dot products ------------------------------------------------------------------------
+#if QK_ISA == 1
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+static inline float dot(const float* a, const float* b, int64_t K) {
+  int64_t i = 0;
+  float s = 0.f;
+#if QK_ISA == 2
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (; i + 32 <= K; i += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), a1);
+  }
+  s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif QK_ISA == 1
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= K; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+  }
+  s = hsum8(_mm256_add_ps(a0, a1));
+#else
+  float p[4] = {0.f, 0.f, 0.f, 0.f};
+  for (; i + 4 <= K; i += 4)
+    for (int j = 0; j < 4; ++j) p[j] += a[i + j] * b[i + j];
+  s = (p[0] + p[1]) + (p[2] + p[3]);
+#endif
+  for (; i < K; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Any type: dequantize a row into buf, then one dot product per activation row.
+static void gemm_generic(const GemmArgs& g, int64_t n0, int64_t n1) {
+  std::vector<float> buf(g.K);
+  deq_fn f = deq_for(g.type);
+  for (int64_t n = n0; n < n1; ++n) {
+    f(g.W + n * g.rb, buf.data(), g.K);
+    for (int64_t m = 0; m < g.M; ++m) g.out[m * g.ldo + n] = dot(g.X + m * g.K, buf.data(), g.K);
+  }
+}
+
+// ---- fused kernels: Q4_0, Q4_1, Q8_0 --------------------------------------------------------
+// Each block's 32 quants become float registers once and are used for up to MT activation
+// rows; per block and row: acc += d * sum(x * q) (+ m * sum(x) for Q4_1, from g.xsum).
+#if QK_ISA == 1
+template <int TYPE>
+static inline void unpack32(const uint8_t* blk, __m256* f) {
+  if (TYPE == T_Q8_0) {
+    const int8_t* qs = reinterpret_cast<const bq8_0*>(blk)->qs;
+    for (int j = 0; j < 4; ++j)
+      f[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * j))));
+  } else {
+    const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+    if (TYPE == T_Q4_0) {
+      const __m128i e8 = _mm_set1_epi8(8);
+      lo = _mm_sub_epi8(lo, e8);
+      hi = _mm_sub_epi8(hi, e8);
+      f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+      f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+      f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+      f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+      f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    }
+  }
+}
+
+template <int TYPE, int MT>
+static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    __m256 f[4];
+    unpack32<TYPE>(blk, f);
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    const __m256 vd = _mm256_set1_ps(h2f(hdr[0]));
+    for (int t = 0; t < MT; ++t) {
+      const float* x = g.X + (m0 + t) * g.K + i * 32;
+      __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+      s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), s);
+      s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), s);
+      s = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), s);
+      acc[t] = _mm256_fmadd_ps(s, vd, acc[t]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xsum[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+}
+#elif QK_ISA == 2
+template <int TYPE>
+static inline void unpack32(const uint8_t* blk, __m512* f) {
+  if (TYPE == T_Q8_0) {
+    const int8_t* qs = reinterpret_cast<const bq8_0*>(blk)->qs;
+    f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
+    f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
+  } else {
+    const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+    if (TYPE == T_Q4_0) {
+      const __m128i e8 = _mm_set1_epi8(8);
+      f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(lo, e8)));
+      f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(hi, e8)));
+    } else {
+      f[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+      f[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+    }
+  }
+}
+
+template <int TYPE, int MT>
+static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  __m512 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    accm[t] = 0.f;
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    __m512 f[2];
+    unpack32<TYPE>(blk, f);
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    const __m512 vd = _mm512_set1_ps(h2f(hdr[0]));
+    for (int t = 0; t < MT; ++t) {
+      const float* x = g.X + (m0 + t) * g.K + i * 32;
+      __m512 s = _mm512_mul_ps(f[0], _mm512_loadu_ps(x));
+      s = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(x + 16), s);
+      acc[t] = _mm512_fmadd_ps(s, vd, acc[t]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xsum[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = _mm512_reduce_add_ps(acc[t]) + accm[t];
+}
+#else
+template <int TYPE, int MT>
+static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  float acc[MT], accm[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = accm[t] = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    float q[32];
+    if (TYPE == T_Q8_0) {
+      for (int j = 0; j < 32; ++j) q[j] = (float)reinterpret_cast<const bq8_0*>(blk)->qs[j];
+    } else {
+      const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+      const int off = TYPE == T_Q4_0 ? 8 : 0;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (float)((int)(qs[j] & 15) - off);
+        q[j + 16] = (float)((int)(qs[j] >> 4) - off);
+      }
+    }
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    const float d = h2f(hdr[0]);
+    for (int t = 0; t < MT; ++t) {
+      const float* x = g.X + (m0 + t) * g.K + i * 32;
+      float s = 0.f;
+      for (int j = 0; j < 32; ++j) s += q[j] * x[j];
+      acc[t] += s * d;
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xsum[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
+}
+#endif
+
+template <int TYPE>
+static void gemm_fused(const GemmArgs& g, int64_t n0, int64_t n1) {
+  // a few output rows at a time, all activation rows for each: the packed rows are read
+  // from memory once per call and stay in L1 for the remaining M tiles
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= g.M; m0 += 4) gemm_fused_tile<TYPE, 4>(g, n, m0);
+    switch (g.M - m0) {
+      case 3: gemm_fused_tile<TYPE, 3>(g, n, m0); break;
+      case 2: gemm_fused_tile<TYPE, 2>(g, n, m0); break;
+      case 1: gemm_fused_tile<TYPE, 1>(g, n, m0); break;
+      default: break;
+    }
+  }
+}
+
+static void gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
+  switch (g.type) {
+    case T_Q4_0: gemm_fused<T_Q4_0>(g, n0, n1); break;
+    case T_Q4_1: gemm_fused<T_Q4_1>(g, n0, n1); break;
+    case T_Q8_0: gemm_fused<T_Q8_0>(g, n0, n1); break;
+    default: gemm_generic(g, n0, n1); break;
+  }
+}

@@ -1,0 +1,414 @@
+// Matrix products with weights kept in GGUF's packed block formats (Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0, Q4_K, Q5_K, Q6_K; F32/F16/BF16 rows too), float activations.
+//
+// The same kernel source (quant_impl.h) is compiled three times in this one translation unit:
+// portable scalar, AVX2+FMA+F16C and AVX-512 (each in its own namespace and target region),
+// and the path is chosen at run time from what the CPU has (or forced with set_isa, which the
+// Python side drives from PAGEDSERVE_CPU_ISA). No -march flags: the module runs on any x86-64.
+//
+//   gemm(x [M,K] f32, w uint8 [N, row_bytes], type, out [M, ldo] f32, col0)
+//       out[:, col0:col0+N] = x @ dequant(w).T
+//     few rows (M < prefill_rows): every packed row is read once for all M activation rows,
+//     OpenMP (at::parallel_for) over output rows;
+//     many rows: the weight is dequantized in row tiles into a float matrix and multiplied with
+//     at::mm (the BLAS GEMM).
+//   dequant(w, type, K, rows?) -> float [R, K]   (all rows, or the given row ids: embeddings)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define QK_X86 1
+#else
+#define QK_X86 0
+#endif
+
+enum QType {
+  T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+  T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+
+#pragma pack(push, 1)
+struct bq4_0 { uint16_t d; uint8_t qs[16]; };
+struct bq4_1 { uint16_t d, m; uint8_t qs[16]; };
+struct bq5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct bq5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };
+struct bq8_0 { uint16_t d; int8_t qs[32]; };
+struct bq4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct bq5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
+struct bq6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+#pragma pack(pop)
+static_assert(sizeof(bq4_0) == 18 && sizeof(bq4_1) == 20 && sizeof(bq5_0) == 22 && sizeof(bq5_1) == 24, "block");
+static_assert(sizeof(bq8_0) == 34 && sizeof(bq4_K) == 144 && sizeof(bq5_K) == 176 && sizeof(bq6_K) == 210, "block");
+
+static inline float fp16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct GemmArgs {
+  int type;
+  const uint8_t* W;  // [N, rb] packed rows
+  int64_t rb, K, M, ldo;
+  const float* X;     // [M, K]
+  const float* xsum;  // [M, K/32] block sums of X (Q4_1 only)
+  float* out;         // already offset by col0
+};
+
+namespace scalar {
+#define QK_ISA 0
+#include "quant_impl.h"
+#undef QK_ISA
+}  // namespace scalar
+
+#if QK_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+#define QK_ISA 1
+#include "quant_impl.h"
+#undef QK_ISA
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
+namespace avx512 {
+#define QK_ISA 2
+#include "quant_impl.h"
+#undef QK_ISA
+}  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // QK_X86
+
+// ---- a small thread pool that never waits for a thread that has not started ------------------
+// at::parallel_for (OpenMP) ends every region at a barrier: on a busy machine a worker that is
+// not scheduled in time stalls the whole step by a scheduler time slice (measured: 1-thread
+// 0.08 ms vs 2-thread 8-12 ms medians on a shared 2-core box). Here work is split into chunks
+// claimed from an atomic counter tagged with the job's generation; the calling thread takes
+// chunks too and waits only for chunks another thread has actually claimed. Workers spin a
+// little after a job (the next layer's call comes within microseconds), then sleep.
+class Pool {
+ public:
+  template <typename F>
+  void run(int64_t n, int64_t chunk, F&& f) {
+    const int64_t nchunks = (n + chunk - 1) / chunk;
+    const int want = std::min<int64_t>(at::get_num_threads(), nchunks) - 1;
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);  // a second caller runs inline
+    if (want <= 0 || !busy.owns_lock() || at::in_parallel_region()) {
+      f(0, n);
+      return;
+    }
+    ensure_workers(want);
+    std::function<void(int64_t, int64_t)> fn = std::forward<F>(f);
+    fn_.store(&fn, std::memory_order_relaxed);
+    n_.store(n, std::memory_order_relaxed);
+    chunk_.store(chunk, std::memory_order_relaxed);
+    nchunks_.store(nchunks, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t g = ++gen_;
+    next_.store(g << 32, std::memory_order_seq_cst);  // publish
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lk(mu_);
+      cv_.notify_all();
+    }
+    work(g);
+    while (done_.load(std::memory_order_acquire) < nchunks) cpu_relax();
+    next_.store((g << 32) | 0xffffffffu, std::memory_order_seq_cst);  // closed: nothing left to claim
+  }
+  ~Pool() {
+    stop_.store(true);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      cv_.notify_all();
+    }
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  static inline void cpu_relax() {
+#if QK_X86
+    _mm_pause();
+#endif
+  }
+  void work(uint64_t g) {
+    for (;;) {
+      uint64_t v = next_.load(std::memory_order_acquire);
+      if ((v >> 32) != g || (int64_t)(v & 0xffffffffu) >= nchunks_.load(std::memory_order_relaxed)) return;
+      if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+      // claimed chunk c of job g: the caller waits for it, so the job's fields stay valid
+      const int64_t c = (int64_t)(v & 0xffffffffu), chunk = chunk_.load(std::memory_order_relaxed);
+      const int64_t b = c * chunk, e = std::min(n_.load(std::memory_order_relaxed), b + chunk);
+      (*fn_.load(std::memory_order_relaxed))(b, e);
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+  void ensure_workers(int want) {
+    while ((int)threads_.size() < want) threads_.emplace_back([this] { loop(); });
+  }
+  void loop() {
+    uint64_t seen = next_.load() >> 32;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      uint64_t g = next_.load(std::memory_order_acquire) >> 32;
+      for (int spin = 0; g == seen && spin < 20000; ++spin) {
+        cpu_relax();
+        g = next_.load(std::memory_order_acquire) >> 32;
+      }
+      if (g == seen) {
+        std::unique_lock<std::mutex> lk(mu_);
+        sleeping_.fetch_add(1, std::memory_order_seq_cst);
+        cv_.wait(lk, [&] { return stop_.load() || (next_.load(std::memory_order_seq_cst) >> 32) != seen; });
+        sleeping_.fetch_sub(1, std::memory_order_seq_cst);
+        continue;
+      }
+      seen = g;
+      work(g);
+    }
+  }
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleeping_{0};
+  std::atomic<bool> stop_{false};
+  uint64_t gen_ = 0;
+  std::mutex run_mu_;
+  std::atomic<std::function<void(int64_t, int64_t)>*> fn_{nullptr};
+  std::atomic<int64_t> n_{0}, chunk_{1}, nchunks_{0};
+};
+
+static Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: workers may outlive static destructors
+  return *p;
+}
+static bool g_use_pool = true;
+
+template <typename F>
+static void parallel_rows(int64_t n, int64_t grain, F&& f) {
+  if (g_use_pool) {
+    const int64_t t = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t chunk = std::max<int64_t>(grain, (n + 4 * t - 1) / (4 * t));
+    pool().run(n, chunk, std::forward<F>(f));
+  } else {
+    at::parallel_for(0, n, grain, std::forward<F>(f));
+  }
+}
+bool set_use_pool(bool on) {
+  const bool old = g_use_pool;
+  g_use_pool = on;
+  return old;
+}
+
+// ---- run-time dispatch ------------------------------------------------------------------------
+enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+static bool cpu_has(int isa) {
+  if (isa == ISA_SCALAR) return true;
+#if QK_X86 && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (isa == ISA_AVX2)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == ISA_AVX512)
+    return cpu_has(ISA_AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+  return false;
+}
+
+static int best_isa() { return cpu_has(ISA_AVX512) ? ISA_AVX512 : cpu_has(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR; }
+
+static int g_isa = -1;
+static int64_t g_prefill_rows = 16;
+
+static int current_isa() {
+  if (g_isa < 0) g_isa = best_isa();
+  return g_isa;
+}
+
+int64_t set_isa(int64_t isa) {
+  TORCH_CHECK(isa >= 0 && isa <= 2, "isa: 0 scalar, 1 avx2, 2 avx512");
+  TORCH_CHECK(cpu_has((int)isa), "this CPU lacks the requested instruction set");
+  g_isa = (int)isa;
+  return g_isa;
+}
+int64_t get_isa() { return current_isa(); }
+bool isa_available(int64_t isa) { return cpu_has((int)isa); }
+int64_t set_prefill_rows(int64_t m) {
+  const int64_t old = g_prefill_rows;
+  g_prefill_rows = m;
+  return old;
+}
+
+static void isa_gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
+#if QK_X86
+  switch (current_isa()) {
+    case ISA_AVX512: return avx512::gemm_rows(g, n0, n1);
+    case ISA_AVX2: return avx2::gemm_rows(g, n0, n1);
+    default: break;
+  }
+#endif
+  scalar::gemm_rows(g, n0, n1);
+}
+
+static void isa_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, const int64_t* rows, int64_t r0,
+                             int64_t r1, float* out) {
+#if QK_X86
+  switch (current_isa()) {
+    case ISA_AVX512: return avx512::dequant_rows(type, W, rb, K, rows, r0, r1, out);
+    case ISA_AVX2: return avx2::dequant_rows(type, W, rb, K, rows, r0, r1, out);
+    default: break;
+  }
+#endif
+  scalar::dequant_rows(type, W, rb, K, rows, r0, r1, out);
+}
+
+static int64_t block_elems(int type) {
+  switch (type) {
+    case T_F32: case T_F16: case T_BF16: return 1;
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return 32;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    default: return 0;
+  }
+}
+static int64_t block_bytes(int type) {
+  switch (type) {
+    case T_F32: return 4;
+    case T_F16: case T_BF16: return 2;
+    case T_Q4_0: return sizeof(bq4_0);
+    case T_Q4_1: return sizeof(bq4_1);
+    case T_Q5_0: return sizeof(bq5_0);
+    case T_Q5_1: return sizeof(bq5_1);
+    case T_Q8_0: return sizeof(bq8_0);
+    case T_Q4_K: return sizeof(bq4_K);
+    case T_Q5_K: return sizeof(bq5_K);
+    case T_Q6_K: return sizeof(bq6_K);
+    default: return 0;
+  }
+}
+
+static void check_packed(const torch::Tensor& w, int64_t type, int64_t K) {
+  const int64_t be = block_elems((int)type);
+  TORCH_CHECK(be > 0, "unsupported packed type ", type);
+  TORCH_CHECK(K % be == 0, "K=", K, " is not a multiple of the block size ", be);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "w: contiguous uint8 [N, row_bytes]");
+  TORCH_CHECK(w.size(1) == K / be * block_bytes((int)type), "row bytes ", w.size(1), " do not match K=", K);
+}
+
+torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<torch::Tensor> rows) {
+  check_packed(w, type, K);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const int64_t rb = w.size(1);
+  torch::Tensor ids;
+  const int64_t* rp = nullptr;
+  int64_t R = w.size(0);
+  if (rows.has_value()) {
+    ids = rows->to(at::kLong).contiguous();
+    rp = ids.data_ptr<int64_t>();
+    R = ids.numel();
+    for (int64_t i = 0; i < R; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < w.size(0), "row id out of range");
+  }
+  auto out = torch::empty({R, K}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+  parallel_rows(R, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
+                   [&](int64_t r0, int64_t r1) { isa_dequant_rows((int)type, W, rb, K, rp, r0, r1, o); });
+  return out;
+}
+
+void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_packed(w, type, K);
+  TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
+  if (M == 0 || N == 0) return;
+  const int64_t ldo = out.size(1);
+  if (M >= g_prefill_rows) {
+    // many rows: dequantize tiles of output rows, then the BLAS GEMM
+    const int64_t tile = std::max<int64_t>(64, std::min<int64_t>(N, (int64_t(4) << 20) / K));
+    const int64_t rb = w.size(1);
+    for (int64_t t0 = 0; t0 < N; t0 += tile) {
+      const int64_t t1 = std::min(N, t0 + tile);
+      auto wf = torch::empty({t1 - t0, K}, torch::kFloat);
+      float* o = wf.data_ptr<float>();
+      const uint8_t* W = w.data_ptr<uint8_t>() + t0 * rb;
+      parallel_rows(t1 - t0, std::max<int64_t>(1, 16384 / K),
+                       [&](int64_t r0, int64_t r1) { isa_dequant_rows((int)type, W, rb, K, nullptr, r0, r1, o); });
+      out.narrow(1, col0 + t0, t1 - t0).copy_(at::mm(x, wf.t()));
+    }
+    return;
+  }
+  std::vector<float> xsum;
+  GemmArgs g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, x.data_ptr<float>(), nullptr,
+             out.data_ptr<float>() + col0};
+  if (type == T_Q4_1) {
+    const int64_t nb = K / 32;
+    xsum.resize(M * nb);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < nb; ++i) {
+        const float* p = g.X + m * K + i * 32;
+        float s = 0.f;
+        for (int j = 0; j < 32; ++j) s += p[j];
+        xsum[m * nb + i] = s;
+      }
+    g.xsum = xsum.data();
+  }
+  // grain: at least ~64k weights per task so small layers are not split into tiny jobs
+  const int64_t grain = std::max<int64_t>(1, 65536 / K);
+  parallel_rows(N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_rows(g, n0, n1); });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm", &gemm, "out[:, col0:col0+N] = x @ dequant(w).T (packed weights)");
+  m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
+        py::arg("rows") = py::none());
+  m.def("set_isa", &set_isa);
+  m.def("get_isa", &get_isa);
+  m.def("isa_available", &isa_available);
+  m.def("set_prefill_rows", &set_prefill_rows);
+  m.def("set_use_pool", &set_use_pool, "own thread pool (True) or at::parallel_for (False)");
+}

@@ -1,0 +1,86 @@
+"""The packed-weight C++ kernels (csrc/), compiled once per machine with torch's cpp_extension.
+
+One module holds a portable scalar path, an AVX2+FMA path and an AVX-512 path; the best one the
+CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (scalar | avx2 | avx512; a path the CPU
+lacks is an error). `set_isa()` switches at run time (tests run every available path).
+The module name carries a hash of the sources, so an edited kernel is never served stale.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+
+import torch
+
+_DIR = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = ("quant_kernels.cpp", "quant_impl.h")
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+def _source_hash() -> str:
+    h = hashlib.sha1()
+    for name in _SOURCES:
+        with open(os.path.join(_DIR, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12]
+
+
+@functools.cache
+def load():
+    """The compiled module (built on first use: about a minute). Raises if it cannot be built:
+    packed weights have no Python fallback fast enough to be worth running."""
+    from torch.utils.cpp_extension import load as build
+
+    mod = build(
+        name=f"pagedserve_quant_{_source_hash()}",
+        sources=[os.path.join(_DIR, "quant_kernels.cpp")],
+        extra_include_paths=[_DIR],
+        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+    isa = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower()
+    if isa and isa != "auto":
+        _set(mod, isa)
+    return mod
+
+
+def _set(mod, isa: str) -> None:
+    if isa not in ISAS:
+        raise ValueError(f"PAGEDSERVE_CPU_ISA must be one of {', '.join(ISAS)} (or auto), got {isa!r}")
+    if not mod.isa_available(ISAS[isa]):
+        raise RuntimeError(f"PAGEDSERVE_CPU_ISA={isa}: this CPU lacks that instruction set")
+    mod.set_isa(ISAS[isa])
+
+
+def available_isas() -> list[str]:
+    mod = load()
+    return [name for name, i in ISAS.items() if mod.isa_available(i)]
+
+
+def set_isa(isa: str) -> str:
+    """Force a kernel path; returns the previous one."""
+    mod = load()
+    prev = current_isa()
+    _set(mod, isa)
+    return prev
+
+
+def current_isa() -> str:
+    i = load().get_isa()
+    return next(k for k, v in ISAS.items() if v == i)
+
+
+def set_prefill_rows(m: int) -> int:
+    """From this many activation rows on, dequantize weight tiles and use the float GEMM."""
+    return int(load().set_prefill_rows(int(m)))
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0) -> None:
+    load().gemm(x, w, int(qtype), out, int(col0))
+
+
+def dequant(w: torch.Tensor, qtype: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    return load().dequant(w, int(qtype), int(k), rows)

@@ -1,0 +1,163 @@
+"""Linear and embedding layers over packed weights, and the model surgery that installs them.
+
+A QuantLinear holds one or more row segments (a fused Q/K/V or gate/up projection is several
+checkpoint tensors; they are joined into one packed matrix when their types agree, else kept
+as segments that write their own output columns). Activations are float: x is cast to
+float32 for the kernel and the result back to the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.executor.quant import kernels
+from pagedserve.executor.quant.formats import F32, NAMES, QUANTIZERS, PackedWeight
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, in_features: int, parts: list[int], bias: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = list(parts)
+        self.out_features = sum(parts)
+        self.bias = bias
+        self._pending: list[PackedWeight | None] = [None] * len(parts)
+        self.segments: list[tuple[int, torch.Tensor, int]] = []  # (qtype, data [n, rb], first column)
+
+    def set_part(self, i: int, w: PackedWeight | torch.Tensor) -> None:
+        if not isinstance(w, PackedWeight):  # a float part of a fused layer: run it as F32 rows
+            w = w.detach().float().contiguous()
+            w = PackedWeight(F32, w.view(torch.uint8).reshape(w.shape[0], -1), tuple(w.shape))
+        if w.shape != (self.parts[i], self.in_features):
+            raise ValueError(f"packed part {i}: shape {w.shape} != {(self.parts[i], self.in_features)}")
+        self._pending[i] = w
+        if all(p is not None for p in self._pending):
+            self._finalize()
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.segments)
+
+    def _finalize(self) -> None:
+        ws: list[PackedWeight] = self._pending  # type: ignore[assignment]
+        self.segments = []
+        col, i = 0, 0
+        while i < len(ws):  # join runs of parts with the same type into one matrix
+            j = i
+            while j + 1 < len(ws) and ws[j + 1].qtype == ws[i].qtype:
+                j += 1
+            run = ws[i : j + 1]
+            data = run[0].data if len(run) == 1 else torch.cat([w.data for w in run], dim=0)
+            self.segments.append((run[0].qtype, data.contiguous(), col))
+            col += sum(w.shape[0] for w in run)
+            i = j + 1
+        self._pending = [None] * len(self.parts)
+
+    @classmethod
+    def from_packed(cls, w: PackedWeight, bias: nn.Parameter | None = None) -> QuantLinear:
+        layer = cls(w.shape[1], [w.shape[0]], bias)
+        layer.set_part(0, w)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        for qtype, data, col in self.segments:
+            kernels.gemm(x2, data, qtype, out, col)
+        if self.bias is not None:
+            out += self.bias
+        if dtype != torch.float32:
+            out = out.to(dtype)
+        return out.view(*shape[:-1], self.out_features)
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(d.numel() for _, d, _ in self.segments)
+
+    def extra_repr(self) -> str:
+        types = "+".join(NAMES[t] for t, _, _ in self.segments)
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={types}"
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding lookup that dequantizes only the rows it gathers."""
+
+    def __init__(self, w: PackedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_packed = w
+        self.num_embeddings, self.embedding_dim = w.shape
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight_packed
+        out = kernels.dequant(w.data, w.qtype, w.shape[1], ids.reshape(-1))
+        if self.dtype != torch.float32:
+            out = out.to(self.dtype)
+        return out.view(*ids.shape, self.embedding_dim)
+
+
+def quantize_linears(model: nn.Module, method: str) -> None:
+    """Replace every nn.Linear of the model (projections and lm_head) by a QuantLinear whose
+    weights are quantized now with `method` ("int8": Q8_0 layout, "int4": Q4_1 layout); a layer
+    whose K is not a multiple of 32 stays float."""
+    quantize = QUANTIZERS[method]
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or mod.in_features % 32:
+            continue
+        q = QuantLinear.from_packed(quantize(mod.weight), mod.bias)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, q)
+
+
+def packed_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            for _, d, _ in mod.segments:
+                if d.data_ptr() not in seen:
+                    seen.add(d.data_ptr())
+                    total += d.numel()
+    return total
+
+
+__all__ = ["QuantLinear", "QuantEmbedding", "quantize_linears", "packed_bytes", "kernels"]
+
+
+def load_packed(
+    model: nn.Module, target: str, shard: int | None, sizes: list[int] | None, w: PackedWeight | torch.Tensor
+) -> None:
+    """Install checkpoint tensor `w` (packed, or a float part of an already packed layer) as
+    `target` ("layers.0.self_attn.qkv_proj.weight"), shard `shard` of a fused layer."""
+    mod_name, _, attr = target.rpartition(".")
+    if attr != "weight":
+        raise ValueError(f"{target}: only weights can be packed")
+    mod = model.get_submodule(mod_name)
+    parent, _, child = mod_name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    if isinstance(mod, nn.Embedding):
+        if not isinstance(w, PackedWeight):
+            raise TypeError(f"{target}: expected a packed weight")
+        if w.shape != (mod.num_embeddings, mod.embedding_dim):
+            raise ValueError(f"{target}: packed shape {w.shape} != {tuple(mod.weight.shape)}")
+        setattr(owner, child, QuantEmbedding(w, mod.weight.dtype))
+        return
+    if isinstance(mod, nn.Linear):
+        mod = QuantLinear(mod.in_features, sizes or [mod.out_features], mod.bias)
+        setattr(owner, child, mod)
+    if not isinstance(mod, QuantLinear):
+        raise TypeError(f"{target}: a packed weight for a {type(mod).__name__}")
+    mod.set_part(shard or 0, w)
+
+
+def finish_packed(model: nn.Module) -> None:
+    """After loading: a tied lm_head shares a packed embedding; every packed layer is whole."""
+    emb = getattr(model, "embed_tokens", None)
+    if isinstance(emb, QuantEmbedding) and getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head = QuantLinear.from_packed(emb.weight_packed)
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear) and not mod.complete:
+            raise ValueError(f"{name}: packed layer is missing parts")

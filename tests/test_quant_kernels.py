@@ -1,0 +1,112 @@
+"""Packed-weight kernels against gguf's numpy dequantization plus a float64 matmul.
+
+Every type, odd shapes (N odd, K not a multiple of 256 where the block allows), M = 1, 3, 64,
+300 through both the few-rows kernel and the dequantize-tile + GEMM path, on every instruction
+set this CPU has (the others are skipped with the reason)."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from pagedserve.executor.quant import kernels  # noqa: E402
+
+try:
+    kernels.load()
+    HAVE_KERNELS, WHY = True, ""
+except Exception as e:  # noqa: BLE001
+    HAVE_KERNELS, WHY = False, f"quant kernels do not build here: {e}"
+
+pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason=WHY or "no kernels")
+
+# byte offsets of the float16 scale fields inside one block
+FP16_FIELDS = {
+    Q.Q4_0: [0],
+    Q.Q4_1: [0, 2],
+    Q.Q5_0: [0],
+    Q.Q5_1: [0, 2],
+    Q.Q8_0: [0],
+    Q.Q4_K: [0, 2],
+    Q.Q5_K: [0, 2],
+    Q.Q6_K: [208],
+}
+TYPES = list(FP16_FIELDS)
+
+
+def random_packed(qtype, n, k, seed=0):
+    """Random blocks with finite, moderate float16 scales."""
+    rng = np.random.default_rng(seed)
+    be, bb = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // be, bb), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype]:
+        raw[..., off : off + 2] = (
+            rng.uniform(-0.05, 0.05, size=(n, k // be))
+            .astype(np.float16)
+            .view(np.uint8)
+            .reshape(n, k // be, 2)
+        )
+    return raw.reshape(n, k // be * bb)
+
+
+def reference(x, raw, qtype, k):
+    w = gguf.quants.dequantize(raw, qtype).astype(np.float64).reshape(raw.shape[0], k)
+    return x.double().numpy() @ w.T, np.abs(x.double().numpy()) @ np.abs(w).T
+
+
+def isa_param():
+    out = []
+    for isa in kernels.ISAS:
+        ok = HAVE_KERNELS and isa in kernels.available_isas()
+        out.append(pytest.param(isa, marks=pytest.mark.skipif(not ok, reason=f"this CPU lacks {isa}")))
+    return out
+
+
+@pytest.fixture(params=isa_param())
+def isa(request):
+    prev = kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa(prev)
+
+
+def ks_for(qtype):
+    be = gguf.GGML_QUANT_SIZES[qtype][0]
+    return [96, 576] if be == 32 else [512]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequant_matches_gguf(isa, qtype):
+    for k in ks_for(qtype):
+        raw = random_packed(qtype, 5, k)
+        ref = gguf.quants.dequantize(raw, qtype).reshape(5, k)
+        got = kernels.dequant(torch.from_numpy(raw), int(qtype), k).numpy()
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+        rows = torch.tensor([4, 0, 4, 2])
+        got = kernels.dequant(torch.from_numpy(raw), int(qtype), k, rows).numpy()
+        np.testing.assert_allclose(got, ref[[4, 0, 4, 2]], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 64, 300])
+def test_gemm_matches_dequantized_matmul(isa, qtype, m):
+    n = 37
+    for k in ks_for(qtype):
+        raw = random_packed(qtype, n, k, seed=m)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
+        ref, mag = reference(x, raw, qtype, k)
+        w = torch.from_numpy(raw)
+        for prefill_rows in (16, 10**9):  # the GEMM path (m >= 16) and the few-rows kernel at any m
+            if m < 16 and prefill_rows == 16:
+                continue
+            if m == 300 and prefill_rows > 16 and isa == "scalar":
+                continue  # slow and adds nothing the m=64 case does not check
+            old = kernels.set_prefill_rows(prefill_rows)
+            try:
+                out = torch.full((m, n + 5), 7.0)
+                kernels.gemm(x, w, int(qtype), out, 3)
+            finally:
+                kernels.set_prefill_rows(old)
+            got = out[:, 3 : 3 + n].numpy()
+            assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-6), (k, prefill_rows, np.abs(got - ref).max())
+            assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)  # only its columns

@@ -1,0 +1,161 @@
+"""Packed weights end to end: tiny checkpoints written as GGUF with each block type run packed
+(the default for a GGUF) with the same greedy tokens and logprobs as the dequantized float
+model (quantization="none"); int8 / int4 of a safetensors checkpoint stay close to float."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from pagedserve.executor.attention import get_attention_backend  # noqa: E402
+from pagedserve.executor.loader import build_model, load_hf_config_dict, resolve_model_path  # noqa: E402
+from pagedserve.executor.model_config import ModelConfig  # noqa: E402
+from pagedserve.executor.model_runner import ModelRunner  # noqa: E402
+from pagedserve.executor.quant import kernels  # noqa: E402
+from pagedserve.executor.quant.layers import QuantEmbedding, QuantLinear  # noqa: E402
+from tests.checkpoints import build_checkpoint  # noqa: E402
+from tests.test_gguf import write_gguf  # noqa: E402
+
+try:
+    kernels.load()
+    WHY = ""
+except Exception as e:  # noqa: BLE001
+    WHY = f"quant kernels do not build here: {e}"
+pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY or "-")
+
+PROMPTS = [[(13 * i + 4 + 7 * j) % 1000 for i in range(9 + 5 * j)] for j in range(3)]
+K_QUANTS = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+
+
+def fake_kquant(a, qtype):
+    """gguf cannot quantize K-quants: random blocks with small scales stand in (both runs see
+    the same file, which is all the packed-vs-dequantized comparison needs)."""
+    rng = np.random.default_rng(a.size)
+    be, bb = gguf.GGML_QUANT_SIZES[qtype]
+    n, k = a.shape
+    raw = rng.integers(0, 256, size=(n, k // be, bb), dtype=np.uint8)
+    for off in K_QUANTS[qtype]:
+        raw[..., off : off + 2] = (
+            rng.uniform(0, 4e-4, size=(n, k // be)).astype(np.float16).view(np.uint8).reshape(n, k // be, 2)
+        )
+    if qtype == Q.Q6_K:  # int8 sub-block scales: keep them small too
+        raw[..., 192:208] = rng.integers(-8, 8, size=(n, k // be, 16), dtype=np.int8).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.fixture(scope="module")
+def kquant_checkpoint(tmp_path_factory):
+    # every matrix dimension a multiple of 256 (K-quant blocks), vocab odd
+    return build_checkpoint(
+        str(tmp_path_factory.mktemp("kq")),
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1001,
+    )
+
+
+def run(path, quantization):
+    """Greedy decoding of PROMPTS through the real scheduler and runner: (tokens, logits)."""
+    from tests.test_model_parity import drive
+
+    model_dir = resolve_model_path(path)
+    cfg = ModelConfig.from_hf_dict(load_hf_config_dict(model_dir))
+    runner = ModelRunner(model_dir, cfg, dtype="float32", device="cpu", quantization=quantization)
+    runner.initialize_kv_cache(64, 16)
+    reqs, logits_at, _ = drive(runner, PROMPTS, 10, 16)
+    return {rid: r.all_token_ids for rid, r in reqs.items()}, logits_at
+
+
+def assert_same(a, b, rel):
+    """Same greedy tokens; logits within `rel` of the largest logit magnitude."""
+    assert a[0] == b[0]
+    for key, la in a[1].items():
+        lb = b[1][key]
+        assert (la - lb).abs().max().item() <= rel * la.abs().max().item(), key
+
+
+def packed_modules(path, quantization):
+    cfg = ModelConfig.from_hf_dict(load_hf_config_dict(path))
+    model = build_model(
+        path,
+        cfg,
+        torch.float32,
+        torch.device("cpu"),
+        get_attention_backend("torch", "cpu"),
+        quantization=quantization,
+    )
+    return {type(m).__name__ for m in model.modules()}
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name
+)
+def test_packed_gguf_matches_dequantized(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    if qtype in K_QUANTS:
+        real = gguf.quants.quantize
+        monkeypatch.setattr(
+            gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t)
+        )
+        hf_dir = kquant_checkpoint
+    else:
+        hf_dir = checkpoint("llama")
+    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    converted = resolve_model_path(path)
+    mods = packed_modules(converted, None)
+    assert "QuantLinear" in mods and "QuantEmbedding" in mods and "Linear" not in mods
+    assert "QuantLinear" not in packed_modules(converted, "none")
+    assert_same(run(path, None), run(path, "none"), 1e-4)
+
+
+def test_packed_tied_embeddings(tmp_path, monkeypatch):
+    # tied lm_head shares the packed embedding
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf_dir = build_checkpoint(str(tmp_path / "tied"), "llama_tied_llama3rope")
+    path = write_gguf(hf_dir, str(tmp_path / "t.gguf"), Q.Q8_0)
+    assert_same(run(path, None), run(path, "none"), 1e-4)
+
+
+@pytest.mark.parametrize("method,tol", [("int8", 0.05), ("int4", 0.5)])
+def test_int8_int4_safetensors_close_to_float(checkpoint, method, tol):
+    # weight-only quantization of a float checkpoint (int8: Q8_0 layout, 8 bits with a scale
+    # per group of 32; int4: Q4_1 layout, 4 bits with scale and minimum per group of 32):
+    # logits within `tol` of the largest logit magnitude
+    hf_dir = checkpoint("qwen2")  # q/k/v biases and tied embeddings
+    assert "QuantLinear" in packed_modules(hf_dir, method)
+    ref, got = run(hf_dir, "none"), run(hf_dir, method)
+    worst = 0.0
+    for (rid, pos), la in ref[1].items():  # positions whose inputs agree (greedy may diverge later)
+        if ref[0][rid][: pos + 1] == got[0][rid][: pos + 1]:
+            worst = max(worst, (la - got[1][(rid, pos)]).abs().max().item() / la.abs().max().item())
+    assert worst <= tol, worst
+
+
+def test_quantization_argument_checks(checkpoint):
+    hf_dir = checkpoint("llama")
+    with pytest.raises(ValueError, match="quantization"):
+        packed_modules(hf_dir, "fp3")
+    with pytest.raises(ValueError, match="GGUF"):
+        packed_modules(hf_dir, "gguf")
+    assert "QuantLinear" not in packed_modules(hf_dir, None)  # float checkpoints stay float by default
+
+
+def test_quant_embedding_dtype():
+    from pagedserve.executor.quant.formats import quantize_q8_0
+
+    w = torch.randn(10, 64)
+    emb = QuantEmbedding(quantize_q8_0(w), torch.bfloat16)
+    out = emb(torch.tensor([[3, 1]]))
+    assert out.shape == (1, 2, 64) and out.dtype == torch.bfloat16
+    lin = QuantLinear.from_packed(quantize_q8_0(w))
+    y = lin(torch.randn(2, 3, 64, dtype=torch.bfloat16))
+    assert y.shape == (2, 3, 10) and y.dtype == torch.bfloat16
+    assert os.environ.get("PAGEDSERVE_CPU_ISA", "auto") in ("auto", "", *kernels.ISAS)
