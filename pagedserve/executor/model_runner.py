@@ -76,6 +76,18 @@ class RequestState:
     block_ids: list[int]
     generator: torch.Generator | None = None
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # greedy, no penalties, no logprobs, no token mask: a batch of only these samples with
+    # one argmax (Sampler.greedy); anything that changes logits must clear it
+    plain_greedy: bool = False
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain_greedy = (
+            p.greedy
+            and not p.has_penalties
+            and p.logprobs is None
+            and getattr(p, "structured_outputs", None) is None
+        )
 
 
 class ModelRunner:
@@ -250,7 +262,8 @@ class ModelRunner:
         rows = [i for i, sr in enumerate(order) if sr.sample]
         # host -> device copies of sampling settings go before the forward (no sync after it)
         sample_states = [states[i] for i in rows]
-        batch = self._sampling_batch(sample_states) if rows else None
+        plain_greedy = all(s.plain_greedy for s in sample_states)
+        batch = self._sampling_batch(sample_states) if rows and not plain_greedy else None
         hidden = None
         if self.graph_runner is not None and inp.meta.num_decodes == inp.meta.num_reqs:
             m = inp.meta
@@ -264,14 +277,22 @@ class ModelRunner:
         self._prompt_logprobs(order, states, cu, hidden, out)
         if not rows:
             return out
-        logits = self.model.compute_logits(hidden[torch.from_numpy(cu[1:][rows] - 1).to(dev)])
-        res = self.sampler(logits, batch)
-        sampled = res.sampled.tolist()
+        if len(rows) == hidden.shape[0]:  # every token samples (a decode-only step): no gather
+            last = hidden
+        else:
+            last = hidden[torch.from_numpy(cu[1:][rows] - 1).to(dev)]
+        logits = self.model.compute_logits(last)
+        if plain_greedy:
+            res = None
+            sampled = self.sampler.greedy(logits).tolist()
+        else:
+            res = self.sampler(logits, batch)
+            sampled = res.sampled.tolist()
         for j, i in enumerate(rows):
             rid = order[i].req_id
             out.sampled_token_ids[rid] = sampled[j]
             sample_states[j].output_token_ids.append(sampled[j])
-        if res.sampled_logprobs is not None:
+        if res is not None and res.sampled_logprobs is not None:
             self._collect_logprobs(order, rows, sample_states, res, out)
         return out
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.executor import ops
+
 
 @dataclass
 class SamplingBatch:
@@ -124,12 +126,18 @@ class Sampler:
         if seed is not None:
             self.generator.manual_seed(seed)
 
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """The fast path of a batch whose rows are all greedy with no penalties or logprobs:
+        one row-wise argmax (the fused CPU kernel when it built), no SamplingBatch needed."""
+        return ops.argmax(logits)
+
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         """logits: float32 [B, V] (not modified)."""
         raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs is not None else None
         if b.repetition_penalty is not None or b.output_token_ids is not None:
             logits = apply_penalties(logits, b)
-        greedy = logits.argmax(dim=-1)
+        greedy = ops.argmax(logits)
         if b.all_greedy:
             sampled = greedy
         else:

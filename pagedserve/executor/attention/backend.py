@@ -44,6 +44,9 @@ class AttentionBackend(ABC):
     """Writes a layer's new K/V into the paged cache and attends over it."""
 
     name: str = "abstract"
+    # True: forward(..., kv_written=True) skips the K/V write, which the caller has already
+    # done (the model's fused rotary + cache-write op on the CPU).
+    supports_prewritten_kv: bool = False
 
     @abstractmethod
     def forward(

@@ -37,6 +37,7 @@ class TorchAttentionBackend(AttentionBackend):
     reads K/V in place through the block table instead of gathering a copy (2-3x faster)."""
 
     name = "torch"
+    supports_prewritten_kv = True
 
     def __init__(self, use_cpp_decode: bool = False) -> None:
         self._cpp = None
@@ -47,8 +48,11 @@ class TorchAttentionBackend(AttentionBackend):
             if self._cpp is not None:
                 self.name = "torch+cpp-decode"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_written: bool = False
+    ) -> torch.Tensor:
+        if not kv_written:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

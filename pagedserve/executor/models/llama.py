@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.executor import ops
 from pagedserve.executor.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.executor.model_config import ModelConfig
 
@@ -26,11 +27,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, kern=None) -> torch.Tensor:
+        if kern is not None:
+            return kern.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm_ref(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, kern=None):
+        """(norm(x + residual), x + residual). With `kern` (the fused CPU ops) in one pass,
+        in place: x and residual are overwritten with the two results."""
+        if kern is not None:
+            kern.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        return ops.add_rms_norm_ref(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -68,10 +76,7 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+apply_rope = ops.rotate_ref  # x [T, heads, D], cos/sin [T, 1, D]
 
 
 class Attention(nn.Module):
@@ -85,13 +90,27 @@ class Attention(nn.Module):
         self.scale = self.d**-0.5
         self.backend = backend
 
-    def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(
+        self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kern=None
+    ):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.k * self.d, self.k * self.d], dim=-1)
-        q, k, v = q.view(t, self.h, self.d), k.view(t, self.k, self.d), v.view(t, self.k, self.d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        if kern is not None and self.q_norm is None and qkv.stride(-1) == 1:
+            # rotary in place on the q and k heads of each row, and (if the backend lets us)
+            # the K/V rows written into their cache slots in the same pass
+            q, k, v = qkv.split([self.h * self.d, self.k * self.d, self.k * self.d], dim=-1)
+            q, k, v = q.view(t, self.h, self.d), k.view(t, self.k, self.d), v.view(t, self.k, self.d)
+            if self.backend.supports_prewritten_kv:
+                kern.rotary_cache_(qkv, cos, sin, self.h, self.k, self.d, *kv_cache, meta.slot_mapping)
+                o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=True)
+                return self.o_proj(o.reshape(t, self.h * self.d))
+            kern.rotary_(qkv, cos, sin, self.h, self.k, self.d)
+        else:
+            q, k, v = qkv.split([self.h * self.d, self.k * self.d, self.k * self.d], dim=-1)
+            q, k, v = q.view(t, self.h, self.d), k.view(t, self.k, self.d), v.view(t, self.k, self.d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -102,8 +121,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, kern=None) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        if kern is not None:
+            return self.down_proj(kern.silu_and_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -115,13 +137,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta, kern=None):
+        """vLLM's layout: the residual stream travels beside the layer's output, and each norm
+        adds the two (x = what the previous block produced; residual None at the first layer).
+        Returns (this layer's MLP output, the residual stream before it)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x, kern), x
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual, kern)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, kern)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual, kern)
+        return self.mlp(x, kern), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Also Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm): the differences are config flags."""
+
+    # The fused C++ ops (executor/ops) on CPU tensors when they build; False: PyTorch only.
+    use_fused_ops: bool = True
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -142,10 +175,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # hidden states [T, E] after the final norm
         x = self.embed_tokens(input_ids)
+        kern = ops.kernels_for(x) if self.use_fused_ops else None
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta, kern)
+        return self.norm.add_forward(x, residual, kern)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, E] -> float32 logits [N, V] (computed in the model dtype, like transformers)."""

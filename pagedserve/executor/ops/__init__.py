@@ -1,0 +1,117 @@
+"""Fused elementwise ops of a decoder step, with PyTorch references.
+
+The C++ kernels (csrc/fused_ops.cpp) are compiled once per machine with torch's
+cpp_extension, like the attention kernel (build keyed by the CPU's flags, -march=native so
+the compiler vectorizes for the ISA this CPU has); without a compiler, on a GPU tensor, or
+with PAGEDSERVE_NO_CPP_KERNELS=1 each op runs its PyTorch reference, which is what the
+model ran before (transformers' numerics). tests/test_ops.py checks each kernel against
+its reference.
+
+All ops take and return tensors of the model dtype (float32 or bfloat16 for the kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SRC = os.path.join(os.path.dirname(__file__), "csrc", "fused_ops.cpp")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def load():
+    """The compiled module, or None (then the references run)."""
+    if os.environ.get("PAGEDSERVE_NO_CPP_KERNELS"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        from pagedserve.executor.attention.cpu_kernels import _cpu_tag
+
+        return build(
+            name=f"pagedserve_fused_ops_{_cpu_tag()}",
+            sources=[_SRC],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 (any build failure means: use the references)
+        logger.warning("pagedserve: fused C++ ops unavailable (%s); using PyTorch", e)
+        return None
+
+
+def kernels_for(t: torch.Tensor):
+    """The compiled module when it can run on `t` (a CPU tensor of a supported dtype), else None."""
+    if t.device.type != "cpu" or t.dtype not in _KERNEL_DTYPES:
+        return None
+    return load()
+
+
+# ---- references (transformers' order of operations) --------------------------------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def add_rms_norm_ref(x, residual, weight, eps):
+    h = x + residual
+    return rms_norm_ref(h, weight, eps), h
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/sin [T, 1, D]: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_and_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- dispatchers ------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = kernels_for(x)
+    if k is None or x.dim() != 2 or x.stride(1) != 1:
+        return rms_norm_ref(x, weight, eps)
+    return k.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(norm(x + residual) * weight, x + residual). The kernel works in place: x and residual
+    are overwritten with the two results (callers pass tensors they own)."""
+    k = kernels_for(x)
+    if k is None or x.dim() != 2 or x.stride(1) != 1 or residual.stride(1) != 1:
+        return add_rms_norm_ref(x, residual, weight, eps)
+    k.add_rms_norm_(x, residual, weight, eps)
+    return x, residual
+
+
+def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
+    k = kernels_for(gu)
+    if k is None or gu.dim() != 2 or gu.stride(1) != 1:
+        return silu_and_mul_ref(gu)
+    return k.silu_and_mul(gu)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum), [B, V] -> [B] int64."""
+    k = kernels_for(logits)
+    if k is None or logits.dim() != 2 or logits.stride(1) != 1:
+        return logits.argmax(dim=-1)
+    return k.argmax_rows(logits)
+
+
+def isa() -> str:
+    k = load()
+    return k.isa() if k is not None else "none"

@@ -1,0 +1,342 @@
+// Fused per-layer elementwise work of a decoder step on the CPU (pagedserve.executor.ops):
+//   add_rms_norm_  residual += x; x = weight * rmsnorm(residual)        (in place, one pass)
+//   rms_norm       out = weight * rmsnorm(x)
+//   rotary_        neox rotary on the q and k heads of a fused qkv row  (in place)
+//   rotary_cache_  the same, then K and V rows written to their paged-cache slots
+//   silu_and_mul   out = silu(gate) * up over a fused [gate | up] row
+//   argmax_rows    first index of each row's maximum (greedy sampling)
+//
+// Built per machine with -march=native (the build is keyed by the CPU's flags, as the
+// attention kernel's): plain loops the compiler vectorizes for what the CPU has (SSE/AVX2/
+// AVX-512). Rounding follows PyTorch's eager ops step by step (-ffp-contract=off, no
+// fast-math): rotary and the norm's scaling are bit-identical to the reference; the norm's
+// sum of squares and silu's exp (a Cephes polynomial, ~2 ulp) differ in the last bits.
+// bfloat16 rounds where transformers rounds (the residual sum, the normed value, the
+// product with the weight). Rows are split over threads only when a step has enough of them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+template <typename T>
+inline float f(T x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T r(float x) { return static_cast<T>(x); }
+
+// Run fn(begin, end) over rows; in one thread when the work is small (a batch-1 step).
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elems, F fn) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
+  if (rows <= grain) {
+    fn(0, rows);
+  } else {
+    at::parallel_for(0, rows, grain, fn);
+  }
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------
+template <typename T>
+void add_rms_norm_kernel(T* x, T* res, const T* w, int64_t rows, int64_t e, int64_t sx, int64_t sr, float eps) {
+  for_rows(rows, e, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      T* xi = x + i * sx;
+      T* ri = res + i * sr;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < e; ++j) {
+        const T h = r<T>(f(xi[j]) + f(ri[j]));  // the residual sum, rounded to the dtype
+        ri[j] = h;
+        const float hf = f(h);
+        ss += hf * hf;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(e) + eps);
+#pragma omp simd
+      for (int64_t j = 0; j < e; ++j) xi[j] = r<T>(f(w[j]) * f(r<T>(f(ri[j]) * inv)));
+    }
+  });
+}
+
+template <typename T>
+void rms_norm_kernel(T* out, const T* x, const T* w, int64_t rows, int64_t e, int64_t sx, float eps) {
+  for_rows(rows, e, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      const T* xi = x + i * sx;
+      T* oi = out + i * e;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < e; ++j) ss += f(xi[j]) * f(xi[j]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(e) + eps);
+#pragma omp simd
+      for (int64_t j = 0; j < e; ++j) oi[j] = r<T>(f(w[j]) * f(r<T>(f(xi[j]) * inv)));
+    }
+  });
+}
+
+// ---- rotary (neox: rotate halves), transformers' q * cos + rotate_half(q) * sin ------------
+template <typename T>
+inline void rope_head(T* x, const T* c, const T* s, int64_t half) {
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const float x1 = f(x[j]), x2 = f(x[j + half]);
+    // the same roundings as eager: each product rounded to T, then the sum
+    const float a1 = f(r<T>(x1 * f(c[j]))), b1 = f(r<T>(-x2 * f(s[j])));
+    const float a2 = f(r<T>(x2 * f(c[j + half]))), b2 = f(r<T>(x1 * f(s[j + half])));
+    x[j] = r<T>(a1 + b1);
+    x[j + half] = r<T>(a2 + b2);
+  }
+}
+
+template <typename T>
+void rotary_kernel(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, int64_t nrot, int64_t d,
+                   T* kc, T* vc, const int64_t* slots, int64_t nq, int64_t nkv) {
+  const int64_t half = d / 2;
+  for_rows(rows, nrot * d, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) {
+      T* row = qkv + t * row_stride;
+      const T* c = cos + t * d;
+      const T* s = sin + t * d;
+      for (int64_t h = 0; h < nrot; ++h) rope_head(row + h * d, c, s, half);
+      if (kc != nullptr) {
+        const int64_t slot = slots[t];
+        std::memcpy(kc + slot * nkv * d, row + nq * d, sizeof(T) * nkv * d);
+        std::memcpy(vc + slot * nkv * d, row + (nq + nkv) * d, sizeof(T) * nkv * d);
+      }
+    }
+  });
+}
+
+// ---- SiLU-and-multiply ----------------------------------------------------------------
+// GCC/Clang vector extensions as wide as the target's registers (16 float lanes with
+// AVX-512, 8 with AVX/AVX2, 4 otherwise): one source serves every ISA.
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+#elif defined(__AVX__)
+constexpr int64_t W = 8;
+#else
+constexpr int64_t W = 4;
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+inline vf splat(float x) { return vf{} + x; }
+
+template <typename V>
+inline V exp_cephes(V x) {  // Cephes expf, ~2 ulp over [-87.3, 88.3] (clamped outside)
+  x = x < -87.3f ? splat(-87.3f) : x;
+  x = x > 88.3f ? splat(88.3f) : x;
+  V fx = x * 1.44269504088896341f + 0.5f;
+  const vi fi = __builtin_convertvector(fx, vi);  // truncation; floor below
+  V fl = __builtin_convertvector(fi, V);
+  fx = fl > fx ? fl - 1.f : fl;
+  x = x - fx * 0.693359375f;
+  x = x - fx * -2.12194440e-4f;
+  const V z = x * x;
+  V y = splat(1.9875691500e-4f);
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.f;
+  const vi bits = (__builtin_convertvector(fx, vi) + 127) << 23;
+  return y * reinterpret_cast<const V&>(bits);
+}
+
+inline float exp_scalar(float x) {  // the same polynomial, one lane (row tails)
+  vf v = splat(x);
+  return exp_cephes(v)[0];
+}
+
+template <typename T>
+inline void loadv(vf& v, const T* p) {
+  for (int k = 0; k < W; ++k) v[k] = f(p[k]);
+}
+inline void loadv(vf& v, const float* p) { std::memcpy(&v, p, sizeof v); }
+
+template <typename T>
+inline void store_silu_mul(T* o, const vf& act, const vf& u) {
+  for (int k = 0; k < W; ++k) o[k] = r<T>(f(r<T>(act[k])) * u[k]);  // silu(gate) rounded to T
+}
+inline void store_silu_mul(float* o, const vf& act, const vf& u) {
+  const vf res = act * u;
+  std::memcpy(o, &res, sizeof res);
+}
+
+template <typename T>
+void silu_mul_kernel(T* out, const T* gu, int64_t rows, int64_t inter, int64_t sg) {
+  for_rows(rows, inter, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      const T* g = gu + i * sg;
+      const T* u = g + inter;
+      T* o = out + i * inter;
+      int64_t j = 0;
+      for (; j + W <= inter; j += W) {
+        vf gv, uv;
+        loadv(gv, g + j);
+        loadv(uv, u + j);
+        const vf act = gv / (1.f + exp_cephes(-gv));
+        store_silu_mul(o + j, act, uv);
+      }
+      for (; j < inter; ++j) {
+        const float gf = f(g[j]);
+        o[j] = r<T>(f(r<T>(gf / (1.f + exp_scalar(-gf)))) * f(u[j]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void argmax_kernel(const T* x, int64_t* out, int64_t rows, int64_t v, int64_t sx) {
+  auto body = [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      const T* xi = x + i * sx;
+      // pass 1: the maximum, W lanes; pass 2: its first index. NaN counts as the maximum
+      // (torch.argmax's rule).
+      vf m = splat(-INFINITY);
+      vi nan = vi{};
+      int64_t j = 0;
+      for (; j + W <= v; j += W) {
+        vf y;
+        loadv(y, xi + j);
+        m = y > m ? y : m;
+        nan |= (y != y);
+      }
+      float mx = -INFINITY;
+      bool has_nan = false;
+      for (int k = 0; k < W; ++k) {
+        mx = std::max(mx, m[k]);
+        has_nan |= nan[k] != 0;
+      }
+      for (int64_t t = j; t < v; ++t) {
+        const float y = f(xi[t]);
+        has_nan |= y != y;
+        mx = std::max(mx, y);
+      }
+      int64_t idx = 0;
+      for (int64_t t = 0; t < v; ++t) {
+        const float y = f(xi[t]);
+        if (has_nan ? (y != y) : (y == mx)) {
+          idx = t;
+          break;
+        }
+      }
+      out[i] = idx;
+    }
+  };
+  if (rows == 1) {
+    body(0, 1);
+  } else {
+    at::parallel_for(0, rows, 1, body);
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name, ": a CPU [rows, n] tensor with unit inner stride");
+}
+
+#define DISPATCH(dtype, ...)                                              \
+  if ((dtype) == at::kFloat) {                                            \
+    using T = float;                                                      \
+    __VA_ARGS__();                                                        \
+  } else if ((dtype) == at::kBFloat16) {                                  \
+    using T = at::BFloat16;                                               \
+    __VA_ARGS__();                                                        \
+  } else {                                                                \
+    TORCH_CHECK(false, "pagedserve fused ops: float32 or bfloat16 only"); \
+  }
+
+}  // namespace
+
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && weight.is_contiguous() && weight.numel() == x.size(1), "shapes");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(), "dtypes");
+  DISPATCH(x.scalar_type(), [&] {
+    add_rms_norm_kernel<T>(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(), x.size(0), x.size(1),
+                           x.stride(0), residual.stride(0), (float)eps);
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && x.scalar_type() == weight.scalar_type(), "weight");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  DISPATCH(x.scalar_type(), [&] {
+    rms_norm_kernel<T>(out.data_ptr<T>(), x.data_ptr<T>(), weight.data_ptr<T>(), x.size(0), x.size(1), x.stride(0),
+                       (float)eps);
+  });
+  return out;
+}
+
+static void rotary_impl(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t nq, int64_t nkv, int64_t d,
+                        torch::Tensor* kc, torch::Tensor* vc, torch::Tensor* slots) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(qkv.size(1) >= (nq + 2 * nkv) * d && d % 2 == 0, "qkv row too short for the heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == qkv.size(0) * d && sin.numel() == cos.numel(),
+              "cos/sin: contiguous [T, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "cos/sin dtype");
+  if (kc != nullptr) {
+    TORCH_CHECK(kc->is_contiguous() && vc->is_contiguous() && kc->dim() == 4 && kc->size(2) == nkv && kc->size(3) == d,
+                "kv cache [blocks, block_size, kv_heads, head_dim], contiguous");
+    TORCH_CHECK(kc->scalar_type() == qkv.scalar_type() && vc->sizes() == kc->sizes(), "kv cache dtype/shape");
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->numel() == qkv.size(0), "slots");
+  }
+  DISPATCH(qkv.scalar_type(), [&] {
+    rotary_kernel<T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), qkv.size(0), qkv.stride(0), nq + nkv, d,
+                     kc ? kc->data_ptr<T>() : nullptr, vc ? vc->data_ptr<T>() : nullptr,
+                     slots ? slots->data_ptr<int64_t>() : nullptr, nq, nkv);
+  });
+}
+
+void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t nq, int64_t nkv, int64_t d) {
+  rotary_impl(qkv, cos, sin, nq, nkv, d, nullptr, nullptr, nullptr);
+}
+
+void rotary_cache_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t nq, int64_t nkv, int64_t d,
+                   torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  rotary_impl(qkv, cos, sin, nq, nkv, d, &k_cache, &v_cache, &slots);
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gu) {
+  check_rows(gu, "gate_up");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up: even width");
+  const int64_t inter = gu.size(1) / 2;
+  auto out = torch::empty({gu.size(0), inter}, gu.options());
+  DISPATCH(gu.scalar_type(), [&] { silu_mul_kernel<T>(out.data_ptr<T>(), gu.data_ptr<T>(), gu.size(0), inter, gu.stride(0)); });
+  return out;
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_rows(x, "x");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  DISPATCH(x.scalar_type(), [&] { argmax_kernel<T>(x.data_ptr<T>(), out.data_ptr<int64_t>(), x.size(0), x.size(1), x.stride(0)); });
+  return out;
+}
+
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__SSE4_1__)
+  return "sse4";
+#else
+  return "generic";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm_", &add_rms_norm_);
+  m.def("rms_norm", &rms_norm);
+  m.def("rotary_", &rotary_);
+  m.def("rotary_cache_", &rotary_cache_);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("argmax_rows", &argmax_rows);
+  m.def("isa", &isa);
+}

@@ -1,0 +1,184 @@
+"""The fused C++ ops (pagedserve.executor.ops) against their PyTorch references.
+
+The kernels are built once per machine for the ISA the CPU has (-march=native; vector code
+16 lanes wide with AVX-512, 8 with AVX2, 4 otherwise), so each machine tests its own path;
+`test_isa` records which one ran. Without a compiler the module is None and every test here
+skips: the model then runs the references themselves.
+"""
+
+import pytest
+import torch
+
+from pagedserve.executor import ops
+
+K = ops.load()
+pytestmark = pytest.mark.skipif(K is None, reason="fused C++ ops did not build on this machine")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _ulp_close(a, b, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    else:  # one bf16 rounding step apart at most
+        torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_isa():
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = fh.read()
+    except OSError:
+        flags = ""
+    isa = K.isa()
+    if "avx512f" in flags:
+        assert isa == "avx512"
+    elif " avx2" in flags:
+        assert isa == "avx2"
+    assert isa in ("avx512", "avx2", "sse4", "generic")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_add_rms_norm(dtype, rows):
+    torch.manual_seed(rows)
+    e = 576
+    x, res, w = torch.randn(rows, e, dtype=dtype), torch.randn(rows, e, dtype=dtype), torch.randn(e, dtype=dtype)
+    ref_y, ref_h = ops.add_rms_norm_ref(x, res, w, 1e-5)
+    xk, rk = x.clone(), res.clone()
+    K.add_rms_norm_(xk, rk, w, 1e-5)
+    assert torch.equal(rk, ref_h)  # the residual sum is exact
+    _ulp_close(xk, ref_y, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_rows(dtype):
+    torch.manual_seed(0)
+    big = torch.randn(5, 100, dtype=dtype)
+    x = big[:, :64]  # row stride 100
+    w = torch.randn(64, dtype=dtype)
+    _ulp_close(K.rms_norm(x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6), dtype)
+
+
+def _rope_inputs(t, h, k, d, dtype):
+    qkv = torch.randn(t, (h + 2 * k) * d, dtype=dtype)
+    pos = torch.arange(t) * 37 + 5
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    fr = pos.float()[:, None] * inv[None]
+    emb = torch.cat((fr, fr), -1)
+    return qkv, emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_rotary_bit_exact(dtype, t):
+    torch.manual_seed(t)
+    h, k, d = 9, 3, 64
+    qkv, cos, sin = _rope_inputs(t, h, k, d, dtype)
+    q, kk, v = qkv.split([h * d, k * d, k * d], -1)
+    ref_q = ops.rotate_ref(q.reshape(t, h, d), cos, sin)
+    ref_k = ops.rotate_ref(kk.reshape(t, k, d), cos, sin)
+    ref_v = v.clone()
+    K.rotary_(qkv, cos, sin, h, k, d)
+    q, kk, v = qkv.split([h * d, k * d, k * d], -1)
+    assert torch.equal(q.reshape(t, h, d), ref_q)  # same roundings as eager PyTorch
+    assert torch.equal(kk.reshape(t, k, d), ref_k)
+    assert torch.equal(v, ref_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_cache_writes_kv(dtype):
+    torch.manual_seed(1)
+    t, h, k, d, nb, bs = 5, 4, 2, 32, 6, 4
+    qkv, cos, sin = _rope_inputs(t, h, k, d, dtype)
+    ref = qkv.clone()
+    K.rotary_(ref, cos, sin, h, k, d)
+    kc, vc = torch.zeros(nb, bs, k, d, dtype=dtype), torch.zeros(nb, bs, k, d, dtype=dtype)
+    slots = torch.tensor([4, 9, 10, 23, 5])
+    K.rotary_cache_(qkv, cos, sin, h, k, d, kc, vc, slots)
+    assert torch.equal(qkv, ref)
+    _, rk, rv = ref.split([h * d, k * d, k * d], -1)
+    assert torch.equal(kc.view(-1, k, d)[slots], rk.reshape(t, k, d))
+    assert torch.equal(vc.view(-1, k, d)[slots], rv.reshape(t, k, d))
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc.view(-1, k, d)[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 1000, 6])  # vector body + tail, tail only
+def test_silu_and_mul(dtype, width):
+    torch.manual_seed(width)
+    gu = torch.randn(9, 2 * width, dtype=dtype) * 6
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.5])  # clamped exp range, zero
+    _ulp_close(K.silu_and_mul(gu), ops.silu_and_mul_ref(gu), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_argmax(dtype, rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 49152 + 3, dtype=dtype)
+    x[0, 100] = x[0, 40000] = 50.0  # a tie: the first index wins
+    if rows > 1:
+        x[1, 7] = float("nan")  # NaN is the maximum, as in torch.argmax
+        x[2, -1] = 1e4  # in the scalar tail
+    assert torch.equal(K.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_dispatch_falls_back_off_cpu_kernels(monkeypatch):
+    x = torch.randn(3, 8, dtype=torch.float16)  # not a kernel dtype: the reference runs
+    w = torch.ones(8, dtype=torch.float16)
+    assert ops.kernels_for(x) is None
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6))
+    assert torch.equal(ops.argmax(x.float()), x.float().argmax(-1))
+
+
+def test_model_fused_matches_reference():
+    """A whole tiny model, fused ops on and off: the same greedy tokens, logits within 1e-5."""
+    from pagedserve.executor.attention import get_attention_backend
+    from pagedserve.executor.attention.backend import AttentionMetadata
+    from pagedserve.executor.model_config import ModelConfig
+    from pagedserve.executor.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 3,
+            "vocab_size": 300,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 256,
+        }
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, get_attention_backend("torch")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    t, bs = 12, 16
+    ids = torch.randint(0, 300, (t,))
+    meta = AttentionMetadata(
+        num_reqs=1,
+        num_decodes=0,
+        query_start_loc=torch.tensor([0, t]),
+        seq_lens=torch.tensor([t]),
+        block_tables=torch.tensor([[1]]),
+        slot_mapping=torch.arange(bs, bs + t),
+        max_query_len=t,
+        max_seq_len=t,
+        max_decode_seq_len=0,
+        query_start_loc_list=[0, t],
+        seq_lens_list=[t],
+    )
+    outs = []
+    for fused in (True, False):
+        model.use_fused_ops = fused
+        kv = [(torch.zeros(2, bs, 2, 16), torch.zeros(2, bs, 2, 16)) for _ in range(3)]
+        with torch.inference_mode():
+            outs.append(model.compute_logits(model(ids, torch.arange(t), kv, meta)))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
