@@ -105,6 +105,18 @@ class ParallelConfig:
 
 
 @dataclass
+class ObservabilityConfig:
+    """The live view (`/dashboard`): the engine core publishes a snapshot of its state
+    (KV page map, queues, recent steps) at most every `snapshot_interval_ms` (0: never)."""
+
+    snapshot_interval_ms: int = 0
+
+    def __post_init__(self) -> None:
+        if self.snapshot_interval_ms < 0:
+            raise ValueError(f"snapshot_interval_ms must be >= 0, got {self.snapshot_interval_ms}.")
+
+
+@dataclass
 class EngineConfig:
     """Every setting of one engine. `pagedserve.engine_args.EngineArgs` builds it; after
     the engine core started, `scheduler.max_model_len` and `max_num_batched_tokens` are
@@ -114,3 +126,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)

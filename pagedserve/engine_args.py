@@ -13,7 +13,14 @@ import inspect
 import re
 from dataclasses import dataclass, field, fields
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelLoadConfig, ParallelConfig, SchedulerConfig
+from pagedserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelLoadConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024**2}
@@ -72,6 +79,10 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "tensor-parallel workers (only 1 is implemented)")
     engine_core_process: bool | None = _arg(
         None, "run the engine core in its own process (default: yes for serve, no offline)"
+    )
+    # -- observability ----------------------------------------------------------------
+    snapshot_interval_ms: int = _arg(
+        0, "publish an engine-state snapshot for /dashboard at most every N ms (0: off; serve: 250)"
     )
 
     def __post_init__(self) -> None:
@@ -157,6 +168,7 @@ class EngineArgs:
                 scheduler_cls=self.scheduler_cls,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            observability=ObservabilityConfig(snapshot_interval_ms=self.snapshot_interval_ms),
         )
 
 

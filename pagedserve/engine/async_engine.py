@@ -57,6 +57,7 @@ class AsyncLLM(FrontEnd):
         self.num_blocks = info.num_kv_blocks
         self.stats: EngineStats = info.stats
         self.core_times = (0.0, 0.0, 0.0)  # the core loop's seconds: stepping, input, idle
+        self.snapshot: dict | None = None  # the core's latest live-view snapshot (engine/snapshot.py)
         self._streams: dict[str, asyncio.Queue] = {}
         self._dead: str | None = None
         self._output_task: asyncio.Task | None = None
@@ -146,6 +147,11 @@ class AsyncLLM(FrontEnd):
         # Never blocks (no high-water mark); pickling takes microseconds.
         self.input.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
+    def start_output_loop(self) -> None:
+        """Read the core's messages from now on (call on the event loop; idempotent), not
+        only from the first request: the live view wants snapshots of an idle engine too."""
+        self._ensure_output_task()
+
     def _ensure_output_task(self) -> None:
         if self._output_task is None:
             self._loop = asyncio.get_running_loop()
@@ -184,6 +190,8 @@ class AsyncLLM(FrontEnd):
                     return
                 self.stats = msg.stats
                 self.core_times = (msg.step_seconds, msg.input_seconds, msg.idle_seconds)
+                if msg.snapshot is not None:
+                    self.snapshot = msg.snapshot
                 for rid, err in msg.errors.items():
                     parent = rid.split("#", 1)[0]
                     queue = self._streams.pop(parent, None)

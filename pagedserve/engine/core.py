@@ -15,6 +15,7 @@ import importlib
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,12 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_blocks, cc.block_size)
         self.executor.compile_or_warm_up(sc.max_num_seqs, sc.max_model_len)
         self.scheduler = _import_class(sc.scheduler_cls)(sc, cc, self.num_blocks)
+        # The live view's step records (engine/snapshot.py STEP_FIELDS), kept only when
+        # snapshots are on: None costs the step one attribute test.
+        self.step_records: deque | None = None
+        self._finished_in_last_step = 0
+        if config.observability.snapshot_interval_ms > 0:
+            self.enable_step_records()
         freeze_startup_objects()
         logger.info(
             "pagedserve engine core: %s (%s, %s) on %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -165,12 +172,58 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        records = self.step_records
+        t0 = time.perf_counter() if records is not None else 0.0
         so = self.scheduler.schedule()
         if so.scheduled:
             ro = self.executor.execute_model(so)
         else:
             ro = ModelRunnerOutput(sampled_token_ids={})
-        return self.scheduler.update_from_output(so, ro)
+        outputs = self.scheduler.update_from_output(so, ro)
+        if records is not None:
+            self._record_step(so, outputs, t0)
+        return outputs
+
+    def enable_step_records(self, maxlen: int = 512) -> None:
+        """Keep the last `maxlen` steps' records for the live view (engine/snapshot.py)."""
+        if self.step_records is None or self.step_records.maxlen != maxlen:
+            self.step_records = deque(self.step_records or (), maxlen=maxlen)
+
+    def _record_step(self, so, outputs, t0: float) -> None:
+        # (end time, prefill tokens, decode tokens, batch size, joined, finished, preempted,
+        # seconds). joined: scheduled for the first time (new, or resumed after preemption);
+        # finished: ended in this step, plus those ended from outside since the last one
+        # (aborts, stop strings). One pass over the batch and its outputs only.
+        decode = joined = 0
+        for sr in so.scheduled:
+            if sr.is_new:
+                joined += 1
+            elif len(sr.token_ids) == 1:
+                decode += 1
+        finished = 0
+        for o in outputs:
+            if o.finish_reason is not None:
+                finished += 1
+        outside = len(so.finished_req_ids) - self._finished_in_last_step
+        self._finished_in_last_step = finished
+        self.step_records.append(
+            (
+                time.time(),
+                so.num_scheduled_tokens - decode,
+                decode,
+                len(so.scheduled),
+                joined,
+                finished + max(outside, 0),
+                len(so.preempted_req_ids),
+                time.perf_counter() - t0,
+            )
+        )
+
+    def snapshot(self) -> dict:
+        """The live view's raw state (engine/snapshot.py `build_snapshot`)."""
+        from pagedserve.engine.snapshot import build_snapshot
+
+        return build_snapshot(self)
 
     def get_stats(self) -> EngineStats:
         return self.scheduler.make_stats()

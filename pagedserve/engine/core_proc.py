@@ -34,6 +34,7 @@ from pagedserve.messages import CoreRequestType, EngineCoreOutputs
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
+MAX_SNAPSHOT_SHARE = 0.005  # live-view snapshots take at most 0.5% of the core loop's time
 
 
 class EngineCoreProc:
@@ -48,6 +49,12 @@ class EngineCoreProc:
         self.output.connect(output_addr)
         self.parent_pid = parent_pid
         self.step_seconds = self.input_seconds = self.idle_seconds = 0.0
+        # live-view snapshots (engine/snapshot.py): at most one per interval, and never
+        # more than MAX_SNAPSHOT_SHARE of the loop's time (the interval stretches if needed)
+        self.snapshot_interval = core.config.observability.snapshot_interval_ms / 1e3
+        self.snapshot_seconds = 0.0  # time spent taking and pickling snapshots
+        self._snap_due = 0.0
+        self._snap_dirty = self.snapshot_interval > 0
 
     def run(self) -> None:
         core, poll, recv = self.core, self.input.poll, self.input.recv
@@ -55,10 +62,12 @@ class EngineCoreProc:
             while True:
                 t0 = time.perf_counter()
                 if not core.has_unfinished_requests():
-                    if not poll(1000):  # idle: block for input, checking on the parent
+                    if not poll(self._idle_poll_ms()):  # idle: block for input, checking on the parent
                         self.idle_seconds += time.perf_counter() - t0
                         if self.parent_pid is not None and os.getppid() != self.parent_pid:
                             return
+                        if self._snap_dirty and time.perf_counter() >= self._snap_due:
+                            self._send([], {})  # the state the last step left, once
                         continue
                     t1 = time.perf_counter()
                     self.idle_seconds += t1 - t0
@@ -113,6 +122,11 @@ class EngineCoreProc:
         elif kind == CoreRequestType.RESET_PREFIX_CACHE:
             core.reset_prefix_cache()
 
+    def _idle_poll_ms(self) -> int:
+        if not self._snap_dirty:
+            return 1000
+        return max(1, min(1000, int((self._snap_due - time.perf_counter()) * 1e3) + 1))
+
     def _send(self, outputs, errors) -> None:
         msg = EngineCoreOutputs(
             outputs,
@@ -122,7 +136,22 @@ class EngineCoreProc:
             self.input_seconds,
             self.idle_seconds,
         )
-        self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        if not self.snapshot_interval:
+            self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+            return
+        t0 = time.perf_counter()
+        self._snap_dirty = True
+        if t0 < self._snap_due:
+            self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+            return
+        msg.snapshot = self.core.snapshot()
+        msg.snapshot["cost_s"] = time.perf_counter() - t0
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        cost = time.perf_counter() - t0
+        self.snapshot_seconds += cost
+        self._snap_due = t0 + max(self.snapshot_interval, cost / MAX_SNAPSHOT_SHARE)
+        self._snap_dirty = False
+        self.output.send(data, copy=False)
 
 
 def _die_with_parent() -> None:

@@ -120,12 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(fn=cmd_chat)
 
     d = sub.add_parser("demo", help="the continuous-batching demo on the default model")
-    d.set_defaults(fn=lambda a: __import__("pagedserve.frontend.demo", fromlist=["main"]).main([]))
+    from pagedserve.frontend import demo
+
+    demo.add_args(d)  # --dashboard, --num-kv-blocks, ...
+    d.set_defaults(fn=demo.run)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s, model_positional=True)
     __import__("pagedserve.server.api_server", fromlist=["add_server_args"]).add_server_args(s)
-    s.set_defaults(fn=lambda a: __import__("pagedserve.server.api_server", fromlist=["serve"]).serve(a))
+    s.add_argument(
+        "--no-dashboard", action="store_true", help="no /dashboard (the engine publishes no state snapshots)"
+    )
+    s.set_defaults(fn=cmd_serve, snapshot_interval_ms=250)  # the live view is on by default
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     b.add_argument(
@@ -142,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"pagedserve: error: {e}", file=sys.stderr)
         return 2
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    if a.no_dashboard:
+        a.snapshot_interval_ms = 0
+    return __import__("pagedserve.server.api_server", fromlist=["serve"]).serve(a)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

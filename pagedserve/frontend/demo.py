@@ -2,13 +2,17 @@
 
 Sixteen chat prompts of very different lengths and answer budgets are submitted at once.
 The engine's story is printed as it runs (batch size, KV blocks, utilization, admissions
-and completions per step), then the answers and a summary.
+and completions per step), then the answers and a summary. With `--dashboard` the same
+run is shown live in the browser (the `pagedserve serve` dashboard: KV page map, each
+step's batch, queues, latency), served from a thread of this process.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import sys
 import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -35,6 +39,12 @@ QUESTIONS = [
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
+    add_args(ap)
+    return run(ap.parse_args(argv))
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    """The demo's flags (also `pagedserve demo ...`)."""
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--block-size", type=int, default=16)
@@ -44,17 +54,34 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="shrink the KV cache (e.g. 40) to watch preemption happen",
     )
-    args = ap.parse_args(argv)
+    ap.add_argument("--dashboard", action="store_true", help="watch the run live in the browser")
+    ap.add_argument("--dashboard-host", default="127.0.0.1")
+    ap.add_argument("--dashboard-port", type=int, default=8008, help="0: any free port")
+    ap.add_argument(
+        "--step-delay", type=float, default=None, help="seconds to pause after each step (--dashboard: 0.05)"
+    )
+    ap.add_argument("--no-wait", action="store_true", help="--dashboard: exit at the end instead of waiting")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.step_delay is None:
+        args.step_delay = 0.05 if args.dashboard else 0.0
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.sampling_params import RequestOutputKind
     from pagedserve.tokenizer import apply_chat_template
 
     t0 = time.perf_counter()
+    interval_ms = 200 if args.dashboard else 0
     llm = LLM(
-        model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        snapshot_interval_ms=interval_ms,
     )
     eng = llm.engine
+    view = _Dashboard(eng, args, interval_ms) if args.dashboard else None
     print(
         f"loaded {os.path.basename(eng.model_path)} ({eng.model_config.architecture}, "
         f"{eng.core.info.dtype}) in {time.perf_counter() - t0:.1f}s; KV cache: {eng.num_blocks - 1} blocks "
@@ -72,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         f"-{max(len(apply_chat_template(eng.tokenizer, [{'role': 'user', 'content': q}])) for q, _ in QUESTIONS)}"
         " tokens, answers of 16-96 tokens)\n"
     )
+    if view is not None:
+        view.publish(force=True)  # the queue before the first step
     print(
         f"{'step':>4} {'batch':>5} {'tokens':>6} {'run':>4} {'wait':>4} {'KV used/total':>14} {'util':>6}  events"
     )
@@ -91,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         for o in outs:
             if o.finished:
                 results[o.request_id] = o
+                if view is not None:
+                    view.latency.observe(o)
+        if view is not None:
+            view.publish()
+            time.sleep(args.step_delay)
+        elif args.step_delay:
+            time.sleep(args.step_delay)
         joined = sorted(after - before, key=lambda x: int(x[1:]))
         events = []
         if joined:
@@ -131,7 +167,58 @@ def main(argv: list[str] | None = None) -> int:
         "  short answers left the batch as soon as they finished, freeing their blocks at once,"
         " while longer ones kept going (continuous batching)."
     )
+    if view is not None:
+        view.publish(force=True)
+        view.wait(args.no_wait)
     return 0
+
+
+class _Dashboard:
+    """The live view of the in-process engine core: a snapshot after a step at most every
+    interval (taken here, between steps, so the page never reads a changing scheduler),
+    served by the server's dashboard routes from a uvicorn thread."""
+
+    def __init__(self, eng, args, interval_ms: int) -> None:
+        # the server layer, loaded lazily as `pagedserve serve` is by the command line
+        dash = importlib.import_module("pagedserve.server.dashboard")
+        self.core = eng.engine_core
+        self.interval = interval_ms / 1e3
+        self.snapshot = self.core.snapshot()
+        self.last = time.perf_counter()
+        self.latency = dash.SampleLatency()
+        self.server, self.url = dash.serve_standalone(
+            lambda: self.snapshot,
+            self.latency,
+            os.path.basename(eng.model_path),
+            interval_ms,
+            args.dashboard_host,
+            args.dashboard_port,
+        )
+        print(f"dashboard: {self.url}  (live view of this run)\n")
+        if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or sys.platform == "darwin":
+            import webbrowser
+
+            webbrowser.open(self.url)
+        else:
+            time.sleep(1.0)  # headless: a moment to open the URL before the run starts
+
+    def publish(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self.last >= self.interval:
+            t0 = time.perf_counter()
+            snap = self.core.snapshot()
+            snap["cost_s"] = time.perf_counter() - t0
+            self.snapshot, self.last = snap, now
+
+    def wait(self, no_wait: bool) -> None:
+        if not no_wait:
+            print(f"\nthe dashboard stays up at {self.url}; Ctrl-C to quit")
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                print()
+        self.server.should_exit = True
 
 
 if __name__ == "__main__":
