@@ -117,6 +117,43 @@ class ObservabilityConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's names. method "ngram": prompt lookup of
+    `num_speculative_tokens` guesses by matching the last `prompt_lookup_min..max` tokens.
+    Drafts are verified in one forward pass; greedy outputs are unchanged, sampled ones keep
+    their distribution. `max_batch_size`: no speculation in steps with more running
+    requests (verification costs real compute on a full batch)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    max_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method must be 'ngram', got {self.method!r}.")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}."
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max.")
+        if self.max_batch_size < 1:
+            raise ValueError(f"speculative max_batch_size must be >= 1, got {self.max_batch_size}.")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
+        if d is None:
+            return None
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {sorted(unknown)}; supported: {sorted(known)}.")
+        return cls(**d)
+
+
+@dataclass
 class EngineConfig:
     """Every setting of one engine. `pagedserve.engine_args.EngineArgs` builds it; after
     the engine core started, `scheduler.max_model_len` and `max_num_batched_tokens` are
@@ -126,4 +163,5 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)

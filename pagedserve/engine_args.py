@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import re
 from dataclasses import dataclass, field, fields
 
@@ -20,6 +21,7 @@ from pagedserve.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -79,6 +81,11 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "tensor-parallel workers (only 1 is implemented)")
     engine_core_process: bool | None = _arg(
         None, "run the engine core in its own process (default: yes for serve, no offline)"
+    )
+    speculative_config: dict | None = _arg(
+        None,
+        'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+        type=json.loads,
     )
     # -- observability ----------------------------------------------------------------
     snapshot_interval_ms: int = _arg(
@@ -168,6 +175,7 @@ class EngineArgs:
                 scheduler_cls=self.scheduler_cls,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            speculative=SpeculativeConfig.from_dict(self.speculative_config),
             observability=ObservabilityConfig(snapshot_interval_ms=self.snapshot_interval_ms),
         )
 

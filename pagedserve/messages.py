@@ -51,6 +51,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams | None = None
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    # Speculative decoding: the last len(draft_token_ids) of token_ids are guesses to
+    # verify; the executor returns the accepted ones plus one more in spec_token_ids.
+    draft_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -89,6 +92,8 @@ class ModelRunnerOutput:
     # For chunks of prompts whose requests asked for prompt logprobs: one entry per prompt
     # position covered by the chunk (position 0 has none and is never included).
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Requests that verified drafts: the accepted drafts followed by one sampled token.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import inspect
+import json
 
 import pytest
 
@@ -19,6 +20,8 @@ def _non_default(f: dataclasses.Field):
         return next(c for c in md["choices"] if c != f.default)
     if f.name == "kv_cache_memory_bytes":
         return 3 << 30
+    if f.type.startswith("dict"):
+        return {"method": "ngram", "num_speculative_tokens": 2}
     if f.type.startswith("int"):
         return (f.default or 0) + 7
     if f.type.startswith("float"):
@@ -27,7 +30,7 @@ def _non_default(f: dataclasses.Field):
 
 
 def _flag_value(v):
-    return str(v)
+    return json.dumps(v) if isinstance(v, dict) else str(v)
 
 
 @pytest.mark.parametrize("field", dataclasses.fields(EngineArgs), ids=lambda f: f.name)
@@ -67,7 +70,16 @@ def test_unsupported_vllm_argument_is_named():
         LLM("default", trust_remote_code=True)
     with pytest.raises(ValueError, match="unknown engine argument.*max_nun_seqs"):
         LLM("default", max_nun_seqs=3)
-    assert "speculative_config" in VLLM_ONLY_ARGS
+    assert "pipeline_parallel_size" in VLLM_ONLY_ARGS
+
+
+def test_speculative_config_is_validated():
+    with pytest.raises(ValueError, match="unsupported key"):
+        EngineArgs(speculative_config={"method": "ngram", "bogus": 1}).create_engine_config()
+    with pytest.raises(ValueError, match="method"):
+        EngineArgs(speculative_config={"method": "eagle"}).create_engine_config()
+    cfg = EngineArgs(speculative_config={"num_speculative_tokens": 5}).create_engine_config()
+    assert cfg.speculative.num_speculative_tokens == 5 and cfg.speculative.method == "ngram"
 
 
 def test_tensor_parallel_above_one_is_refused_clearly():

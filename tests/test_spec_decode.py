@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.spec_decode.ngram_proposer import NgramProposer
-from pagedserve.spec_decode.rejection_sampler import verify
+from pagedserve.engine.ngram_proposer import NgramProposer
+from pagedserve.executor.rejection_sampler import verify
 
 # chi-square critical values at alpha = 0.001, by degrees of freedom
 CHI2_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
@@ -79,3 +79,71 @@ def test_seeded_verification_reproduces():
     target = torch.softmax(torch.randn(3, 16), dim=-1)
     a = [verify(target, [1, 2], generator=torch.Generator().manual_seed(7)) for _ in range(3)]
     assert a[0] == a[1] == a[2]
+
+
+# -- end to end ---------------------------------------------------------------------
+from pagedserve import LLM, SamplingParams  # noqa: E402
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+KW = dict(dtype="float32", max_model_len=256)
+
+
+def _prompts(n):
+    # repetitive prompts: n-gram lookup finds matches, and a random model's greedy
+    # continuation tends to repeat too
+    return [{"prompt_token_ids": ([7, 8, 9, 10 + i, 11] * 6)[: 20 + i]} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint):
+    return checkpoint("llama")
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_greedy_tokens_identical_with_ngram_speculation(llama, n):
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = LLM(llama, num_kv_blocks=200, **KW).generate(_prompts(n), sp, use_tqdm=False)
+    llm = LLM(llama, num_kv_blocks=200, speculative_config={**SPEC, "max_batch_size": 8}, **KW)
+    spec = llm.generate(_prompts(n), sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    st = llm.get_stats()
+    assert st.spec_num_drafts > 0 and st.spec_num_accepted_tokens > 0
+    assert st.spec_num_accepted_tokens <= st.spec_num_draft_tokens
+    assert st.spec_mean_accepted_length > 1.0
+    assert sum(st.spec_accepted_per_position) == st.spec_num_accepted_tokens
+    assert st.kv_blocks_used == 0 and st.num_running == 0
+
+
+def test_speculation_under_preemption_stops_and_max_tokens(llama):
+    sps = [
+        SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop=stop)
+        for m, stop in [(30, None), (7, None), (40, None), (25, None), (30, None), (18, None)]
+    ]
+    base_llm = LLM(llama, num_kv_blocks=200, **KW)
+    base = base_llm.generate(_prompts(6), sps, use_tqdm=False)
+    # stop strings taken from the reference text, so they occur mid-output
+    texts = [o.outputs[0].text for o in base]
+    stops = [t[len(t) // 2 : len(t) // 2 + 3] if len(t) > 8 else None for t in texts]
+    sps = [SamplingParams(max_tokens=sp.max_tokens, temperature=0, ignore_eos=True, stop=s) for sp, s in zip(sps, stops)]
+    base = base_llm.generate(_prompts(6), sps, use_tqdm=False)
+    # a small cache: requests are preempted and recomputed while speculating
+    llm = LLM(llama, num_kv_blocks=14, block_size=8, speculative_config={**SPEC, "max_batch_size": 8}, **KW)
+    spec = llm.generate(_prompts(6), sps, use_tqdm=False)
+    for a, b in zip(spec, base):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    st = llm.get_stats()
+    assert st.num_preemptions > 0 and st.spec_num_drafts > 0
+    assert st.kv_blocks_used == 0
+
+
+def test_abort_mid_speculation_frees_blocks(llama):
+    llm = LLM(llama, num_kv_blocks=200, speculative_config=SPEC, **KW)
+    eng = llm.engine
+    eng.add_request("a", _prompts(1)[0], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    assert llm.get_stats().spec_num_drafts > 0
+    eng.abort_request("a")
+    assert llm.get_stats().kv_blocks_used == 0 and not eng.has_unfinished_requests()

@@ -104,7 +104,8 @@ class EngineCore:
         self.num_blocks = self._num_kv_blocks()
         self.executor.initialize_kv_cache(self.num_blocks, cc.block_size)
         self.executor.compile_or_warm_up(sc.max_num_seqs, sc.max_model_len)
-        self.scheduler = _import_class(sc.scheduler_cls)(sc, cc, self.num_blocks)
+        spec = {"speculative": config.speculative} if config.speculative is not None else {}
+        self.scheduler = _import_class(sc.scheduler_cls)(sc, cc, self.num_blocks, **spec)
         # The live view's step records (engine/snapshot.py STEP_FIELDS), kept only when
         # snapshots are on: None costs the step one attribute test.
         self.step_records: deque | None = None

@@ -115,6 +115,17 @@ class KVCacheManager:
         if end > start:
             self.num_cached_blocks[request.request_id] = end
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks holding the first `num_tokens` tokens (after rejected
+        speculative guesses); the rest go back to the pool. They were never offered to the
+        prefix cache (they held no known tokens)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free_blocks(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Release all blocks of the request, tail first (the tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

@@ -111,16 +111,25 @@ class OutputProcessor:
                     m.first_token_time = now
                 m.last_token_time = now
                 parent.num_cached_tokens = co.num_cached_tokens
-                seq.token_ids.extend(co.new_token_ids)
+                new = co.new_token_ids
+                stop = None
+                if seq.detok is not None and len(new) > 1 and seq.detok.stop:
+                    # several tokens in one step (speculative decoding): a stop string
+                    # ends the output at the token that completed it, as one at a time
+                    for j, tok in enumerate(new):
+                        stop = seq.detok.check_stop(len(seq.detok.add_tokens([tok])))
+                        if stop is not None:
+                            new = new[: j + 1]
+                            break
+                elif seq.detok is not None:
+                    stop = seq.detok.check_stop(len(seq.detok.add_tokens(new)))
+                seq.token_ids.extend(new)
                 if co.new_logprobs is not None:
                     self._add_logprobs(seq, co.new_logprobs)
-                if seq.detok is not None:
-                    n = len(seq.detok.add_tokens(co.new_token_ids))
-                    stop = seq.detok.check_stop(n)
-                    if stop is not None:
-                        co.finish_reason, co.stop_reason = "stop", stop
-                        if seq.finish_reason is None:
-                            stopped.append(co.req_id)
+                if stop is not None:
+                    co.finish_reason, co.stop_reason = "stop", stop
+                    if seq.finish_reason is None:
+                        stopped.append(co.req_id)
             if co.finish_reason is not None and seq.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
                 parent.num_finished += 1

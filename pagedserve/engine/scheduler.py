@@ -16,9 +16,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.spec_decode import SpecDecodeState
 from pagedserve.engine.stats import EngineStats
 from pagedserve.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -97,8 +98,15 @@ POLICIES = {
 
 
 class Scheduler:
-    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        sched_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = sched_config.resolved()
+        self.spec = SpecDecodeState(speculative) if speculative is not None else None
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.policy = POLICIES[sched_config.policy]
@@ -160,6 +168,7 @@ class Scheduler:
         #    locals and positional construction keep it near 2 us per request)
         running = self.running
         allocate = self.kv.allocate_slots
+        spec = self.spec if self.spec is not None and len(running) <= self.spec.max_batch_size else None
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -170,6 +179,10 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
+            drafts = None
+            if spec is not None and num_new == 1 and req.in_executor:
+                drafts = spec.propose(req, min(budget - 1, self.config.max_model_len - len(toks) - 1))
+                num_new += len(drafts) if drafts else 0
             while True:
                 new_blocks = allocate(req, num_new)
                 if new_blocks is not None:
@@ -187,7 +200,18 @@ class Scheduler:
             if new_blocks is None:
                 continue  # req itself was preempted; the list shifted under index i
             end = start + num_new
-            if req.in_executor:
+            if drafts:  # the last token, then the guesses to verify; always samples
+                scheduled.append(
+                    ScheduledRequest(
+                        req.request_id,
+                        toks[start:] + drafts,
+                        start,
+                        [b.block_id for b in new_blocks] if new_blocks else [],
+                        True,
+                        draft_token_ids=drafts,
+                    )
+                )
+            elif req.in_executor:
                 scheduled.append(
                     ScheduledRequest(
                         req.request_id,
@@ -322,6 +346,11 @@ class Scheduler:
                 outputs.append(out)
                 any_finished = True
                 continue
+            if sr.draft_token_ids is not None:
+                out = self._apply_verified(req, sr, runner_out.spec_token_ids[sr.req_id])
+                any_finished |= out.finish_reason is not None
+                outputs.append(out)
+                continue
             token = sampled[sr.req_id]
             req.output_token_ids.append(token)
             req.all_token_ids.append(token)
@@ -350,6 +379,29 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
+
+    def _apply_verified(self, req: Request, sr: ScheduledRequest, tokens: list[int]) -> EngineCoreOutput:
+        """Speculative step: `tokens` are the accepted drafts and one more. Progress rolls
+        back past the rejected guesses (their K/V slots are simply overwritten later),
+        tokens are appended one at a time with the stop rules of a normal step (so stops and
+        max_tokens land where they would without speculation), and blocks holding only
+        rejected guesses go back to the pool."""
+        k = len(sr.draft_token_ids)
+        accepted = len(tokens) - 1
+        req.num_computed_tokens -= k - accepted
+        self.spec.record(req, k, accepted)
+        out = EngineCoreOutput(sr.req_id, [], None, None, None, None, req.num_cached_tokens)
+        for token in tokens:
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
+            out.new_token_ids.append(token)
+            self.num_generation_tokens += 1
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status, out)
+                return out
+        self.kv.trim(req, req.num_computed_tokens)
+        return out
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -422,6 +474,7 @@ class Scheduler:
 
     def make_stats(self) -> EngineStats:
         kv = self.kv
+        spec = self.spec
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -439,4 +492,8 @@ class Scheduler:
             last_batch_size=self.last_batch_size,
             last_num_scheduled_tokens=self.last_num_scheduled_tokens,
             block_size=self.block_size,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
         )

@@ -259,7 +259,8 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         inp = self.prepare_inputs(so)
         order, states, cu, dev = inp.order, inp.states, inp.cu, self.device
-        rows = [i for i, sr in enumerate(order) if sr.sample]
+        rows = [i for i, sr in enumerate(order) if sr.sample and sr.draft_token_ids is None]
+        spec_rows = [i for i, sr in enumerate(order) if sr.draft_token_ids is not None]
         # host -> device copies of sampling settings go before the forward (no sync after it)
         sample_states = [states[i] for i in rows]
         plain_greedy = all(s.plain_greedy for s in sample_states)
@@ -275,6 +276,8 @@ class ModelRunner:
 
         out = ModelRunnerOutput(sampled_token_ids={})
         self._prompt_logprobs(order, states, cu, hidden, out)
+        if spec_rows:
+            self._verify_drafts(order, states, cu, hidden, spec_rows, out)
         if not rows:
             return out
         if len(rows) == hidden.shape[0]:  # every token samples (a decode-only step): no gather
@@ -295,6 +298,44 @@ class ModelRunner:
         if res is not None and res.sampled_logprobs is not None:
             self._collect_logprobs(order, rows, sample_states, res, out)
         return out
+
+    def _verify_drafts(self, order, states, cu, hidden, spec_rows, out: ModelRunnerOutput) -> None:
+        """Speculative requests: logits at the last token and at each of the k guesses (one
+        forward pass), verified against the target distribution (greedy: argmax
+        agreement; sampled: rejection sampling, executor/rejection_sampler.py). The
+        block table drops blocks that held only rejected guesses, as the scheduler does."""
+        from pagedserve.executor.rejection_sampler import verify
+
+        for i in spec_rows:
+            sr, st = order[i], states[i]
+            drafts = sr.draft_token_ids
+            k, end = len(drafts), int(cu[i + 1])
+            logits = self.model.compute_logits(hidden[end - k - 1 : end]).float()
+            p = st.params
+            if p.greedy:
+                toks = verify(logits, drafts, greedy=True)
+            else:
+                toks = verify(self._target_probs(logits, p), drafts, None, False, st.generator or self.sampler.generator)
+            out.spec_token_ids[sr.req_id] = toks
+            st.output_token_ids.extend(toks)
+            keep = -(-(sr.num_computed_tokens + len(toks)) // self.block_size)
+            del st.block_ids[keep:]
+
+    @staticmethod
+    def _target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """[n, V] logits of one request -> its sampling distribution at each position
+        (temperature, top-k, top-p, min-p; speculation is off for penalties)."""
+        from pagedserve.executor.sampler import apply_min_p, apply_top_k_top_p
+
+        n = logits.shape[0]
+        scaled = logits / p.temperature
+        if p.top_k > 0 or p.top_p < 1.0:
+            k = torch.full((n,), p.top_k, dtype=torch.int64) if p.top_k > 0 else None
+            top_p = torch.full((n,), p.top_p) if p.top_p < 1.0 else None
+            scaled = apply_top_k_top_p(scaled, k, top_p)
+        if p.min_p > 0:
+            scaled = apply_min_p(scaled, torch.full((n,), p.min_p))
+        return scaled.softmax(dim=-1)
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
         dev = self.device

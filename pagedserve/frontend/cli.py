@@ -127,11 +127,15 @@ def main(argv: list[str] | None = None) -> int:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s, model_positional=True)
-    __import__("pagedserve.server.api_server", fromlist=["add_server_args"]).add_server_args(s)
+    serve_fn = cmd_serve
+    try:  # the server's own flags; the engine commands work without the server extra
+        __import__("pagedserve.server.api_server", fromlist=["add_server_args"]).add_server_args(s)
+    except ImportError as e:
+        serve_fn = lambda a, e=e: _no_server(e)  # noqa: E731
     s.add_argument(
         "--no-dashboard", action="store_true", help="no /dashboard (the engine publishes no state snapshots)"
     )
-    s.set_defaults(fn=cmd_serve, snapshot_interval_ms=250)  # the live view is on by default
+    s.set_defaults(fn=serve_fn, snapshot_interval_ms=250)  # the live view is on by default
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     b.add_argument(
@@ -154,6 +158,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.no_dashboard:
         a.snapshot_interval_ms = 0
     return __import__("pagedserve.server.api_server", fromlist=["serve"]).serve(a)
+
+
+def _no_server(err: ImportError) -> int:
+    print(f"pagedserve serve needs the server extra (pip install 'pagedserve[server]'): {err}", file=sys.stderr)
+    return 2
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

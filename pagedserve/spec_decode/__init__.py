@@ -1,1 +1,0 @@
-"""Speculative decoding: draft proposers and the verification of their tokens."""
