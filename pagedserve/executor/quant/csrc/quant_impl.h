@@ -167,11 +167,6 @@ static deq_fn deq_for(int type) {
   }
 }
 
-static void dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, const int64_t* rows, int64_t r0,
-                         int64_t r1, float* out) {
-  deq_fn f = deq_for(type);
-  for (int64_t r = r0; r < r1; ++r) f(W + (rows ? rows[r] : r) * rb, out + r * K, K);
-}
 
 // ---- dot products ------------------------------------------------------------------------
 #if QK_ISA == 1
@@ -389,6 +384,57 @@ static void gemm_fused(const GemmArgs& g, int64_t n0, int64_t n1) {
       default: break;
     }
   }
+}
+
+#if QK_ISA >= 1
+// Q4_0 / Q4_1 / Q8_0 rows through the same register unpacking as the fused kernel
+template <int TYPE>
+static void deq_fast(const uint8_t* src, float* y, int64_t K) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+#if QK_ISA == 2
+  using V = __m512;
+  constexpr int NV = 2, W = 16;
+#define QK_SET1 _mm512_set1_ps
+#define QK_FMA _mm512_fmadd_ps
+#define QK_MUL _mm512_mul_ps
+#define QK_STORE _mm512_storeu_ps
+#else
+  using V = __m256;
+  constexpr int NV = 4, W = 8;
+#define QK_SET1 _mm256_set1_ps
+#define QK_FMA _mm256_fmadd_ps
+#define QK_MUL _mm256_mul_ps
+#define QK_STORE _mm256_storeu_ps
+#endif
+  for (int64_t i = 0; i < K / 32; ++i, y += 32) {
+    const uint8_t* blk = src + i * BB;
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    V f[NV];
+    unpack32<TYPE>(blk, f);
+    const V d = QK_SET1(h2f(hdr[0]));
+    if (TYPE == T_Q4_1) {
+      const V m = QK_SET1(h2f(hdr[1]));
+      for (int j = 0; j < NV; ++j) QK_STORE(y + j * W, QK_FMA(f[j], d, m));
+    } else {
+      for (int j = 0; j < NV; ++j) QK_STORE(y + j * W, QK_MUL(f[j], d));
+    }
+  }
+#undef QK_SET1
+#undef QK_FMA
+#undef QK_MUL
+#undef QK_STORE
+}
+#endif
+
+static void dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, const int64_t* rows, int64_t r0,
+                         int64_t r1, float* out) {
+  deq_fn f = deq_for(type);
+#if QK_ISA >= 1
+  if (type == T_Q4_0) f = deq_fast<T_Q4_0>;
+  if (type == T_Q4_1) f = deq_fast<T_Q4_1>;
+  if (type == T_Q8_0) f = deq_fast<T_Q8_0>;
+#endif
+  for (int64_t r = r0; r < r1; ++r) f(W + (rows ? rows[r] : r) * rb, out + r * K, K);
 }
 
 static void gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {

@@ -263,7 +263,7 @@ static bool cpu_has(int isa) {
 static int best_isa() { return cpu_has(ISA_AVX512) ? ISA_AVX512 : cpu_has(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR; }
 
 static int g_isa = -1;
-static int64_t g_prefill_rows = 16;
+static int64_t g_prefill_rows = 12;
 
 static int current_isa() {
   if (g_isa < 0) g_isa = best_isa();
@@ -369,11 +369,14 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   const int64_t ldo = out.size(1);
   if (M >= g_prefill_rows) {
     // many rows: dequantize tiles of output rows, then the BLAS GEMM
-    const int64_t tile = std::max<int64_t>(64, std::min<int64_t>(N, (int64_t(4) << 20) / K));
+    // tiles of ~2 MB of float weights in a reused buffer (a fresh one per call page-faults)
+    const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(512) << 10) / K));
     const int64_t rb = w.size(1);
+    thread_local torch::Tensor buf;
+    if (!buf.defined() || buf.numel() < tile * K) buf = torch::empty({tile * K}, torch::kFloat);
     for (int64_t t0 = 0; t0 < N; t0 += tile) {
       const int64_t t1 = std::min(N, t0 + tile);
-      auto wf = torch::empty({t1 - t0, K}, torch::kFloat);
+      auto wf = buf.narrow(0, 0, (t1 - t0) * K).view({t1 - t0, K});
       float* o = wf.data_ptr<float>();
       const uint8_t* W = w.data_ptr<uint8_t>() + t0 * rb;
       parallel_rows(t1 - t0, std::max<int64_t>(1, 16384 / K),
