@@ -147,3 +147,45 @@ def test_abort_mid_speculation_frees_blocks(llama):
     assert llm.get_stats().spec_num_drafts > 0
     eng.abort_request("a")
     assert llm.get_stats().kv_blocks_used == 0 and not eng.has_unfinished_requests()
+
+
+def _chi2_crit(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at alpha = 0.001."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_sampled_tokens_keep_their_distribution_with_speculation(tmp_path, monkeypatch):
+    """Temperature 1 with top-p: the token at each output position has the same
+    distribution with and without speculation (a chi-square test of homogeneity). A random
+    model's samples rarely repeat the prompt, so the proposer is made to guess every step
+    (any guesses must leave the distribution unchanged)."""
+    from pagedserve.engine.ngram_proposer import NgramProposer
+    from tests.checkpoints import build_checkpoint
+
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, toks, k=None: list(toks[-1 : -(k or self.k) - 1 : -1]))
+    model = build_checkpoint(str(tmp_path / "v32"), "llama", vocab_size=32)  # few tokens: counts per cell
+    n, pos = 600, 3
+    prompt = {"prompt_token_ids": [7, 8, 9, 10, 11] * 8}
+    sp = SamplingParams(n=n, max_tokens=pos + 1, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    runs = {}
+    for name, spec in (("base", None), ("spec", {**SPEC, "max_batch_size": 1024})):
+        llm = LLM(model, num_kv_blocks=1500, max_num_seqs=640, speculative_config=spec, **KW)
+        (out,) = llm.generate(prompt, sp, use_tqdm=False)
+        runs[name] = [c.token_ids for c in out.outputs]
+        if spec:
+            st = llm.get_stats()
+            assert st.spec_num_drafts > n and st.spec_num_draft_tokens > st.spec_num_drafts
+    for p in range(1, pos + 1):
+        a = np.bincount([t[p] for t in runs["base"]], minlength=32).astype(float)
+        b = np.bincount([t[p] for t in runs["spec"]], minlength=32).astype(float)
+        tot = a + b
+        keep = tot >= 10
+        cols = [a[keep], b[keep]]
+        if (~keep).any():
+            cols = [np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())]
+        table = np.stack(cols)
+        table = table[:, table.sum(axis=0) > 0]
+        expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0, keepdims=True) / table.sum()
+        chi2 = float(((table - expected) ** 2 / expected).sum())
+        df = table.shape[1] - 1
+        assert df >= 5 and chi2 < _chi2_crit(df), (p, chi2, df)
