@@ -193,3 +193,12 @@ def test_gpu_bench_script_smoke(tmp_path):
     )
     r = json.loads(out.read_text())
     assert {row["what"] for row in r["runs"]} == {"decode", "prefill"} and r["params"] > 0
+
+
+def test_spec_bench_smoke(checkpoint, capsys):
+    from pagedserve.bench import spec
+
+    spec.main(["--model", checkpoint("llama"), "--dtype", "float32", "--k", "2", "--max-tokens", "8", "--batch-load", "3"])
+    (r,) = last_json(capsys)
+    assert r["batch1"]["identical_outputs"] is True and r["batch1"]["plain_tok_s"] > 0
+    assert r["load"]["ratio"] > 0
