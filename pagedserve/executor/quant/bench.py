@@ -155,6 +155,39 @@ def cmd_rss(args) -> dict:
     }
 
 
+def cmd_demo(args) -> dict:
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.frontend.demo import QUESTIONS
+    from pagedserve.tokenizer import apply_chat_template
+
+    variants = [q.strip() for q in args.variants.split(",")]
+    llms = {
+        v: LLM(args.model, num_kv_blocks=400, quantization=None if v == "default" else v) for v in variants
+    }
+    tok = llms[variants[0]].get_tokenizer()
+    prompts = [
+        {"prompt_token_ids": apply_chat_template(tok, [{"role": "user", "content": q}])} for q, _ in QUESTIONS
+    ]
+    params = [SamplingParams(max_tokens=n, temperature=0) for _, n in QUESTIONS]
+    walls: dict[str, list[float]] = {v: [] for v in variants}
+    gen = {}
+    for _ in range(args.rounds):
+        for v in variants:
+            t = time.perf_counter()
+            outs = llms[v].generate(prompts, params, use_tqdm=False)
+            walls[v].append(time.perf_counter() - t)
+            gen[v] = sum(len(o.outputs[0].token_ids) for o in outs)
+    med = {v: statistics.median(w) for v, w in walls.items()}
+    return {
+        "bench": "demo",
+        "model": args.model,
+        "wall_s": walls,
+        "generated_tokens": gen,
+        "generated_tok_per_s": {v: gen[v] / med[v] for v in variants},
+        f"speedup_vs_{variants[-1]}": {v: med[variants[-1]] / med[v] for v in variants},
+    }
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m pagedserve.executor.quant.bench")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -168,11 +201,15 @@ def main(argv=None) -> None:
     k.add_argument("--shapes", default="1536x576,576x1536,49152x576,2048x2048,5632x2048")
     k.add_argument("--rows", default="1,4,16,64")
     k.add_argument("--rounds", type=int, default=5)
+    d = sub.add_parser("demo")
+    d.add_argument("--model", default="default")
+    d.add_argument("--variants", default="default,none")
+    d.add_argument("--rounds", type=int, default=2)
     r = sub.add_parser("rss")
     r.add_argument("--model", default="default")
     r.add_argument("--quantization", default="default")
     args = p.parse_args(argv)
-    out = {"tpot": cmd_tpot, "kernels": cmd_kernels, "rss": cmd_rss}[args.cmd](args)
+    out = {"tpot": cmd_tpot, "kernels": cmd_kernels, "rss": cmd_rss, "demo": cmd_demo}[args.cmd](args)
     print(json.dumps(out, indent=1))
 
 

@@ -226,24 +226,25 @@ static inline void unpack32(const uint8_t* blk, __m256* f) {
     for (int j = 0; j < 4; ++j)
       f[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * j))));
   } else {
+    // bytes widened to dwords straight from memory, then both nibbles taken per lane:
+    // bytes 0-7 give elements 0-7 (low nibbles) and 16-23 (high), bytes 8-15 give 8-15 and 24-31
     const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
-    const __m128i m4 = _mm_set1_epi8(15);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+    const __m256i m4 = _mm256_set1_epi32(15);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+    __m256i l0 = _mm256_and_si256(b0, m4), l1 = _mm256_and_si256(b1, m4);
+    __m256i h0 = _mm256_srli_epi32(b0, 4), h1 = _mm256_srli_epi32(b1, 4);
     if (TYPE == T_Q4_0) {
-      const __m128i e8 = _mm_set1_epi8(8);
-      lo = _mm_sub_epi8(lo, e8);
-      hi = _mm_sub_epi8(hi, e8);
-      f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-      f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-      f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-      f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    } else {
-      f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-      f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-      f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-      f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      const __m256i e8 = _mm256_set1_epi32(8);
+      l0 = _mm256_sub_epi32(l0, e8);
+      l1 = _mm256_sub_epi32(l1, e8);
+      h0 = _mm256_sub_epi32(h0, e8);
+      h1 = _mm256_sub_epi32(h1, e8);
     }
+    f[0] = _mm256_cvtepi32_ps(l0);
+    f[1] = _mm256_cvtepi32_ps(l1);
+    f[2] = _mm256_cvtepi32_ps(h0);
+    f[3] = _mm256_cvtepi32_ps(h1);
   }
 }
 
