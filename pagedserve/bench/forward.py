@@ -8,6 +8,14 @@ size with --context tokens already cached per sequence (pagedserve: one full eng
 step = schedule + paged forward + sample + update; transformers: one forward of
 [B, 1] tokens over its DynamicCache, greedy argmax). One JSON line per measurement,
 with the ratio pagedserve / transformers.
+
+    python -m pagedserve.bench.forward --profile [--batches 1 64] [--context 256] [--steps 10]
+
+Where the time of a decode step goes, on the ModelRunner alone (no scheduler): per batch
+size, steps alternate between the fused C++ ops and their PyTorch references (same
+process, interleaved, so a noisy machine hits both alike); each line gives the median
+step, its split (input preparation, forward, logits, sampling) and the torch profiler's
+top operators (what runs outside them, e.g. the C++ attention call, shows as the rest).
 """
 
 from __future__ import annotations
@@ -99,6 +107,116 @@ def bench_hf(model_dir: str, dtype: str, batches, context: int, prefill_len: int
     return res
 
 
+class _DecodeDriver:
+    """B requests with `context` cached tokens each, then decode steps straight through
+    ModelRunner.execute_model (greedy), blocks handed out as a scheduler would."""
+
+    def __init__(self, runner, batch: int, context: int, block_size: int) -> None:
+        from pagedserve.messages import ScheduledRequest, SchedulerOutput
+        from pagedserve.sampling_params import SamplingParams
+
+        self.runner, self.bs, self.SR, self.SO = runner, block_size, ScheduledRequest, SchedulerOutput
+        vocab = runner.vocab_size
+        p = SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0)
+        reqs, self.state, nxt = [], {}, 1
+        for i in range(batch):
+            ids = [(i * 131 + j * 17) % (vocab - 100) + 100 for j in range(context)]
+            nb = -(-context // block_size)
+            reqs.append(ScheduledRequest(f"d{i}", ids, 0, list(range(nxt, nxt + nb)), True, True, p, ids, []))
+            nxt += nb
+            self.state[f"d{i}"] = [context, 0]
+        self.next_block = nxt
+        self._apply(runner.execute_model(SchedulerOutput(reqs, batch * context)))
+
+    def _apply(self, out) -> None:
+        for rid, tok in out.sampled_token_ids.items():
+            self.state[rid][1] = tok  # positions advance in step()
+
+    def step(self) -> None:
+        reqs = []
+        for rid, st in self.state.items():
+            new = []
+            if st[0] % self.bs == 0:
+                new, self.next_block = [self.next_block], self.next_block + 1
+            reqs.append(self.SR(rid, [st[1]], st[0], new, True))
+            st[0] += 1
+        self._apply(self.runner.execute_model(self.SO(reqs, len(reqs))))
+
+    def finish(self) -> None:
+        self.runner.execute_model(self.SO([], 0, finished_req_ids=set(self.state)))
+
+
+def profile_decode(model: str, batches, context: int, steps: int, top: int = 8) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedserve.executor import ops
+    from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
+    from pagedserve.executor.model_config import ModelConfig
+    from pagedserve.executor.model_runner import ModelRunner
+
+    path = resolve_model_path(model)
+    cfg = ModelConfig.from_hf_dict(load_hf_config_dict(path))
+    runner = ModelRunner(path, cfg, dtype="float32", device="cpu")
+    bs = 16
+    need = max(batches) * (-(-(context + 4 * steps + 8) // bs)) + 2
+    runner.initialize_kv_cache(need, bs)
+    timers: dict[str, list[float]] = {}
+
+    def timed(obj, attr, key):
+        fn = getattr(obj, attr)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            timers.setdefault(key, []).append(time.perf_counter() - t)
+            return out
+
+        setattr(obj, attr, wrapper)
+
+    timed(runner, "prepare_inputs", "prepare")
+    timed(runner.model, "forward", "forward")
+    timed(runner.model, "compute_logits", "logits")
+    timed(runner.sampler, "greedy", "sample")
+    for b in batches:
+        drv = _DecodeDriver(runner, b, context, bs)
+        for _ in range(2):
+            drv.step()
+        res: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
+        for _ in range(steps):
+            for fused in (True, False):
+                ops.enabled = fused
+                timers.clear()
+                t = time.perf_counter()
+                drv.step()
+                timers["step"] = [time.perf_counter() - t]
+                for k, v in timers.items():
+                    res[fused].setdefault(k, []).append(sum(v))
+        ops.enabled = True
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                drv.step()
+        table = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        top_ops = {e.key: round(e.self_cpu_time_total / 3e3, 2) for e in table[:top]}
+        drv.finish()
+        med = {f: {k: round(statistics.median(v) * 1e3, 2) for k, v in res[f].items()} for f in res}
+        print(
+            json.dumps(
+                {
+                    "bench": "decode_step_profile",
+                    "model": model,
+                    "batch": b,
+                    "context": context,
+                    "fused_ms": med[True],
+                    "pytorch_ms": med[False],
+                    "speedup": round(med[False]["step"] / med[True]["step"], 3),
+                    "isa": ops.isa(),
+                    "top_ops_fused_ms_per_step": top_ops,
+                }
+            ),
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -107,7 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="decode-step time split, fused ops vs PyTorch")
     a = ap.parse_args(argv)
+    if a.profile:
+        profile_decode(a.model, a.batches, a.context, a.steps)
+        return
     from pagedserve.executor.loader import resolve_model_path
 
     model_dir = resolve_model_path(a.model)

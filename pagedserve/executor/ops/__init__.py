@@ -25,21 +25,46 @@ _SRC = os.path.join(os.path.dirname(__file__), "csrc", "fused_ops.cpp")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+
+
 @functools.cache
 def load():
-    """The compiled module, or None (then the references run)."""
+    """The compiled module, or None (then the references run).
+
+    The build is keyed by the source, the flags, this torch and the CPU's flags, and compiles
+    a copy of the source inside its own directory: checkouts or venvs that share
+    ~/.cache/torch_extensions never rebuild each other's copy (ninja rebuilds whenever the
+    command line, e.g. the source path, changes)."""
     if os.environ.get("PAGEDSERVE_NO_CPP_KERNELS"):
         return None
     try:
+        import hashlib
+
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as build
 
         from pagedserve.executor.attention.cpu_kernels import _cpu_tag
 
+        with open(_SRC, "rb") as fh:
+            src = fh.read()
+        key = hashlib.sha1(
+            b"\0".join([src, " ".join(_CFLAGS).encode(), torch.__version__.encode(), torch.__file__.encode()])
+        ).hexdigest()[:10]
+        name = f"pagedserve_fused_ops_{_cpu_tag()}_{key}"
+        build_dir = _get_build_directory(name, verbose=False)
+        copy = os.path.join(build_dir, "fused_ops.cpp")
+        if not os.path.exists(copy):
+            tmp = f"{copy}.{os.getpid()}"
+            with open(tmp, "wb") as fh:
+                fh.write(src)
+            os.replace(tmp, copy)
         return build(
-            name=f"pagedserve_fused_ops_{_cpu_tag()}",
-            sources=[_SRC],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+            name=name,
+            sources=[copy],
+            extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
+            build_directory=build_dir,
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 (any build failure means: use the references)
@@ -47,9 +72,14 @@ def load():
         return None
 
 
+# PAGEDSERVE_NO_FUSED_OPS=1: these ops run their references (the C++ attention kernel stays;
+# PAGEDSERVE_NO_CPP_KERNELS=1 turns off every C++ kernel). For A/B measurements.
+enabled = not os.environ.get("PAGEDSERVE_NO_FUSED_OPS")
+
+
 def kernels_for(t: torch.Tensor):
     """The compiled module when it can run on `t` (a CPU tensor of a supported dtype), else None."""
-    if t.device.type != "cpu" or t.dtype not in _KERNEL_DTYPES:
+    if not enabled or t.device.type != "cpu" or t.dtype not in _KERNEL_DTYPES:
         return None
     return load()
 
