@@ -96,7 +96,7 @@ def test_gemm_matches_dequantized_matmul(isa, qtype, m):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
         ref, mag = reference(x, raw, qtype, k)
         w = torch.from_numpy(raw)
-        for prefill_rows in (16, 10**9):  # the GEMM path (m >= 16) and the few-rows kernel at any m
+        for prefill_rows in (16, 10**9):  # the GEMM path (from 16 rows here) and the few-rows kernel at any m
             if m < 16 and prefill_rows == 16:
                 continue
             if m == 300 and prefill_rows > 16 and isa == "scalar":
@@ -110,3 +110,14 @@ def test_gemm_matches_dequantized_matmul(isa, qtype, m):
             got = out[:, 3 : 3 + n].numpy()
             assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-6), (k, prefill_rows, np.abs(got - ref).max())
             assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)  # only its columns
+
+
+def test_isa_names_are_checked():
+    mod = kernels.load()
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA"):
+        kernels._set(mod, "sse9")
+    for name, i in kernels.ISAS.items():
+        if not mod.isa_available(i):
+            with pytest.raises(RuntimeError, match="lacks"):
+                kernels._set(mod, name)
+    assert "scalar" in kernels.available_isas() and kernels.current_isa() in kernels.available_isas()

@@ -159,3 +159,17 @@ def test_quant_embedding_dtype():
     y = lin(torch.randn(2, 3, 64, dtype=torch.bfloat16))
     assert y.shape == (2, 3, 10) and y.dtype == torch.bfloat16
     assert os.environ.get("PAGEDSERVE_CPU_ISA", "auto") in ("auto", "", *kernels.ISAS)
+
+
+def test_gguf_default_falls_back_without_kernels(tmp_path, monkeypatch):
+    import json
+
+    from pagedserve.executor.quant import resolve_quantization
+
+    (tmp_path / "pagedserve_gguf.json").write_text(json.dumps({"source": "x.gguf"}))
+    cpu = torch.device("cpu")
+    assert resolve_quantization(None, str(tmp_path), cpu) == "gguf"
+    assert resolve_quantization("none", str(tmp_path), cpu) == "none"
+    assert resolve_quantization(None, str(tmp_path), torch.device("cuda")) == "none"
+    monkeypatch.setenv("PAGEDSERVE_NO_CPP_KERNELS", "1")
+    assert resolve_quantization(None, str(tmp_path), cpu) == "none"

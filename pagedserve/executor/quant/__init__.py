@@ -23,7 +23,9 @@ def resolve_quantization(quantization: str | None, model_dir: str, device, load_
     is_gguf = gguf_source(model_dir) is not None
     on_cpu = getattr(device, "type", str(device)) == "cpu"
     if q == "auto":
-        return "gguf" if is_gguf and on_cpu and load_format == "auto" else "none"
+        if not (is_gguf and on_cpu and load_format == "auto"):
+            return "none"
+        return "gguf" if _kernels_usable() else "none"
     if q == "gguf" and not is_gguf:
         raise ValueError("quantization='gguf' needs a GGUF model file")
     if q != "none" and not on_cpu:
@@ -31,3 +33,23 @@ def resolve_quantization(quantization: str | None, model_dir: str, device, load_
     if q == "gguf" and load_format != "auto":
         raise ValueError("quantization='gguf' loads the file's weights (load_format='auto')")
     return q
+
+
+def _kernels_usable() -> bool:
+    """Whether the packed kernels can run here (built, or buildable now); without them a GGUF
+    falls back to its dequantized float model, as before. PAGEDSERVE_NO_CPP_KERNELS=1 opts out."""
+    import logging
+    import os
+
+    if os.environ.get("PAGEDSERVE_NO_CPP_KERNELS"):
+        return False
+    try:
+        from pagedserve.executor.quant import kernels
+
+        kernels.load()
+        return True
+    except Exception as e:  # noqa: BLE001 (no compiler, no headers: run dequantized)
+        logging.getLogger(__name__).warning(
+            "pagedserve: packed-weight kernels unavailable (%s); dequantizing", e
+        )
+        return False
