@@ -93,6 +93,7 @@ class ModelLoadConfig:
     # None: the checkpoint's own (GGUF types run packed; safetensors dequantized/float);
     # "int8" / "int4": weight-only quantization at load; "none": dequantize everything.
     quantization: str | None = None
+    structured_outputs_backend: str = "xgrammar"  # xgrammar | llguidance
 
 
 @dataclass

@@ -52,6 +52,9 @@ class EngineArgs:
     model: str = _arg("default", "HF directory, GGUF file, or 'default' (the embedded SmolLM2-135M-Instruct)")
     tokenizer: str | None = _arg(None, "tokenizer directory or GGUF (default: the model's)")
     skip_tokenizer_init: bool = _arg(False, "no tokenizer: prompts are token ids, outputs carry no text")
+    structured_outputs_backend: str = _arg(
+        "xgrammar", "grammar engine of structured outputs", ["xgrammar", "llguidance"]
+    )
     dtype: str = _arg("auto", "weights/activations dtype", ["auto", "float32", "bfloat16", "float16"])
     device: str = _arg("auto", "auto | cpu | cuda[:N]")
     seed: int = _arg(0, "random seed")
@@ -157,6 +160,7 @@ class EngineArgs:
                 load_format=self.load_format,
                 enforce_eager=self.enforce_eager,
                 quantization=self.quantization,
+                structured_outputs_backend=self.structured_outputs_backend,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

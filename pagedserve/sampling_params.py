@@ -113,8 +113,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # never generated (as token sequences, with and without a leading space)
+    bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words
 
     def __post_init__(self) -> None:
+        self._normalize_token_constraints()
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -188,6 +193,42 @@ class SamplingParams:
         # n > 1 seeds its samples seed, seed + 1, ...: all must fit a 64-bit generator seed
         if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed <= 2**63 - self.n):
             raise bad("seed", "a 64-bit signed integer or None")
+
+    def _normalize_token_constraints(self) -> None:
+        """logit_bias keys may be strings (OpenAI's JSON); values bounded as OpenAI's."""
+        if self.logit_bias is not None:
+            try:
+                bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(
+                    f"logit_bias must map token ids to numbers, got {_short(self.logit_bias)}.", "logit_bias"
+                ) from e
+            if any(not 0 <= k <= _I32 or not -100.0 <= v <= 100.0 for k, v in bias.items()):
+                raise InvalidRequestError(
+                    f"logit_bias must map token ids >= 0 to values in [-100, 100], got {_short(self.logit_bias)}.",
+                    "logit_bias",
+                )
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = list(self.allowed_token_ids)
+            if not ids or any(type(t) is not int or not 0 <= t <= _I32 for t in ids):
+                raise InvalidRequestError(
+                    f"allowed_token_ids must be a non-empty list of token ids, got {_short(self.allowed_token_ids)}.",
+                    "allowed_token_ids",
+                )
+            self.allowed_token_ids = ids
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            if any(not isinstance(w, str) or not w.strip() for w in words):
+                raise InvalidRequestError(
+                    f"bad_words must be non-empty strings, got {_short(self.bad_words)}.", "bad_words"
+                )
+            self.bad_words = words or None
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """logit_bias, allowed_token_ids or bad words: applied to the logits per row."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -28,6 +28,8 @@ from pagedserve.executor.executor import Executor, UniProcExecutor
 from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput
+from pagedserve.structured_outputs import StructuredOutputManager
+from pagedserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,8 @@ class EngineCore:
         info = resolve_config(config)
         self.config = config
         self.model_config = info.model_config
+        self.model_path = info.model_path
+        self.structured_outputs: StructuredOutputManager | None = None  # at the first constrained request
         sc, cc = config.scheduler, config.cache
         t0 = time.perf_counter()
         self.executor = executor or UniProcExecutor(
@@ -147,18 +151,31 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; ValueError (nothing queued) if it could never run."""
-        self.scheduler.add_request(
-            Request(
-                req.request_id,
-                req.prompt_token_ids,
-                req.sampling_params,
-                req.arrival_time,
-                req.priority,
-                req.cache_salt,
-                req.max_tokens,
-                req.eos_token_ids,
-            )
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.arrival_time,
+            req.priority,
+            req.cache_salt,
+            req.max_tokens,
+            req.eos_token_ids,
         )
+        so_params = req.sampling_params.structured_outputs
+        if so_params is not None:  # its grammar compiles in the background meanwhile
+            request.structured_output_request = self._structured_output_manager().new_request(
+                so_params, req.eos_token_ids
+            )
+        self.scheduler.add_request(request)
+
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        if self.structured_outputs is None:
+            mc = self.config.model
+            path = resolve_model_path(mc.tokenizer) if mc.tokenizer else self.model_path
+            self.structured_outputs = StructuredOutputManager(
+                lambda: load_tokenizer(path), self.model_config.vocab_size, mc.structured_outputs_backend
+            )
+        return self.structured_outputs
 
     def abort_requests(self, request_ids) -> None:
         """End requests from any state; their blocks are freed at once. Unknown ids are ignored."""
@@ -177,6 +194,8 @@ class EngineCore:
         t0 = time.perf_counter() if records is not None else 0.0
         so = self.scheduler.schedule()
         if so.scheduled:
+            if self.structured_outputs is not None:  # the constrained rows' legal next tokens
+                self.structured_outputs.attach_bitmask(so, self.scheduler.requests)
             ro = self.executor.execute_model(so)
         else:
             ro = ModelRunnerOutput(sampled_token_ids={})
@@ -241,4 +260,6 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()
         self.executor.shutdown()

@@ -15,6 +15,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
 from pagedserve.messages import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_outputs import validate_structured_outputs
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for (vLLM's default max_logprobs)
 
@@ -70,6 +71,26 @@ class InputProcessor:
             if type(t) is not int or not 0 <= t < vocab:
                 raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab}), got {t!r}.", "prompt")
         return ids
+
+    def _token_constraints(self, params: SamplingParams) -> SamplingParams:
+        """Check logit_bias / allowed_token_ids against the vocabulary; tokenize bad_words
+        (each with and without a leading space, as vLLM) into a copy of the params."""
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{name} token ids must be in [0, {vocab}), got {bad}.", name)
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words need a tokenizer (skip_tokenizer_init is set).", "bad_words")
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return replace(params, bad_words_token_ids=seqs)
 
     def process(
         self,
@@ -128,6 +149,13 @@ class InputProcessor:
                 )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init is set).", "stop")
+        params = self._token_constraints(params)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured outputs need a tokenizer (skip_tokenizer_init is set).", "structured_outputs"
+                )
+            validate_structured_outputs(params.structured_outputs)
         arrival = arrival_time or time.time()
         children = []
         for i in range(params.n):

@@ -11,11 +11,12 @@ from pagedserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2  # back in the waiting queue after its blocks were freed
-    FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
-    FINISHED_LENGTH = 4  # max_tokens or max_model_len
-    FINISHED_ABORTED = 5
+    WAITING_FOR_GRAMMAR = 1  # structured outputs: queued, its grammar still compiling
+    RUNNING = 2
+    PREEMPTED = 3  # back in the waiting queue after its blocks were freed
+    FINISHED_STOPPED = 4  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 5  # max_tokens or max_model_len
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:
@@ -69,6 +70,8 @@ class Request:
         # -1: never), and steps left without guesses
         self.spec_k = 0
         self.spec_pause = 0
+        # structured outputs: the grammar (compiling, then a matcher); None if unconstrained
+        self.structured_output_request = None
         if not self.arrival_time:
             self.arrival_time = time.time()
 

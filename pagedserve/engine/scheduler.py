@@ -115,6 +115,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: set[str] = set()
         self._preempted_since_last_step: set[str] = set()
+        self._grammar_failed: list[EngineCoreOutput] = []  # reported by the next update_from_output
         # counters
         self.num_preemptions = 0
         self.num_steps = 0
@@ -151,7 +152,11 @@ class Scheduler:
         req.stop_token_set = frozenset(params.stop_token_ids).union(
             () if params.ignore_eos else req.eos_token_ids
         )
-        req.status = RequestStatus.WAITING
+        # a constrained request waits until its grammar (compiled off the step loop) is ready
+        if req.structured_output_request is None:
+            req.status = RequestStatus.WAITING
+        else:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[req.request_id] = req
         self.waiting.add(req)
 
@@ -180,7 +185,8 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             drafts = None
-            if spec is not None and num_new == 1 and req.in_executor:
+            # (constrained requests do not speculate: each guess would need its own mask)
+            if spec is not None and num_new == 1 and req.in_executor and req.structured_output_request is None:
                 drafts = spec.propose(req, min(budget - 1, self.config.max_model_len - len(toks) - 1))
                 num_new += len(drafts) if drafts else 0
             while True:
@@ -249,8 +255,11 @@ class Scheduler:
         """Admit waiting requests in policy order while seats, budget and blocks last;
         returns the budget left. (The benchmarks' StaticScheduler overrides this.)"""
         cfg = self.config
+        skipped: list[Request] = []  # grammars still compiling: they keep their places
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting.peek()
+            if req.status is RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(req, skipped):
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if cfg.long_prefill_token_threshold and num_new > cfg.long_prefill_token_threshold:
@@ -262,7 +271,26 @@ class Scheduler:
             if not self._admit(req, hit_blocks, num_hit, num_new, scheduled, scheduled_reqs):
                 break
             budget -= num_new
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
         return budget
+
+    def _grammar_ready(self, req: Request, skipped: list[Request]) -> bool:
+        """Whether the head of the queue, waiting for its grammar, may be admitted now. If
+        not, it leaves the head: into `skipped` while its grammar compiles, or finished
+        (aborted, reported by the next update_from_output) if the grammar failed."""
+        so_req = req.structured_output_request
+        if not so_req.ready():
+            skipped.append(self.waiting.pop())
+            return False
+        req.status = RequestStatus.WAITING
+        if so_req.error is None:
+            return True
+        self.waiting.pop()
+        out = EngineCoreOutput(req.request_id, [])
+        self._finish(req, RequestStatus.FINISHED_ABORTED, out)
+        self._grammar_failed.append(out)
+        return False
 
     def _admit(
         self,
@@ -324,6 +352,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         outputs: list[EngineCoreOutput] = []
+        if self._grammar_failed:
+            outputs, self._grammar_failed = self._grammar_failed, []
         sampled = runner_out.sampled_token_ids
         all_prompt_lps = runner_out.prompt_logprobs
         all_lps = runner_out.logprobs
@@ -354,6 +384,8 @@ class Scheduler:
             token = sampled[sr.req_id]
             req.output_token_ids.append(token)
             req.all_token_ids.append(token)
+            if req.structured_output_request is not None:  # advance its grammar's matcher
+                req.structured_output_request.accept(token)
             lp = all_lps.get(sr.req_id) if all_lps else None
             out = EngineCoreOutput(
                 sr.req_id,

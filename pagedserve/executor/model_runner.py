@@ -26,6 +26,8 @@ from pagedserve.messages import (
     SchedulerOutput,
 )
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_outputs.bitmask import apply_structured_output_bitmask
+from pagedserve.structured_outputs.token_constraints import apply_token_constraints
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +287,9 @@ class ModelRunner:
         else:
             last = hidden[torch.from_numpy(cu[1:][rows] - 1).to(dev)]
         logits = self.model.compute_logits(last)
+        if so.grammar_bitmask is not None:  # structured outputs: only legal next tokens
+            apply_structured_output_bitmask(logits, [order[i].req_id for i in rows], so)
+        apply_token_constraints(logits, sample_states)  # logit_bias, allowed_token_ids, bad_words
         if plain_greedy:
             res = None
             sampled = self.sampler.greedy(logits).tolist()

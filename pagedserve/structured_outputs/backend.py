@@ -25,7 +25,7 @@ class GrammarSpec:
     """A constraint in canonical form: the compile cache's key."""
 
     kind: str  # JSON, JSON_OBJECT, REGEX, EBNF or LARK
-    spec: str  # the schema (JSON text, keys sorted), regex or grammar text; "" for JSON_OBJECT
+    spec: str  # the schema (compact JSON text), regex or grammar text; "" for JSON_OBJECT
     any_whitespace: bool = True  # JSON kinds: free whitespace between tokens
 
 
@@ -53,7 +53,9 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
                 f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}.",
                 "structured_outputs",
             )
-        return GrammarSpec(JSON, json.dumps(schema, sort_keys=True, ensure_ascii=False), ws)
+        return GrammarSpec(
+            JSON, json.dumps(schema, ensure_ascii=False), ws
+        )  # key order kept: it orders the output
     if kind == "json_object":
         return GrammarSpec(JSON_OBJECT, "", ws)
     if kind == "regex":

@@ -68,3 +68,21 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask, rows: list[int] | None 
         target[:, :width].masked_fill_(~bitmask_to_bool(bm, width), float("-inf"))
     if rows is not None:
         logits[rows] = target
+
+
+def apply_structured_output_bitmask(logits: torch.Tensor, row_req_ids: list[str], sched_out) -> None:
+    """Mask logits row j (the request row_req_ids[j]) with the step's bitmask row of that
+    request (`sched_out.structured_output_request_ids`), if it has one."""
+    ids = sched_out.structured_output_request_ids
+    rows, src = [], []
+    for j, rid in enumerate(row_req_ids):
+        k = ids.get(rid)
+        if k is not None:
+            rows.append(j)
+            src.append(k)
+    if not rows:
+        return
+    bm = sched_out.grammar_bitmask
+    if src != list(range(len(bm))):
+        bm = bm[src]
+    apply_grammar_bitmask(logits, bm, rows)

@@ -35,7 +35,7 @@ from pagedserve.structured_outputs.bitmask import allocate_bitmask
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("xgrammar",)
+BACKENDS = ("xgrammar", "llguidance")
 
 
 def make_backend(
@@ -45,6 +45,10 @@ def make_backend(
         from pagedserve.structured_outputs.xgrammar_backend import XgrammarBackend
 
         return XgrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    if name == "llguidance":
+        from pagedserve.structured_outputs.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids)
     raise ValueError(f"structured outputs backend must be one of {', '.join(BACKENDS)}; got {name!r}.")
 
 

@@ -18,11 +18,14 @@ from pagedserve.structured_outputs.backend import (
 )
 
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
-# xgrammar (0.2.9) writes the characters of a string with minLength/maxLength as this
-# class, which admits raw control characters (invalid in JSON: json.loads refuses them);
-# its unbounded strings use the right class, without them.
+# xgrammar (0.2.9)'s JSON string characters admit what JSON or UTF-8 forbid: a string
+# with minLength/maxLength uses the first class below, which allows raw control characters
+# (json.loads refuses them); both classes allow UTF-16 surrogates (U+D800..U+DFFF), whose
+# 3-byte encodings are invalid UTF-8 (decoded as U+FFFD). The grammar is rewritten with
+# the right class.
 _BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+_BASIC_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
 
 
 def _json_schema_grammar(schema: str, any_whitespace: bool, strict: bool = True):
@@ -30,9 +33,10 @@ def _json_schema_grammar(schema: str, any_whitespace: bool, strict: bool = True)
 
     g = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict)
     text = str(g)
-    if _BOUNDED_STRING_CHAR in text:
-        g = xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
-    return g
+    fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR).replace(
+        _BASIC_STRING_CHAR, _JSON_STRING_CHAR
+    )
+    return g if fixed == text else xgr.Grammar.from_ebnf(fixed)
 
 
 def to_grammar(spec: GrammarSpec):
