@@ -9,6 +9,11 @@ Parsing a GGUF's metadata is slow in Python (seconds for a 49k-token vocabulary)
 file is converted once into a Hugging Face directory (config.json, tokenizer files,
 float32 safetensors) under the cache dir ($PAGEDSERVE_CACHE_DIR, default
 ~/.cache/pagedserve), keyed by the file's path, size and mtime; later loads mmap it.
+
+By default (quantization=None on a CPU) the float32 copy is not what runs: the block-quantized
+tensors are read packed from the GGUF itself (`iterate_gguf_packed`, through a tensor index
+kept beside the conversion) and run by pagedserve.executor.quant's kernels; the float32
+conversion serves quantization="none".
 """
 
 from __future__ import annotations
