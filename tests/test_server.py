@@ -2,12 +2,8 @@
 
 import asyncio
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -40,7 +36,9 @@ class Server:
     Served by the same uvicorn server class as `pagedserve serve` (drain on shutdown)."""
 
     def __init__(self, model_dir, engine_kw=None, shutdown_timeout=0.0, header_timeout=10.0, **app_kw):
-        self.async_llm = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, **{**ENGINE_KW, **(engine_kw or {})}))
+        self.async_llm = AsyncLLM.from_engine_args(
+            EngineArgs(model=model_dir, **{**ENGINE_KW, **(engine_kw or {})})
+        )
         self.app = build_app(self.async_llm, MODEL, **app_kw)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -99,7 +97,10 @@ def wait_idle(url, within: float, headers=None) -> float:
         ]
         if not any(busy):
             return time.time() - t0
-        assert time.time() - t0 < within, f"still busy after {within} s: running/waiting/blocks={busy}"
+        front = metric(url, "pagedserve:num_requests_in_flight", headers)
+        assert time.time() - t0 < within, (
+            f"still busy after {within} s: running/waiting/blocks={busy}, front end {front}"
+        )
         time.sleep(0.05)
 
 
@@ -315,46 +316,6 @@ def test_32_concurrent_streams_match_offline(server, offline):
     assert texts == [r.outputs[0].text for r in refs]
 
 
-@pytest.mark.slow
-def test_sigterm_exits_cleanly(checkpoint):
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pagedserve.frontend.cli",
-            "serve",
-            checkpoint("llama"),
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--num-kv-blocks",
-            "100",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.time() + 120
-        while True:
-            assert p.poll() is None, p.stdout.read().decode()[-2000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline
-            time.sleep(0.3)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-
-
 def test_schemathesis_finds_no_server_errors(server):
     """Property-based requests generated from the server's own OpenAPI schema: never a 5xx,
     and the engine stays alive (this found an unbounded prompt_logprobs crashing the engine)."""
@@ -380,3 +341,182 @@ def test_schemathesis_finds_no_server_errors(server):
     assert httpx.get(server.url + "/health").status_code == 200
     assert metric(server.url, "pagedserve:kv_blocks_used") == 0
 
+
+# -- issue 19: a client that leaves aborts its requests, whatever the endpoint and shape ----------
+LONG = {"max_tokens": 450, "temperature": 0, "ignore_eos": True}
+CHAT = {"messages": [{"role": "user", "content": "Tell me a long story"}], **LONG}
+SHAPES = {
+    "completion": ("/v1/completions", {"prompt": "The quick brown fox", **LONG}, 1),
+    "completion_list": ("/v1/completions", {"prompt": ["The quick", "A lazy dog", "Paged", "KV"], **LONG}, 4),
+    "completion_n4": (
+        "/v1/completions",
+        {"prompt": "The quick brown fox", **LONG, "n": 4, "temperature": 1},
+        4,
+    ),
+    "chat": ("/v1/chat/completions", CHAT, 1),
+    "chat_n4": ("/v1/chat/completions", {**CHAT, "n": 4, "temperature": 1}, 4),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_client_that_leaves_is_aborted_within_a_second(server, shape, stream):
+    path, body, seqs = SHAPES[shape]
+    before = metric(server.url, "pagedserve:generation_tokens_total")
+    body = {"model": MODEL, **body, "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.url + path, json=body, timeout=30) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break  # leave mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + path, json=body, timeout=httpx.Timeout(30, read=0.5))
+    waited = wait_idle(server.url, within=1.5)  # the goal is 1 s; measured well under it
+    print(f"{shape}/{'stream' if stream else 'plain'}: engine idle {waited:.2f} s after the client left")
+    # aborted, not run to the end
+    assert metric(server.url, "pagedserve:generation_tokens_total") - before < seqs * 450
+
+
+def test_50_clients_timing_out_mid_generation(server):
+    """Goal of issue 19: 0 running requests and 0 KV blocks 2 s after 50 non-streaming
+    clients time out mid-generation."""
+
+    async def one(ac, i):
+        body = {"model": MODEL, "prompt": f"Client {i}: the quick brown fox", **LONG}
+        with pytest.raises(httpx.ReadTimeout):
+            await ac.post("/v1/completions", json=body)
+
+    async def main():
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(
+            base_url=server.url, timeout=httpx.Timeout(30, read=1.0), limits=limits
+        ) as ac:
+            await asyncio.gather(*(one(ac, i) for i in range(50)))
+
+    asyncio.run(main())
+    waited = wait_idle(server.url, within=2.0)
+    print(f"50 clients: engine idle {waited:.2f} s after the last client left")
+
+
+# -- issue 17: hostile input fails the request that sent it, nothing else --------------------------
+def raw_post(url, path, text: str, **kw):
+    """A JSON body sent verbatim (NaN literals, lone-surrogate escapes...)."""
+    return httpx.post(url + path, content=text.encode(), headers={"content-type": "application/json"}, **kw)
+
+
+@pytest.mark.parametrize(
+    "path,text,param",
+    [
+        ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": Infinity}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "top_p": NaN}', "top_p"),
+        ("/v1/completions", '{"prompt": "\\ud800 hi"}', "prompt"),
+        ("/v1/completions", '{"prompt": ["ok", "\\udfff"]}', "prompt"),
+        ("/v1/completions", '{"model": "\\ud800", "prompt": "hi"}', "model"),
+        ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"]}', "stop"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages"),
+    ],
+)
+def test_non_finite_numbers_and_lone_surrogates_are_400(server, path, text, param):
+    r = raw_post(server.url, path, text)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_chunked_body_over_the_limit_is_413(server):
+    def body():
+        for _ in range(20):  # 20 MiB without a Content-Length
+            yield b" " * (1 << 20)
+
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=body(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_huge_inputs_are_refused_fast_without_blocking_others(server):
+    big = "hello world " * ((10 << 20) // 12)  # ~10 MB
+    for path, body in (
+        ("/v1/completions", {"prompt": big}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": big[: 4 << 20]}]}),
+    ):
+        t0 = time.perf_counter()
+        r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=60)
+        took = time.perf_counter() - t0
+        print(f"{path}: {len(json.dumps(body)) >> 20} MB input refused in {took:.2f} s")
+        assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
+        assert took < 10  # measured well under 1 s; tokenizing it took 5-19 s before
+
+
+def test_request_chat_templates_are_off_by_default(server):
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'x' }}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
+def test_list_prompt_is_aborted_as_a_whole_when_its_client_leaves(server):
+    body = {"model": MODEL, "prompt": [f"prompt {i}" for i in range(2000)], **LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    t0 = time.time()
+    while metric(server.url, "pagedserve:num_requests_in_flight"):  # every element aborted by the front end
+        assert time.time() - t0 < 3.0
+        time.sleep(0.05)
+    aborted = time.time() - t0
+    # the engine core then works through 2000 adds and aborts (slow on a loaded 2-core machine)
+    waited = wait_idle(server.url, within=15.0)
+    print(
+        f"2000-prompt list: all aborted by the front end {aborted:.2f} s, engine idle {waited:.2f} s after the client left"
+    )
+
+
+def test_list_prompt_is_as_fast_as_separate_requests(server):
+    prompts = [f"prompt number {i}" for i in range(200)]
+    params = {"model": MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    r = httpx.post(server.url + "/v1/completions", json={**params, "prompt": prompts}, timeout=120)
+    as_list = time.perf_counter() - t0
+    assert r.status_code == 200 and len(r.json()["choices"]) == 200
+
+    async def main():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as ac:
+            return await asyncio.gather(
+                *(ac.post("/v1/completions", json={**params, "prompt": p}) for p in prompts)
+            )
+
+    t0 = time.perf_counter()
+    rs = asyncio.run(main())
+    separate = time.perf_counter() - t0
+    assert all(x.status_code == 200 for x in rs)
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert texts == [x.json()["choices"][0]["text"] for x in rs]
+    print(f"200 prompts: one list request {as_list:.2f} s, 200 separate requests {separate:.2f} s")
+    assert as_list < 2 * separate + 2
+
+
+def test_a_failing_request_fails_alone(server, monkeypatch):
+    ctx = server.app.state.serving
+
+    def boom(*a, **k):
+        raise RuntimeError("formatting bug")
+
+    monkeypatch.setattr(ctx.logprobs, "completion", boom)
+    body = {"model": MODEL, "prompt": "The quick", "max_tokens": 4, "logprobs": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"error"' in lines[0]
+    monkeypatch.undo()
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    wait_idle(server.url, within=3.0)

@@ -100,11 +100,13 @@ def build_app(
         if isinstance(cause, InvalidRequestError):
             return APIError(400, _safe(str(cause)), param=cause.param).response()
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc)[:64] or None
+        param = loc[0][:64] if loc else None  # the top-level field, in OpenAI's terms
         if first.get("type") == "json_invalid":
             msg = "request body is not valid JSON"
+        elif param == "prompt" and len(loc) > 1:
+            msg = "prompt must be a string, a list of strings, a list of token ids (JSON integers) or a list of such lists"
         else:
-            msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+            msg = f"{'.'.join(loc)[:128] or 'body'}: {first.get('msg', 'invalid value')}"
         return APIError(400, _safe(msg), param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -130,9 +132,6 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await chat.create(body, request)
 
-    from pagedserve.server.dashboard import add_dashboard
-
-    add_dashboard(app, llm, model_name)  # /dashboard, when the engine publishes snapshots
     return app
 
 
@@ -152,7 +151,7 @@ class APIServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         for server in self.servers:
             server.close()  # stop accepting; uvicorn's own shutdown below closes them again (harmless)
-        await self.serving.drain(self.shutdown_timeout)
+        await self.serving.drain(0.0 if self.force_exit else self.shutdown_timeout)
         await super().shutdown(sockets)
 
 

@@ -6,7 +6,7 @@ histograms are observed when a request finishes.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagedserve.outputs import RequestOutput
@@ -49,10 +49,46 @@ class _StatsCollector:
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
 
 
+class _FrontendCollector:
+    """What the HTTP front end has admitted (the --max-queue bound is counted here)."""
+
+    def __init__(self, get_admission, model_name: str) -> None:
+        self.get_admission = get_admission
+        self.model_name = model_name
+
+    def collect(self):
+        in_flight, capacity = self.get_admission()
+        g = GaugeMetricFamily(
+            P + "num_requests_in_flight",
+            "Requests admitted by the front end and not finished (tokenizing, waiting or running).",
+            labels=["model_name"],
+        )
+        g.add_metric([self.model_name], in_flight)
+        yield g
+        if capacity is not None:
+            c = GaugeMetricFamily(
+                P + "max_requests_in_flight",
+                "Admission bound: max_num_seqs + --max-queue; beyond it requests get 503 + Retry-After.",
+                labels=["model_name"],
+            )
+            c.add_metric([self.model_name], capacity)
+            yield c
+
+
 class ServerMetrics:
-    def __init__(self, get_stats, model_name: str) -> None:
+    def __init__(self, get_stats, model_name: str, get_admission=None) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.registry.register(_StatsCollector(get_stats, model_name))
+        if get_admission is not None:
+            self.registry.register(_FrontendCollector(get_admission, model_name))
+        self.rejections = Counter(
+            P + "request_rejected",
+            "Requests refused before reaching the engine, by reason and HTTP status "
+            "(overloaded: 503 with Retry-After).",
+            ["model_name", "reason", "status"],
+            registry=self.registry,
+        )
         lat = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
         self.ttft = Histogram(
             P + "time_to_first_token_seconds", "Time to first token.", buckets=lat, registry=self.registry
@@ -69,6 +105,11 @@ class ServerMetrics:
             buckets=lat,
             registry=self.registry,
         )
+
+    _STATUS = {"overloaded": "503", "shutting_down": "503", "unauthorized": "401", "body_too_large": "413"}
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(self.model_name, reason, self._STATUS.get(reason, "400")).inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
