@@ -18,6 +18,7 @@ import argparse
 import json
 import pickle
 import statistics
+import sys
 import time
 from collections import deque
 
@@ -93,10 +94,12 @@ def snapshot_cost(num_blocks: int, num_reqs: int = 256, block_size: int = 16, re
     }
 
 
-def step_loop(model: str, steps: int, num_reqs: int, interval_ms: int = 250, rounds: int = 3) -> dict:
+def step_loop(
+    model: str, steps: int, num_reqs: int, interval_ms: int = 250, rounds: int = 3, quantization=None
+) -> dict:
     from pagedserve.engine_args import EngineArgs
 
-    config = EngineArgs(model=model, max_model_len=1024).create_engine_config()
+    config = EngineArgs(model=model, max_model_len=1024, quantization=quantization).create_engine_config()
     core = EngineCore(config)
     params = SamplingParams(max_tokens=steps, ignore_eos=True, temperature=0)
 
@@ -122,6 +125,7 @@ def step_loop(model: str, steps: int, num_reqs: int, interval_ms: int = 250, rou
                 cost = time.perf_counter() - t1
                 snap_s += cost
                 due = t1 + max(interval_ms / 1e3, cost / 0.005)
+        print(f"# {tag}: {n} steps, {step_s / max(n, 1) * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
         return {"steps": n, "step_s": step_s, "snapshot_s": snap_s}
 
     offs, ons = [], []
@@ -137,6 +141,7 @@ def step_loop(model: str, steps: int, num_reqs: int, interval_ms: int = 250, rou
     return {
         "bench": "dashboard_step_loop",
         "model": model,
+        "quantization": quantization,
         "num_reqs": num_reqs,
         "steps_per_run": offs[0]["steps"],
         "rounds": rounds,
@@ -174,11 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--num-reqs", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quantization", default=None, help="as the engine argument ('none': dequantized)")
     a = ap.parse_args(argv)
     for n in a.blocks:
         print(json.dumps(snapshot_cost(n)), flush=True)
     if a.model:
-        print(json.dumps(step_loop(a.model, a.steps, a.num_reqs, rounds=a.rounds)), flush=True)
+        print(json.dumps(step_loop(a.model, a.steps, a.num_reqs, rounds=a.rounds, quantization=a.quantization)), flush=True)
 
 
 if __name__ == "__main__":

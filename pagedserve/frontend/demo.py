@@ -189,7 +189,7 @@ class _Dashboard:
         self.server, self.url = dash.serve_standalone(
             lambda: self.snapshot,
             self.latency,
-            os.path.basename(eng.model_path),
+            "SmolLM2-135M-Instruct" if args.model == "default" else os.path.basename(eng.model_path),
             interval_ms,
             args.dashboard_host,
             args.dashboard_port,

@@ -132,6 +132,9 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await chat.create(body, request)
 
+    from pagedserve.server.dashboard import add_dashboard
+
+    add_dashboard(app, llm, model_name)  # /dashboard, when the engine publishes snapshots
     return app
 
 

@@ -247,8 +247,14 @@ def add_dashboard(app, llm, model_name: str = "", metrics=None) -> bool:
 
 
 # -- a standalone server (the offline demo) ---------------------------------------------------------
-def serve_standalone(get_snapshot, latency=None, model_name: str = "", interval_ms: int = 250,
-                     host: str = "127.0.0.1", port: int = 8008):
+def serve_standalone(
+    get_snapshot,
+    latency=None,
+    model_name: str = "",
+    interval_ms: int = 250,
+    host: str = "127.0.0.1",
+    port: int = 8008,
+):
     """Serve the live view alone from a daemon thread (no auth: loopback by default).
     Returns (server, url); `server.should_exit = True` stops it."""
     import uvicorn
