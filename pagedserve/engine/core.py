@@ -213,13 +213,16 @@ class EngineCore:
         # (end time, prefill tokens, decode tokens, batch size, joined, finished, preempted,
         # seconds). joined: scheduled for the first time (new, or resumed after preemption);
         # finished: ended in this step, plus those ended from outside since the last one
-        # (aborts, stop strings). One pass over the batch and its outputs only.
+        # (aborts, stop strings); decode tokens include drafts being verified. One pass over
+        # the batch and its outputs only.
         decode = joined = 0
         for sr in so.scheduled:
             if sr.is_new:
                 joined += 1
             elif len(sr.token_ids) == 1:
                 decode += 1
+            elif sr.draft_token_ids:  # a decode verifying speculative drafts
+                decode += len(sr.token_ids)
         finished = 0
         for o in outputs:
             if o.finish_reason is not None:
