@@ -53,6 +53,14 @@ class QuantLinear(nn.Module):
             col += sum(w.shape[0] for w in run)
             i = j + 1
         self._pending = [None] * len(self.parts)
+        self._args = (
+            [d for _, d, _ in self.segments],
+            [t for t, _, _ in self.segments],
+            [c for _, _, c in self.segments],
+            self.out_features,
+        )
+        self._op = kernels.load().qlinear
+        self._bias = self.bias  # a plain attribute (the Parameter, loaded in place)
 
     @classmethod
     def from_packed(cls, w: PackedWeight, bias: nn.Parameter | None = None) -> QuantLinear:
@@ -61,18 +69,9 @@ class QuantLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        for qtype, data, col in self.segments:
-            kernels.gemm(x2, data, qtype, out, col)
-        if self.bias is not None:
-            out += self.bias
-        if dtype != torch.float32:
-            out = out.to(dtype)
-        return out.view(*shape[:-1], self.out_features)
+        # one C++ call: reshape, float32 activations, every segment, bias, back to x's dtype
+        ws, types, cols, n = self._args
+        return self._op(x, ws, types, cols, n, self._bias)
 
     @property
     def packed_bytes(self) -> int:

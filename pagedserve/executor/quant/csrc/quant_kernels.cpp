@@ -23,6 +23,8 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+
+#include <pthread.h>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -157,7 +159,13 @@ class Pool {
       cv_.notify_all();
     }
     work(g);
-    while (done_.load(std::memory_order_acquire) < nchunks) cpu_relax();
+    // wait only for chunks a worker claimed; yield so that worker can run on a busy machine
+    for (int spin = 0; done_.load(std::memory_order_acquire) < nchunks; ++spin) {
+      if (spin < 2000)
+        cpu_relax();
+      else
+        std::this_thread::yield();
+    }
     next_.store((g << 32) | 0xffffffffu, std::memory_order_seq_cst);  // closed: nothing left to claim
   }
   ~Pool() {
@@ -222,9 +230,16 @@ class Pool {
   std::atomic<int64_t> n_{0}, chunk_{1}, nchunks_{0};
 };
 
+// never destroyed (workers may outlive static destructors); a forked child gets a fresh pool
+// (the parent's workers do not exist there; the old object is left alone, not freed)
+static Pool* g_pool = nullptr;
+static std::once_flag g_pool_once;
 static Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: workers may outlive static destructors
-  return *p;
+  std::call_once(g_pool_once, [] {
+    g_pool = new Pool();
+    pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool(); });
+  });
+  return *g_pool;
 }
 static bool g_use_pool = true;
 
@@ -405,7 +420,31 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   parallel_rows(N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_rows(g, n0, n1); });
 }
 
+// A whole QuantLinear forward in one call (the Python version cost ~20 us of tensor ops per
+// layer): x [..., K] of any float dtype -> [..., N] of x's dtype; segments of packed rows
+// (one per run of equal types) write their own output columns; optional float bias.
+torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
+                      const std::vector<int64_t>& cols, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(ws.size() == types.size() && ws.size() == cols.size(), "segments");
+  const bool flat = x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous();  // the common case
+  torch::Tensor x2 = x;
+  if (!flat) {
+    x2 = x.reshape({-1, x.size(-1)});
+    if (x2.scalar_type() != at::kFloat || !x2.is_contiguous()) x2 = x2.to(at::kFloat).contiguous();
+  }
+  torch::Tensor out = at::detail::empty_cpu({x2.size(0), N}, at::kFloat, c10::nullopt, c10::nullopt, c10::nullopt,
+                                            c10::nullopt);
+  for (size_t i = 0; i < ws.size(); ++i) gemm(x2, ws[i], types[i], out, cols[i]);
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  if (flat) return out;
+  if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return out.view(sizes);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "x @ packed.T (+ bias), all segments");
   m.def("gemm", &gemm, "out[:, col0:col0+N] = x @ dequant(w).T (packed weights)");
   m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
         py::arg("rows") = py::none());
