@@ -69,6 +69,7 @@ def test_input_processor_errors_name_their_param(model_dir):
         ({"prompt_token_ids": [1] * 300}, SamplingParams(max_tokens=None), "prompt"),  # no room left
         ({"prompt_token_ids": [1] * 200}, SamplingParams(max_tokens=100), "max_tokens"),
         ({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, logprobs=21), "logprobs"),
+        ({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, top_k=5000), "top_k"),
     ]
     for prompt, sp, param in cases:
         with pytest.raises(InvalidRequestError) as e:

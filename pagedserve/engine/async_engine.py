@@ -125,8 +125,9 @@ class AsyncLLM(FrontEnd):
     def num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the core (in-flight requests end) and release its process."""
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Stop the core (in-flight requests end) and release its process: it gets
+        `timeout` seconds to finish its step and exit, then SIGTERM, then SIGKILL."""
         if self._closed:
             return
         self._closed = True

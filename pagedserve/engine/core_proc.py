@@ -243,6 +243,9 @@ class CoreHandle:
         if self.process is not None:
             self.process.join(timeout)
             if self.process.is_alive():
+                self.process.terminate()  # its SIGTERM handler exits at once
+                self.process.join(1.0)
+            if self.process.is_alive():
                 self.kill()
         elif self.thread is not None:
             self.thread.join(timeout)

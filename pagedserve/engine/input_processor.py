@@ -137,6 +137,10 @@ class InputProcessor:
                 "lower max_tokens or give the cache more memory.",
                 "max_tokens",
             )
+        if params.top_k > self.vocab_size:
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 or at most the vocabulary size {self.vocab_size}, got {params.top_k}.", "top_k"
+            )
         limit = min(MAX_LOGPROBS, self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
