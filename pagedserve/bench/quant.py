@@ -1,11 +1,11 @@
 """Quantized-weight measurements (JSON on stdout), A/B interleaved in one process.
 
-python -m pagedserve.executor.quant.bench tpot    [--model default] [--tokens 128] [--rounds 5]
+python -m pagedserve.bench.quant tpot    [--model default] [--tokens 128] [--rounds 5]
       batch-1 decode time per output token, packed vs dequantized float32 (quantization="none")
-python -m pagedserve.executor.quant.bench kernels [--rounds 20]
+python -m pagedserve.bench.quant kernels [--rounds 20]
       one linear layer at decode/prefill row counts: packed kernels vs float32 F.linear vs
       torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu
-python -m pagedserve.executor.quant.bench rss     [--model default] [--quantization ...]
+python -m pagedserve.bench.quant rss     [--model default] [--quantization ...]
       resident memory of an engine after start and one generation
 """
 
@@ -189,7 +189,7 @@ def cmd_demo(args) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m pagedserve.executor.quant.bench")
+    p = argparse.ArgumentParser(prog="python -m pagedserve.bench.quant")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tpot")
     t.add_argument("--model", default="default")
