@@ -1,6 +1,6 @@
 """Structured outputs: compile latency, per-step constraint cost vs step time, validity.
 
-    python -m pagedserve.bench.structured [--model default] [--parts compile,mask,validity]
+    python -m pagedserve.bench.structured [--model default] [--parts compile,mask,validity,tools]
         [--batch-sizes 1,8,32,64] [--output-len 32] [--samples 8]
 
 compile:  backend start (tokenizer info, once per engine), then per schema of the suite
@@ -10,6 +10,8 @@ mask:     B requests with a JSON schema vs the same B unconstrained (ignore_eos,
           time spent filling the bitmask (engine core) and applying it (model runner).
 validity: the model answers chat prompts under each schema (plus regex / choice) with
           temperature 0.7: share of outputs that parse and validate (jsonschema).
+tools:    tool_choice "required" and a named function, enforced as the server does: share
+          of calls whose arguments validate against the function's parameters.
 Prints one JSON object per line.
 """
 
@@ -252,6 +254,85 @@ def part_validity(llm, samples: int, any_whitespace: bool = True) -> dict:
     return {"part": "validity", "any_whitespace": any_whitespace, "valid": ok, "of": total, "cases": results}
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 30},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "book_table",
+            "description": "Book a restaurant table",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "restaurant": {"type": "string", "maxLength": 30},
+                    "people": {"type": "integer", "minimum": 1, "maximum": 12},
+                    "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+                },
+                "required": ["restaurant", "people", "time"],
+            },
+        },
+    },
+]
+
+
+def part_tools(llm, samples: int) -> dict:
+    """tool_choice "required" and named, as the server runs them (hermes tools prompt for a
+    template without tools, the forced JSON schema): share of calls whose arguments parse and
+    validate against the function's parameters."""
+    import jsonschema
+
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.server.tool_calls import (
+        check_tools,
+        forced_structured_outputs,
+        parse_forced,
+        tools_system_prompt,
+    )
+
+    questions = ["What's the weather like in Lyon?", "Book a table for 4 at Chez Paul at 19:30."]
+    res = {}
+    for choice in ("required", {"type": "function", "function": {"name": "book_table"}}):
+        functions, norm = check_tools(TOOLS, choice)
+        so = forced_structured_outputs(functions, norm)
+        params = {f["name"]: f["parameters"] for f in functions}
+        msgs = [
+            [{"role": "system", "content": tools_system_prompt(functions)}, {"role": "user", "content": q}]
+            for q in questions
+            for _ in range(samples // len(questions))
+        ]
+        sps = [
+            SamplingParams(max_tokens=300, temperature=0.7, seed=i, structured_outputs=so)
+            for i in range(len(msgs))
+        ]
+        good = total = 0
+        for o in llm.chat(msgs, sps, use_tqdm=False):
+            calls = parse_forced(o.outputs[0].text, norm)
+            total += 1
+            try:
+                assert calls
+                for c in calls:
+                    jsonschema.validate(json.loads(c.arguments), params[c.name])
+                good += 1
+            except Exception:
+                pass
+        res["required" if choice == "required" else "named"] = {"valid": good, "of": total}
+    return {"part": "tools", **res}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -263,13 +344,15 @@ def main(argv=None) -> None:
     parts = args.parts.split(",")
     if "compile" in parts:
         print(json.dumps(part_compile(args.model)), flush=True)
-    if "mask" in parts or "validity" in parts:
+    if {"mask", "validity", "tools"} & set(parts):
         from pagedserve import LLM
 
         sizes = [int(x) for x in args.batch_sizes.split(",")]
         llm = LLM(args.model, max_num_seqs=max(sizes + [8]))
         if "validity" in parts:
             print(json.dumps(part_validity(llm, args.samples)), flush=True)
+        if "tools" in parts:
+            print(json.dumps(part_tools(llm, args.samples)), flush=True)
         if "mask" in parts:
             part_mask(llm, sizes, args.output_len)
 
