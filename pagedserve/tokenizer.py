@@ -6,7 +6,6 @@ import json
 import os
 
 
-
 def load_tokenizer(path: str):
     """A transformers fast tokenizer from a local HF directory (a GGUF's vocabulary comes
     through its converted directory: `executor.loader.resolve_model_path`). Never downloads."""
