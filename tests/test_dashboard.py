@@ -225,22 +225,25 @@ def test_page_in_headless_chromium(dash_server, tmp_path):
     stop = threading.Event()
     errors: list = []
 
-    def load():  # long generations sharing a one-block prefix
+    done_loading = threading.Event()
+
+    def load():  # long generations sharing a one-block prefix, in rounds until the test has seen them
         try:
             with httpx.Client(timeout=120) as c:
-                body = {"model": "tiny", "prompt": None, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
-                threads = []
-                for i in range(3):
-                    b = dict(body, prompt=prompt(i))
-                    t = threading.Thread(target=lambda b=b: c.post(url + "/v1/completions", json=b, headers=AUTH))
-                    t.start()
-                    threads.append(t)
-                for t in threads:
-                    t.join()
+                body = {"model": "tiny", "prompt": None, "max_tokens": 440, "temperature": 0, "ignore_eos": True}
+                while not stop.is_set():  # a fast (quiet) machine finishes a round in about a second
+                    threads = []
+                    for i in range(3):
+                        b = dict(body, prompt=prompt(i))
+                        t = threading.Thread(target=lambda b=b: c.post(url + "/v1/completions", json=b, headers=AUTH))
+                        t.start()
+                        threads.append(t)
+                    for t in threads:
+                        t.join()
         except Exception as e:  # noqa: BLE001
             errors.append(e)
         finally:
-            stop.set()
+            done_loading.set()
 
     try:
         driver.get(url + "/dashboard")  # no key: the page asks for it
@@ -258,7 +261,7 @@ def test_page_in_headless_chromium(dash_server, tmp_path):
         # compare with /metrics while the map is steady (it changes every 64 tokens)
         matched = None
         deadline = time.time() + 40
-        while matched is None and time.time() < deadline and not stop.is_set():
+        while matched is None and time.time() < deadline:
             before = metric(url, "pagedserve:kv_blocks_used", AUTH)
             seen = driver.execute_script(COUNT_CELLS_JS)
             after = metric(url, "pagedserve:kv_blocks_used", AUTH)
@@ -286,8 +289,9 @@ def test_page_in_headless_chromium(dash_server, tmp_path):
         assert out.stat().st_size > 10_000
         if os.environ.get("PAGEDSERVE_UPDATE_SCREENSHOT"):
             shutil.copy(out, ROOT / "docs" / "dashboard.png")
-        assert not errors, errors  # the load may still run: the server's teardown ends it
+        assert not errors, errors
     finally:
+        stop.set()  # the load ends after its current round (the server's teardown ends it too)
         driver.quit()
 
 
