@@ -141,7 +141,7 @@ def test_burst_of_100_with_max_queue_8(guarded):
     """100 requests at once against --max-queue 8 and max_num_seqs 4: at most 12 admitted
     (they would run for a long time: the test leaves them, which aborts them), the rest
     refused at once with 503 + Retry-After; then the server serves normally."""
-    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 450, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 2000, "ignore_eos": True}
     cap = MAX_QUEUE + MAX_NUM_SEQS
 
     async def one(ac):
@@ -332,14 +332,14 @@ def test_drain_window_then_final_chunks(guarded):
             results[name] = (r.status_code, list(r.iter_lines()))
 
     def plain(name):
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 450, "ignore_eos": True}
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "ignore_eos": True}
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=60, headers=AUTH)
         results[name] = (r.status_code, r.json())
 
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     threads = [threading.Thread(target=stream, args=("short", 8))]  # first: in the running batch of 4
-    threads += [threading.Thread(target=stream, args=(f"long{i}", 450)) for i in range(6)]
-    threads += [threading.Thread(target=stream, args=("chat", 450, "/v1/chat/completions", chat))]
+    threads += [threading.Thread(target=stream, args=(f"long{i}", 2000)) for i in range(6)]
+    threads += [threading.Thread(target=stream, args=("chat", 2000, "/v1/chat/completions", chat))]
     threads += [threading.Thread(target=plain, args=("plain",))]
     for t in threads:
         t.start()
