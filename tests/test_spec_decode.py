@@ -189,3 +189,16 @@ def test_sampled_tokens_keep_their_distribution_with_speculation(tmp_path, monke
         chi2 = float(((table - expected) ** 2 / expected).sum())
         df = table.shape[1] - 1
         assert df >= 5 and chi2 < _chi2_crit(df), (p, chi2, df)
+
+
+def test_spec_counters_in_prometheus_metrics():
+    pytest.importorskip("prometheus_client")
+    from pagedserve.engine.stats import EngineStats
+    from pagedserve.server.metrics import ServerMetrics
+
+    stats = EngineStats(*([0] * 16), spec_num_drafts=5, spec_num_draft_tokens=12, spec_num_accepted_tokens=9,
+                        spec_accepted_per_position=[5, 3, 1])
+    text = ServerMetrics(lambda: stats, "m").render().decode()
+    assert 'pagedserve:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'pagedserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 3.0' in text

@@ -47,6 +47,18 @@ class _StatsCollector:
         yield counter("num_preemptions", "Requests preempted for memory.", s.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
+        # speculative decoding, vLLM's names and meanings
+        yield counter("spec_decode_num_drafts", "Verification steps of one request.", s.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Guessed tokens verified.", s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Guessed tokens accepted.", s.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily(
+            P + "spec_decode_num_accepted_tokens_per_pos",
+            "Guessed tokens accepted, by position in the draft.",
+            labels=lbl + ["position"],
+        )
+        for i, v in enumerate(s.spec_accepted_per_position):
+            per_pos.add_metric(val + [str(i)], v)
+        yield per_pos
 
 
 class _FrontendCollector:
