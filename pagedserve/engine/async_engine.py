@@ -47,11 +47,7 @@ class AsyncLLM(FrontEnd):
         self.handle = CoreHandle(config, process=engine_core_process)
         # input: a plain socket (sends never block: unbounded queue); output: asyncio
         self.sync_ctx, self.ctx = zmq.Context(), zmq.asyncio.Context()
-        self.input = self.sync_ctx.socket(zmq.PUSH)
-        self.input.setsockopt(zmq.SNDHWM, 0)
-        self.input.bind(self.handle.input_addr)
-        self.output = self.ctx.socket(zmq.PULL)
-        self.output.bind(self.handle.output_addr)
+        self.input, self.output = self.handle.bind(self.sync_ctx, self.ctx)
         info = self.handle.start()
         self.core_ready(info.num_kv_blocks)
         self.num_blocks = info.num_kv_blocks

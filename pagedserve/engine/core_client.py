@@ -61,11 +61,7 @@ class SyncMPClient:
         self._zmq = zmq
         self.ctx = zmq.Context()
         self.handle = CoreHandle(config, process=True)
-        self.input = self.ctx.socket(zmq.PUSH)
-        self.input.setsockopt(zmq.SNDHWM, 0)
-        self.input.bind(self.handle.input_addr)
-        self.output = self.ctx.socket(zmq.PULL)
-        self.output.bind(self.handle.output_addr)
+        self.input, self.output = self.handle.bind(self.ctx, self.ctx)
         try:
             self.info = self.handle.start()
         except BaseException:

@@ -195,6 +195,16 @@ class CoreHandle:
         self._as_process = process
         self.info: CoreInfo | None = None
 
+    def bind(self, input_ctx: zmq.Context, output_ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """The front end's two sockets, bound before `start()`: a PUSH for commands (no
+        high-water mark: sends never block) and a PULL for the core's outputs."""
+        commands = input_ctx.socket(zmq.PUSH)
+        commands.setsockopt(zmq.SNDHWM, 0)
+        commands.bind(self.input_addr)
+        outputs = output_ctx.socket(zmq.PULL)
+        outputs.bind(self.output_addr)
+        return commands, outputs
+
     def start(self) -> CoreInfo:
         """Start the core once the caller has bound its sockets; returns when it is ready."""
         if not self._as_process:

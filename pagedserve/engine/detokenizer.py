@@ -71,6 +71,18 @@ class IncrementalDetokenizer:
         self.output_text = text[: idx + len(s)] if self.include_stop else text[:idx]
         return s
 
+    def add_tokens_until_stop(self, new_ids: list[int]) -> tuple[int, str | None]:
+        """Append tokens and look for a stop string. Several tokens at once (speculative
+        decoding) are fed one at a time while stop strings exist, so a stop ends the output
+        at the token that completed it. Returns (tokens taken, stop string or None)."""
+        if len(new_ids) > 1 and self.stop:
+            for j, tok in enumerate(new_ids):
+                stop = self.check_stop(len(self.add_tokens([tok])))
+                if stop is not None:
+                    return j + 1, stop
+            return len(new_ids), None
+        return len(new_ids), self.check_stop(len(self.add_tokens(new_ids)))
+
     def next_delta(self, finished: bool) -> str:
         """Text not yet handed out, keeping back a possible stop-string prefix until the end."""
         end = len(self.output_text) if finished else max(len(self.output_text) - self.stop_buffer, self._sent)

@@ -113,16 +113,10 @@ class OutputProcessor:
                 parent.num_cached_tokens = co.num_cached_tokens
                 new = co.new_token_ids
                 stop = None
-                if seq.detok is not None and len(new) > 1 and seq.detok.stop:
-                    # several tokens in one step (speculative decoding): a stop string
-                    # ends the output at the token that completed it, as one at a time
-                    for j, tok in enumerate(new):
-                        stop = seq.detok.check_stop(len(seq.detok.add_tokens([tok])))
-                        if stop is not None:
-                            new = new[: j + 1]
-                            break
-                elif seq.detok is not None:
-                    stop = seq.detok.check_stop(len(seq.detok.add_tokens(new)))
+                if seq.detok is not None:
+                    taken, stop = seq.detok.add_tokens_until_stop(new)
+                    if taken < len(new):  # a stop string ended it mid-step
+                        new = new[:taken]
                 seq.token_ids.extend(new)
                 if co.new_logprobs is not None:
                     self._add_logprobs(seq, co.new_logprobs)

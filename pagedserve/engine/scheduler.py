@@ -185,8 +185,7 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             drafts = None
-            # (constrained requests do not speculate: each guess would need its own mask)
-            if spec is not None and num_new == 1 and req.in_executor and req.structured_output_request is None:
+            if spec is not None and num_new == 1 and req.in_executor:  # eligibility: spec.propose
                 drafts = spec.propose(req, min(budget - 1, self.config.max_model_len - len(toks) - 1))
                 num_new += len(drafts) if drafts else 0
             while True:

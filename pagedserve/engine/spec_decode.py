@@ -32,13 +32,12 @@ class SpecDecodeState:
     @staticmethod
     def eligible(req: Request) -> bool:
         p = req.sampling_params
+        # constrained requests: each guess would need its own grammar mask
         return (
             not p.has_penalties
             and p.logprobs is None
-            and getattr(p, "structured_outputs", None) is None
-            and not getattr(p, "logit_bias", None)
-            and not getattr(p, "bad_words", None)
-            and not getattr(p, "allowed_token_ids", None)
+            and p.structured_outputs is None
+            and not p.has_token_constraints
         )
 
     def propose(self, req: Request, room: int) -> list[int] | None:

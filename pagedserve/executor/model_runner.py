@@ -88,7 +88,7 @@ class RequestState:
             p.greedy
             and not p.has_penalties
             and p.logprobs is None
-            and getattr(p, "structured_outputs", None) is None
+            and p.structured_outputs is None
         )
 
 
@@ -311,11 +311,16 @@ class ModelRunner:
         block table drops blocks that held only rejected guesses, as the scheduler does."""
         from pagedserve.executor.rejection_sampler import verify
 
-        for i in spec_rows:
+        # one logits pass for every guessed position of the step (weights read once)
+        spans = [(int(cu[i + 1]) - len(order[i].draft_token_ids) - 1, int(cu[i + 1])) for i in spec_rows]
+        idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(hidden.device)
+        all_logits = self.model.compute_logits(hidden[idx]).float()
+        offset = 0
+        for i, (a, b) in zip(spec_rows, spans):
             sr, st = order[i], states[i]
             drafts = sr.draft_token_ids
-            k, end = len(drafts), int(cu[i + 1])
-            logits = self.model.compute_logits(hidden[end - k - 1 : end]).float()
+            logits = all_logits[offset : offset + b - a]
+            offset += b - a
             p = st.params
             if p.greedy:
                 toks = verify(logits, drafts, greedy=True)
