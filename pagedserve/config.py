@@ -98,11 +98,21 @@ class ModelLoadConfig:
 
 @dataclass
 class ParallelConfig:
+    """data_parallel_size: engine cores (replicas, each with its own KV cache) behind one
+    front end; dp_routing: how the front end picks a replica per request ("prefix": the
+    one holding the longest cached prefix, else the least loaded; "round_robin")."""
+
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    dp_routing: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}.")
+        if self.dp_routing not in ("prefix", "round_robin"):
+            raise ValueError(f"dp_routing must be 'prefix' or 'round_robin', got {self.dp_routing!r}.")
 
 
 @dataclass

@@ -82,6 +82,10 @@ class EngineArgs:
     scheduler_cls: str = _arg("pagedserve.engine.scheduler.Scheduler", "dotted path of the scheduler class")
     # -- processes --------------------------------------------------------------------
     tensor_parallel_size: int = _arg(1, "tensor-parallel workers (only 1 is implemented)")
+    data_parallel_size: int = _arg(1, "engine cores (replicas, each with its own KV cache) behind one front end")
+    dp_routing: str = _arg(
+        "prefix", "data parallel: replica per request (longest cached prefix, else least loaded)", ["prefix", "round_robin"]
+    )
     engine_core_process: bool | None = _arg(
         None, "run the engine core in its own process (default: yes for serve, no offline)"
     )
@@ -178,7 +182,11 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 scheduler_cls=self.scheduler_cls,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                dp_routing=self.dp_routing,
+            ),
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
             observability=ObservabilityConfig(snapshot_interval_ms=self.snapshot_interval_ms),
         )
@@ -200,5 +208,5 @@ def signature() -> inspect.Signature:
 
 # vLLM engine arguments that pagedserve does not implement: named in the error message.
 VLLM_ONLY_ARGS = frozenset(
-    ["trust_remote_code", "revision", "code_revision", "tokenizer_revision", "tokenizer_mode", "download_dir", "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "swap_space", "cpu_offload_gb", "kv_cache_dtype", "num_gpu_blocks_override", "max_seq_len_to_capture", "disable_custom_all_reduce", "hf_overrides", "mm_processor_kwargs", "limit_mm_per_prompt", "speculative_config", "compilation_config", "max_logprobs", "disable_log_stats", "served_model_name", "allowed_local_media_path", "enable_lora", "max_loras", "max_lora_rank", "worker_cls", "override_generation_config", "model_impl"]
+    ["trust_remote_code", "revision", "code_revision", "tokenizer_revision", "tokenizer_mode", "download_dir", "pipeline_parallel_size", "distributed_executor_backend", "swap_space", "cpu_offload_gb", "kv_cache_dtype", "num_gpu_blocks_override", "max_seq_len_to_capture", "disable_custom_all_reduce", "hf_overrides", "mm_processor_kwargs", "limit_mm_per_prompt", "speculative_config", "compilation_config", "max_logprobs", "disable_log_stats", "served_model_name", "allowed_local_media_path", "enable_lora", "max_loras", "max_lora_rank", "worker_cls", "override_generation_config", "model_impl"]
 )
