@@ -87,6 +87,16 @@ class CoreInfo:
     stats: EngineStats
 
 
+def make_executor(config: EngineConfig, info: ModelInfo) -> Executor:
+    """One process (UniProcExecutor), or one worker process per tensor-parallel rank."""
+    device = resolve_device(config.model.device)
+    if config.parallel.tensor_parallel_size > 1:
+        from pagedserve.executor.distributed.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, info.model_path, info.model_config, device)
+    return UniProcExecutor(config, info.model_path, info.model_config, device)
+
+
 def _import_class(qualname: str) -> type:
     module, _, name = qualname.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -101,9 +111,7 @@ class EngineCore:
         self.structured_outputs: StructuredOutputManager | None = None  # at the first constrained request
         sc, cc = config.scheduler, config.cache
         t0 = time.perf_counter()
-        self.executor = executor or UniProcExecutor(
-            config, info.model_path, info.model_config, resolve_device(config.model.device)
-        )
+        self.executor = executor or make_executor(config, info)
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()
         self.executor.initialize_kv_cache(self.num_blocks, cc.block_size)

@@ -123,10 +123,15 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
 
     # -- KV cache -------------------------------------------------------------------
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads held here: all of them, or this tensor-parallel rank's share / replica."""
+        return self.model.tp.num_kv_heads
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
+        return 2 * c.num_hidden_layers * block_size * self.num_kv_heads * c.head_dim * elem
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """K and V per layer: [num_blocks, block_size, kv_heads, head_dim], zeroed.
@@ -135,7 +140,7 @@ class ModelRunner:
         blocks are first written: a large cache costs RSS only as it fills.
         """
         c = self.model_config
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        shape = (num_blocks, block_size, self.num_kv_heads, c.head_dim)
         self.block_size = block_size
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(c.num_hidden_layers)]
 

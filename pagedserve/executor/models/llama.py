@@ -4,6 +4,11 @@ Shapes: T = tokens of the step (all requests flattened), H = heads, K = KV heads
 head_dim, E = hidden size. Numerics follow transformers (RMSNorm in float32, rotary
 cos/sin in float32 cast to the activation dtype) so that greedy outputs match it.
 Q/K/V and gate/up projections are fused; `load_weights` maps checkpoint names.
+
+Tensor parallelism (executor/distributed): with N ranks each holds its Megatron shard
+(`TPLayout`: its q heads, its KV heads or a replica of one, its share of the MLP and of the
+vocabulary); o_proj and down_proj outputs are summed by one all-reduce each, the embedding
+by one more, and the LM head's logits are all-gathered. At N = 1 none of this runs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,14 @@ from torch import nn
 
 from pagedserve.executor import ops
 from pagedserve.executor.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.executor.distributed import sharding
+from pagedserve.executor.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_world_size,
+    tp_all_gather,
+    tp_all_reduce,
+)
+from pagedserve.executor.distributed.sharding import TPLayout
 from pagedserve.executor.model_config import ModelConfig
 
 
@@ -80,9 +93,10 @@ apply_rope = ops.rotate_ref  # x [T, heads, D], cos/sin [T, 1, D]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPLayout) -> None:
         super().__init__()
-        self.h, self.k, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.h, self.k, self.d = tp.num_heads, tp.num_kv_heads, cfg.head_dim  # this rank's heads
+        self.tp_size = tp.size
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.k) * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -103,7 +117,7 @@ class Attention(nn.Module):
             if self.backend.supports_prewritten_kv:
                 kern.rotary_cache_(qkv, cos, sin, self.h, self.k, self.d, *kv_cache, meta.slot_mapping)
                 o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=True)
-                return self.o_proj(o.reshape(t, self.h * self.d))
+                return self._out(o.reshape(t, self.h * self.d))
             kern.rotary_(qkv, cos, sin, self.h, self.k, self.d)
         else:
             q, k, v = qkv.split([self.h * self.d, self.k * self.d, self.k * self.d], dim=-1)
@@ -112,30 +126,38 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.h * self.d))
+        return self._out(o.reshape(t, self.h * self.d))
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        """o_proj, row-parallel: each rank's heads' share, summed over the ranks."""
+        out = self.o_proj(o)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPLayout) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * tp.intermediate, bias=False)  # column-parallel
+        self.down_proj = nn.Linear(tp.intermediate, cfg.hidden_size, bias=False)  # row-parallel
+        self.tp_size = tp.size
 
     def forward(self, x: torch.Tensor, kern=None) -> torch.Tensor:
         gu = self.gate_up_proj(x)
         if kern is not None:
-            return self.down_proj(kern.silu_and_mul(gu))
-        gate, up = gu.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(kern.silu_and_mul(gu))
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPLayout) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, kern=None):
         """vLLM's layout: the residual stream travels beside the layer's output, and each norm
@@ -159,11 +181,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # this rank's share (everything at one rank); the process group must exist already
+        self.tp = tp = TPLayout.make(cfg, get_tp_rank(), get_tp_world_size())
+        self.embed_tokens = nn.Embedding(tp.vocab_per_rank, cfg.hidden_size)  # vocabulary-parallel
         self.rotary = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_per_rank, bias=False)  # vocabulary-parallel
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -174,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # hidden states [T, E] after the final norm
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         kern = ops.kernels_for(x) if self.use_fused_ops else None
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
@@ -182,9 +206,26 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv, meta, kern)
         return self.norm.add_forward(x, residual, kern)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: each rank embeds the ids in its rows (zeros for the
+        others) and one all-reduce sums the ranks' rows."""
+        tp = self.tp
+        if tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - tp.vocab_start
+        outside = (local < 0) | (local >= tp.vocab_per_rank)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return tp_all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, E] -> float32 logits [N, V] (computed in the model dtype, like transformers)."""
-        return self.lm_head(hidden).float()
+        """[N, E] -> float32 logits [N, V] (computed in the model dtype, like transformers).
+        Tensor-parallel: each rank's vocabulary slice, all-gathered, padding cut off, so
+        every rank holds the same full logits."""
+        logits = self.lm_head(hidden)
+        if self.tp.size > 1:
+            logits = tp_all_gather(logits, dim=-1)[:, : self.tp.vocab_size]
+        return logits.float()
 
     # -- weights ------------------------------------------------------------------
     _STACKED = {  # checkpoint name -> (fused parameter, shard index)
@@ -196,15 +237,40 @@ class LlamaForCausalLM(nn.Module):
     }
     _SKIP = re.compile(r"rotary_emb\.inv_freq$")
 
+    # how each parameter is split over tensor-parallel ranks (module name -> style);
+    # anything else (norms, q/k norms) is replicated
+    _PARALLEL_STYLE = {
+        "qkv_proj": "qkv",
+        "gate_up_proj": "column",
+        "o_proj": "row",
+        "down_proj": "row",
+        "embed_tokens": "vocab",
+        "lm_head": "vocab",
+    }
+
     def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.config
+        """Rows of each part of a fused parameter on this rank."""
+        c, tp = self.config, self.tp
         if fused == "qkv_proj":
-            return [
-                c.num_attention_heads * c.head_dim,
-                c.num_key_value_heads * c.head_dim,
-                c.num_key_value_heads * c.head_dim,
-            ]
-        return [c.intermediate_size, c.intermediate_size]
+            return [tp.num_heads * c.head_dim, tp.num_kv_heads * c.head_dim, tp.num_kv_heads * c.head_dim]
+        return [tp.intermediate, tp.intermediate]
+
+    def _shard(self, target: str, part: int | None, w: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of checkpoint tensor `w` bound for parameter `target` (part
+        `part` of a fused one): vLLM's weight_loader, one rule per parallel style."""
+        if self.tp.size == 1:
+            return w
+        module = target.split(".")[-2] if "." in target else ""
+        style = self._PARALLEL_STYLE.get(module)
+        if style == "qkv":
+            return sharding.shard_qkv(w, part, self.tp, self.config.head_dim)
+        if style == "column":
+            return sharding.shard_column(w, self.tp)
+        if style == "row":
+            return sharding.shard_row(w, self.tp)
+        if style == "vocab":
+            return sharding.shard_vocab(w, self.tp)
+        return w
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set."""
@@ -222,6 +288,11 @@ class LlamaForCausalLM(nn.Module):
                 fused, shard = self._STACKED[parts[-2]]
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
             if not isinstance(tensor, torch.Tensor) or self._packed(target):  # quantized, kept packed
+                if self.tp.size > 1:
+                    raise NotImplementedError(
+                        "tensor parallelism with packed (GGUF) weights is not implemented: "
+                        "use quantization='none' (dequantized), 'int8' or 'int4'"
+                    )
                 self._load_packed(target, shard, tensor)
                 loaded.add(f"{target}#{shard}")
                 continue
@@ -230,6 +301,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}"
                 )
+            tensor = self._shard(target, shard, tensor)
             with torch.no_grad():
                 if shard is None:
                     if param.shape != tensor.shape:
