@@ -81,7 +81,7 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs", "waiting-queue order", ["fcfs", "priority"])
     scheduler_cls: str = _arg("pagedserve.engine.scheduler.Scheduler", "dotted path of the scheduler class")
     # -- processes --------------------------------------------------------------------
-    tensor_parallel_size: int = _arg(1, "tensor-parallel workers (only 1 is implemented)")
+    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks: worker processes, one model shard each")
     data_parallel_size: int = _arg(1, "engine cores (replicas, each with its own KV cache) behind one front end")
     dp_routing: str = _arg(
         "prefix", "data parallel: replica per request (longest cached prefix, else least loaded)", ["prefix", "round_robin"]
@@ -149,10 +149,6 @@ class EngineArgs:
     # -- the configs ------------------------------------------------------------------
     def create_engine_config(self) -> EngineConfig:
         """Validated configs (ValueError naming the setting)."""
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is implemented in this version."
-            )
         return EngineConfig(
             model=ModelLoadConfig(
                 model=self.model,

@@ -139,3 +139,6 @@ class EngineCoreOutputs:
     # engine-state snapshot for the live view (engine/snapshot.py), at most every
     # snapshot_interval_ms; None in most messages
     snapshot: dict | None = None
+    # request id -> message, for requests the core failed on an internal error while
+    # admitting them (a bug, not the client's fault: a 500); they are not running
+    failed: dict[str, str] = field(default_factory=dict)

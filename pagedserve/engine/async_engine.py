@@ -7,9 +7,13 @@ child process by default, or a thread with `engine_core_process=False`): the sch
 the executor and the step loop (`engine/core_proc.py`), so HTTP, JSON and
 detokenization never hold the GIL the step needs.
 
-If the core dies (an executor fault, or the process was killed), every in-flight stream
-gets an EngineDeadError at once, `is_alive` turns False (the server's /health says 503),
-and new requests are refused.
+Faults: an exception while processing one request's outputs (detokenizer, stop strings,
+logprob text) or inputs fails that request alone: its stream gets a RequestFailedError,
+the core aborts it (its KV blocks are freed) and every other request goes on. If the core
+dies (an executor fault, or the process was killed), every in-flight stream gets an
+EngineDeadError at once, `is_alive` turns False (the server's /health says 503, and
+`pagedserve serve` exits non-zero so that a supervisor restarts it), and new requests
+are refused.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pagedserve.engine.core_proc import CoreHandle
 from pagedserve.engine.llm_engine import FrontEnd
 from pagedserve.engine.stats import EngineStats
 from pagedserve.engine_args import EngineArgs
-from pagedserve.errors import EngineDeadError, InvalidRequestError
+from pagedserve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pagedserve.messages import CoreRequestType, EngineCoreOutputs
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -86,8 +90,8 @@ class AsyncLLM(FrontEnd):
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", "request_id")
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
         self.output_processor.add_request(req)
+        self._streams[request_id] = queue
         self._send(CoreRequestType.ADD, req.children)
         return RequestStream(self, request_id, queue)
 
@@ -189,30 +193,44 @@ class AsyncLLM(FrontEnd):
                 self.core_times = (msg.step_seconds, msg.input_seconds, msg.idle_seconds)
                 if msg.snapshot is not None:
                     self.snapshot = msg.snapshot
-                for rid, err in msg.errors.items():
-                    parent = rid.split("#", 1)[0]
-                    queue = self._streams.pop(parent, None)
-                    if queue is not None:
-                        self.abort(parent)
-                        queue.put_nowait(InvalidRequestError(err))
+                for rid, err in msg.errors.items():  # refused by the core (invalid)
+                    self._fail_request(rid.split("#", 1)[0], InvalidRequestError(err))
+                for rid, err in msg.failed.items():  # failed in the core (an internal error)
+                    self._fail_request(rid.split("#", 1)[0], RequestFailedError(err))
                 if not msg.outputs:
                     continue
-                outputs, stopped = process(msg.outputs)
-                if stopped:
-                    self._send(CoreRequestType.FINISH_STOPPED, stopped)
-                for out in outputs:
+                res = process(msg.outputs)  # a request whose outputs fail is in res.failed
+                if res.stopped:
+                    self._send(CoreRequestType.FINISH_STOPPED, res.stopped)
+                if res.abort:
+                    self._send(CoreRequestType.ABORT, res.abort)
+                for rid, e in res.failed.items():
+                    self._fail_request(
+                        rid, RequestFailedError(f"processing the request's outputs failed: {e!r}")
+                    )
+                for out in res.outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
                         if out.finished:
                             del self._streams[out.request_id]
                     if out.finished and self.on_finished is not None:
-                        self.on_finished(out)
+                        try:
+                            self.on_finished(out)
+                        except Exception:  # noqa: BLE001 (a metrics bug: logged, nothing else)
+                            logger.exception("on_finished failed for request %s", out.request_id)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # a front-end bug must not hang every client
+        except Exception as e:  # outside any one request (a protocol bug): clients are told
             logger.exception("output loop failed")
             self._on_dead(f"output processing failed: {e!r}")
+
+    def _fail_request(self, request_id: str, error: Exception) -> None:
+        """End one request with `error` (its stream raises it); the core aborts what is left of it."""
+        queue = self._streams.pop(request_id, None)
+        self.abort(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
 
 
 class RequestStream:

@@ -49,6 +49,7 @@ class EngineCoreProc:
         self.output.connect(output_addr)
         self.parent_pid = parent_pid
         self.step_seconds = self.input_seconds = self.idle_seconds = 0.0
+        self.failed: dict[str, str] = {}  # requests that failed on admission, for the next message
         # live-view snapshots (engine/snapshot.py): at most one per interval, and never
         # more than MAX_SNAPSHOT_SHARE of the loop's time (the interval stretches if needed)
         self.snapshot_interval = core.config.observability.snapshot_interval_ms / 1e3
@@ -115,6 +116,13 @@ class EngineCoreProc:
                 core.abort_requests(added)
                 for req in payload:
                     errors[req.request_id] = str(e)
+            except Exception as e:  # noqa: BLE001 (a bug admitting this request: it fails alone)
+                logger.exception(
+                    "admitting request %s failed; it is refused", payload[0].request_id if payload else "?"
+                )
+                core.abort_requests(added)
+                for req in payload:
+                    self.failed[req.request_id] = f"admitting the request failed: {type(e).__name__}: {e}"
         elif kind == CoreRequestType.ABORT:
             core.abort_requests(payload)
         elif kind == CoreRequestType.FINISH_STOPPED:
@@ -136,6 +144,8 @@ class EngineCoreProc:
             self.input_seconds,
             self.idle_seconds,
         )
+        if self.failed:
+            msg.failed, self.failed = self.failed, {}
         if not self.snapshot_interval:
             self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
             return
