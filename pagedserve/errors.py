@@ -18,3 +18,9 @@ class InvalidRequestError(ValueError):
 class EngineDeadError(RuntimeError):
     """The engine core stopped (an executor fault, or its process died); in-flight
     requests fail with this and new ones are refused."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed on an internal error (a bug while processing its inputs or
+    outputs); it was aborted (its KV blocks freed) and the engine goes on. The server
+    answers it with a 500; other requests are unaffected."""

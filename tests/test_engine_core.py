@@ -37,7 +37,9 @@ def test_offline_engine_core_process_gives_the_same_tokens(model_dir, reference)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         # stop strings are found in the front end and end the request in the core
-        text = llm.generate("hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+        text = llm.generate(
+            "hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False
+        )
         assert text[0].outputs[0].text is not None
         stats = llm.get_stats()
         assert stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_used == 0
@@ -76,7 +78,9 @@ def test_input_processor_errors_name_their_param(model_dir):
             llm.generate(prompt, sp, use_tqdm=False)
         assert e.value.param == param, (prompt, sp, e.value)
     # an omitted max_tokens means "up to max_model_len"
-    out = llm.generate({"prompt_token_ids": [1] * 250}, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        {"prompt_token_ids": [1] * 250}, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 6
     assert llm.get_stats().kv_blocks_used == 0
 
@@ -134,3 +138,77 @@ def test_abort_across_processes_frees_blocks(model_dir):
     finally:
         llm.shutdown()
     assert not llm.handle.is_alive()
+
+
+# -- issue 17: a fault in one request's processing fails that request only ------------------------
+def _poison_detokenizer(monkeypatch):
+    """Requests with the stop string "<boom>" raise in the detokenizer; others are untouched."""
+    from pagedserve.engine.detokenizer import IncrementalDetokenizer
+
+    real = IncrementalDetokenizer.add_tokens_until_stop
+
+    def poisoned(self, new_ids):
+        if "<boom>" in self.stop:
+            raise RuntimeError("detokenizer bug")
+        return real(self, new_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_tokens_until_stop", poisoned)
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["inproc", "core_process"])
+def test_offline_output_fault_fails_one_request(model_dir, reference, monkeypatch, process):
+    prompts, want = reference
+    llm = LLM(model_dir, engine_core_process=process, **ENGINE_KW)
+    try:
+        _poison_detokenizer(monkeypatch)
+        bad = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True, stop=["<boom>"])
+        good = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["never-seen"])
+        outs = llm.generate(prompts[:2], [bad, good], use_tqdm=False)
+        assert outs[0].outputs[0].finish_reason == "error" and "detokenizer bug" in outs[0].extra["error"]
+        assert outs[1].outputs[0].finish_reason == "length" and outs[1].outputs[0].token_ids == want[1]
+        after = llm.generate(prompts[2], GREEDY, use_tqdm=False)
+        assert after[0].outputs[0].token_ids == want[2]
+        stats = llm.get_stats()  # a core process's stats come with the last step, after the abort
+        assert stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_used == 0
+    finally:
+        llm.shutdown()
+
+
+async def _admission_fault(llm: AsyncLLM):
+    bad = await llm.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY, "poisoned")
+    good = await llm.add_request({"prompt_token_ids": [8, 9, 10]}, GREEDY, "good")
+    from pagedserve.errors import RequestFailedError
+
+    with pytest.raises(RequestFailedError, match="grammar backend bug"):
+        async for _ in bad:
+            pass
+    outs = [o async for o in good]
+    later = [o async for o in await llm.add_request({"prompt_token_ids": [11, 12]}, GREEDY, "later")]
+    for _ in range(100):
+        if llm.stats.kv_blocks_used == 0 and llm.stats.num_running == 0:
+            break
+        await asyncio.sleep(0.05)
+    return outs[-1], later[-1]
+
+
+def test_core_admission_fault_fails_one_request(model_dir, monkeypatch):
+    """An internal error while the core admits one request (e.g. a grammar backend that
+    raises) refuses that request with a RequestFailedError; the core goes on."""
+    from pagedserve.engine.core import EngineCore
+
+    real = EngineCore.add_request
+
+    def add_request(self, req):
+        if req.request_id == "poisoned":
+            raise RuntimeError("grammar backend bug")
+        return real(self, req)
+
+    monkeypatch.setattr(EngineCore, "add_request", add_request)
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, engine_core_process=False, **ENGINE_KW))
+    try:
+        good, later = asyncio.run(_admission_fault(llm))
+        assert good.finished and len(good.outputs[0].token_ids) == GREEDY.max_tokens
+        assert later.finished and len(later.outputs[0].token_ids) == GREEDY.max_tokens
+        assert llm.is_alive and llm.stats.kv_blocks_used == 0 and llm.stats.num_running == 0
+    finally:
+        llm.shutdown()

@@ -35,7 +35,15 @@ class Server:
     published stats snapshot, and use a separate offline LLM for reference outputs.
     Served by the same uvicorn server class as `pagedserve serve` (drain on shutdown)."""
 
-    def __init__(self, model_dir, engine_kw=None, shutdown_timeout=0.0, header_timeout=10.0, **app_kw):
+    def __init__(
+        self,
+        model_dir,
+        engine_kw=None,
+        shutdown_timeout=0.0,
+        header_timeout=10.0,
+        exit_on_engine_death=False,
+        **app_kw,
+    ):
         self.async_llm = AsyncLLM.from_engine_args(
             EngineArgs(model=model_dir, **{**ENGINE_KW, **(engine_kw or {})})
         )
@@ -48,6 +56,7 @@ class Server:
             log_level="warning",
             shutdown_timeout=shutdown_timeout,
             header_timeout=header_timeout,
+            exit_on_engine_death=exit_on_engine_death,
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -524,4 +533,51 @@ def test_a_failing_request_fails_alone(server, monkeypatch):
     monkeypatch.undo()
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200
+    wait_idle(server.url, within=3.0)
+
+
+def test_a_request_whose_outputs_fail_fails_alone(server, monkeypatch):
+    """Issue 17: an exception while detokenizing one request's outputs fails that request
+    (a 500 body, or an error event in its stream), the core aborts it (no leaked blocks),
+    a concurrent request and a later one complete, and the engine stays up."""
+    from pagedserve.engine.detokenizer import IncrementalDetokenizer
+
+    real = IncrementalDetokenizer.add_tokens_until_stop
+
+    def poisoned(self, new_ids):  # only the requests that carry the marker stop string
+        if "<boom>" in self.stop:
+            raise RuntimeError("detokenizer bug")
+        return real(self, new_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_tokens_until_stop", poisoned)
+    normal = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    bad = {**normal, "prompt": "A lazy dog", "stop": ["<boom>"], "max_tokens": 2000}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
+
+            async def stream(body):
+                async with ac.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    return r.status_code, [ln async for ln in r.aiter_lines() if ln.startswith("data: ")]
+
+            return await asyncio.gather(stream(normal), stream(bad), ac.post("/v1/completions", json=bad))
+
+    (ok_status, ok_lines), (bad_status, bad_lines), bad_plain = asyncio.run(main())
+    assert ok_status == 200 and ok_lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in ok_lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert bad_status == 200 and bad_lines[-1] == "data: [DONE]"
+    errors = [json.loads(ln[6:]) for ln in bad_lines[:-1] if '"error"' in ln]
+    assert errors and errors[0]["error"]["type"] == "server_error"
+    assert bad_plain.status_code == 500 and bad_plain.json()["error"]["type"] == "server_error"
+    # the engine goes on: health, a request after it, and the failed ones' blocks are freed
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={**normal, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     wait_idle(server.url, within=3.0)

@@ -369,3 +369,32 @@ def test_drain_window_then_final_chunks(guarded):
         assert reasons[-1] in ("length", "abort"), (name, reasons[-3:])
     assert read_sse(results["short"][1])[0][-1]["choices"][0]["finish_reason"] == "length"
     assert read_sse(results["long0"][1])[0][-1]["choices"][0]["finish_reason"] == "abort"
+
+
+# -- issue 17: a dead engine is visible, and the server exits for its supervisor -------------------
+@pytest.mark.parametrize("keep_alive", [False, True], ids=["exits", "keep_alive"])
+def test_engine_death_is_visible_and_exits_the_server(checkpoint, keep_alive):
+    """An executor fault (here: the core process killed) fails in-flight requests with a
+    503 body; by default the server then stops (`pagedserve serve` exits 1, for systemd or
+    k8s to restart it); with --keep-alive-on-engine-death it keeps answering 503."""
+    s = Server(checkpoint("llama"), exit_on_engine_death=not keep_alive)
+    try:
+        body = {"model": MODEL, "prompt": "The quick", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = []
+            for ln in r.iter_lines():
+                lines.append(ln)
+                if len(lines) == 4:
+                    os.kill(s.async_llm.handle.process.pid, signal.SIGKILL)
+        chunks, done = read_sse(lines)
+        assert done and any("error" in c and c["error"]["code"] == "engine_dead" for c in chunks)
+        if keep_alive:
+            assert httpx.get(s.url + "/health").status_code == 503
+            r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            assert s.thread.is_alive()
+        else:
+            s.thread.join(10)
+            assert not s.thread.is_alive() and s.server.engine_died
+    finally:
+        s.stop()

@@ -24,7 +24,7 @@ class InprocClient:
             for r in reqs:
                 self.engine_core.add_request(r)
                 added.append(r.request_id)
-        except ValueError:
+        except Exception:  # invalid (ValueError) or a bug admitting it: nothing of it stays queued
             self.engine_core.abort_requests(added)
             raise
 
@@ -99,6 +99,8 @@ class SyncMPClient:
         self.stats = msg.stats
         for rid in msg.errors:  # refused by the core: ends like an abort
             msg.outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+        for rid in msg.failed:  # failed in the core on an internal error
+            msg.outputs.append(EngineCoreOutput(rid, [], finish_reason="error"))
         return msg
 
     def get_stats(self):

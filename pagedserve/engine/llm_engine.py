@@ -108,10 +108,15 @@ class LLMEngine(FrontEnd):
 
     # -- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs, stopped = self.output_processor.process(self.core.get_output().outputs)
-        if stopped:
-            self.core.finish_requests_stopped(stopped)
-        return outputs
+        """One engine step's outputs. A request whose outputs fail to process (a detokenizer
+        or formatting bug) fails alone: the core aborts it (its blocks are freed) and it
+        ends here with finish_reason "error" and the message in `extra["error"]`."""
+        res = self.output_processor.process(self.core.get_output().outputs)
+        if res.stopped:
+            self.core.finish_requests_stopped(res.stopped)
+        if res.abort:
+            self.core.abort_requests(res.abort)
+        return res.outputs + res.failed_outputs if res.failed_outputs else res.outputs
 
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()

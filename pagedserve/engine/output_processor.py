@@ -1,8 +1,15 @@
 """Turns the scheduler's per-step token deltas into RequestOutputs: detokenization, stop
-strings, logprob text, n>1 fan-in, timing metrics."""
+strings, logprob text, n>1 fan-in, timing metrics.
+
+Fault isolation: an exception while processing one request's outputs (a detokenizer or
+logprob-formatting bug, a tokenizer that chokes on an id) fails that request only. It is
+removed here and reported in `ProcessedOutputs.failed` with the child ids the core must
+abort (which frees its KV blocks); every other request of the step is processed as usual.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -11,6 +18,8 @@ from pagedserve.engine.input_processor import ProcessedRequest
 from pagedserve.messages import EngineCoreOutput, PositionLogprobs
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,6 +56,21 @@ class ParentState:
     @property
     def finished(self) -> bool:
         return self.num_finished == len(self.seqs)
+
+
+@dataclass
+class ProcessedOutputs:
+    """One step's results for the front end."""
+
+    outputs: list[RequestOutput]  # to hand to the requests' owners
+    stopped: list[str]  # child ids that hit a stop string: the core must end them
+    # request id -> why its processing failed (the request is already removed here), and
+    # the child ids of those requests: the core must abort them
+    failed: dict[str, Exception] = field(default_factory=dict)
+    abort: list[str] = field(default_factory=list)
+    # the failed requests' final outputs (finish_reason "error", extra["error"]), for the
+    # offline engine, whose callers wait for every request's final output
+    failed_outputs: list[RequestOutput] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -92,53 +116,94 @@ class OutputProcessor:
             for cid in parent.child_ids:
                 self.child_to_seq.pop(cid, None)
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (outputs to report, child ids that hit a stop string and must be ended)."""
+    def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """One step's core outputs -> RequestOutputs, stop-string ends, and the requests
+        whose processing raised (each fails alone: see the module docstring)."""
         now = time.time()
         touched: dict[str, ParentState] = {}
-        stopped: list[str] = []
+        result = ProcessedOutputs([], [])
         for co in core_outputs:
             entry = self.child_to_seq.get(co.req_id)
             if entry is None:
                 continue
             parent, seq = entry
             touched[parent.request_id] = parent
-            m = parent.metrics
-            if co.new_prompt_logprobs and parent.prompt_logprobs is not None and seq.index == 0:
-                parent.prompt_logprobs.extend(self._decorate(co.new_prompt_logprobs))
-            if co.new_token_ids:
-                if m.first_token_time is None:
-                    m.first_token_time = now
-                m.last_token_time = now
-                parent.num_cached_tokens = co.num_cached_tokens
-                new = co.new_token_ids
-                stop = None
-                if seq.detok is not None:
-                    taken, stop = seq.detok.add_tokens_until_stop(new)
-                    if taken < len(new):  # a stop string ended it mid-step
-                        new = new[:taken]
-                seq.token_ids.extend(new)
-                if co.new_logprobs is not None:
-                    self._add_logprobs(seq, co.new_logprobs)
-                if stop is not None:
-                    co.finish_reason, co.stop_reason = "stop", stop
-                    if seq.finish_reason is None:
-                        stopped.append(co.req_id)
-            if co.finish_reason is not None and seq.finish_reason is None:
-                seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
-                parent.num_finished += 1
-                if seq.detok is not None and not isinstance(co.stop_reason, str):
-                    seq.detok.flush()  # a stop string already trimmed the text
-                if parent.finished:
-                    m.finished_time = now
-        outputs = []
+            try:
+                self._apply(parent, seq, co, now, result.stopped)
+            except Exception as e:  # noqa: BLE001 (this request fails, the step goes on)
+                self._fail(parent, e, result)
         for parent in touched.values():
-            out = self._make_output(parent)
+            if parent.request_id in result.failed:
+                continue
+            try:
+                out = self._make_output(parent)
+            except Exception as e:  # noqa: BLE001
+                self._fail(parent, e, result)
+                continue
             if out is not None:
-                outputs.append(out)
+                result.outputs.append(out)
             if parent.finished:
                 self.remove(parent.request_id)
-        return outputs, stopped
+        return result
+
+    def _fail(self, parent: ParentState, e: Exception, result: ProcessedOutputs) -> None:
+        rid = parent.request_id
+        if rid in result.failed:
+            return
+        logger.exception("processing the outputs of request %s failed; it is aborted", rid)
+        result.failed[rid] = e
+        # every child: one that just hit a stop string still runs in the core (finished ids are ignored)
+        result.abort.extend(parent.child_ids)
+        result.stopped[:] = [c for c in result.stopped if c not in parent.child_ids]
+        self.remove(rid)
+        parent.metrics.finished_time = time.time()
+        comps = [
+            CompletionOutput(seq.index, "", list(seq.token_ids), None, None, "error") for seq in parent.seqs
+        ]
+        result.failed_outputs.append(
+            RequestOutput(
+                rid,
+                parent.prompt,
+                parent.prompt_token_ids,
+                comps,
+                True,
+                metrics=parent.metrics,
+                extra={"error": f"{type(e).__name__}: {e}"},
+            )
+        )
+
+    def _apply(
+        self, parent: ParentState, seq: SeqState, co: EngineCoreOutput, now: float, stopped: list[str]
+    ) -> None:
+        """One core output of one sequence: tokens, text, stop strings, logprobs, finish."""
+        m = parent.metrics
+        if co.new_prompt_logprobs and parent.prompt_logprobs is not None and seq.index == 0:
+            parent.prompt_logprobs.extend(self._decorate(co.new_prompt_logprobs))
+        if co.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            parent.num_cached_tokens = co.num_cached_tokens
+            new = co.new_token_ids
+            stop = None
+            if seq.detok is not None:
+                taken, stop = seq.detok.add_tokens_until_stop(new)
+                if taken < len(new):  # a stop string ended it mid-step
+                    new = new[:taken]
+            seq.token_ids.extend(new)
+            if co.new_logprobs is not None:
+                self._add_logprobs(seq, co.new_logprobs)
+            if stop is not None:
+                co.finish_reason, co.stop_reason = "stop", stop
+                if seq.finish_reason is None:
+                    stopped.append(co.req_id)
+        if co.finish_reason is not None and seq.finish_reason is None:
+            seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
+            parent.num_finished += 1
+            if seq.detok is not None and not isinstance(co.stop_reason, str):
+                seq.detok.flush()  # a stop string already trimmed the text
+            if parent.finished:
+                m.finished_time = now
 
     def _add_logprobs(self, seq: SeqState, new: list[PositionLogprobs]) -> None:
         if seq.logprobs is None:

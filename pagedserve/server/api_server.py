@@ -145,11 +145,26 @@ class APIServer(uvicorn.Server):
     error body) before uvicorn closes the connections."""
 
     def __init__(
-        self, config: uvicorn.Config, serving: ServingContext, shutdown_timeout: float = 0.0
+        self,
+        config: uvicorn.Config,
+        serving: ServingContext,
+        shutdown_timeout: float = 0.0,
+        exit_on_engine_death: bool = False,
     ) -> None:
         super().__init__(config)
         self.serving = serving
         self.shutdown_timeout = shutdown_timeout
+        # A dead engine core (an executor fault, a killed process) cannot come back in this
+        # process: stop, so that `serve` exits 1 and a supervisor (systemd Restart=on-failure,
+        # a k8s restartPolicy) starts a fresh server. False: keep answering 503 (/health too).
+        self.exit_on_engine_death = exit_on_engine_death
+        self.engine_died = False
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.exit_on_engine_death and not self.should_exit and not self.serving.llm.is_alive:
+            logger.error("the engine core died: the server exits (status 1) for its supervisor to restart it")
+            self.engine_died = self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
         for server in self.servers:
@@ -165,6 +180,7 @@ def make_server(
     log_level: str = "info",
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    exit_on_engine_death: bool = False,
 ) -> APIServer:
     config = uvicorn.Config(
         app,
@@ -174,7 +190,7 @@ def make_server(
         http=header_timeout_protocol(header_timeout),
         timeout_graceful_shutdown=3,  # a backstop: the drain has ended every request by then
     )
-    return APIServer(config, app.state.serving, shutdown_timeout)
+    return APIServer(config, app.state.serving, shutdown_timeout, exit_on_engine_death)
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -226,6 +242,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--trust-request-chat-template",
         action="store_true",
         help="accept a chat_template in requests (rendered sandboxed, with time and memory limits)",
+    )
+    g.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="if the engine core dies, keep serving 503 (default: exit with status 1 for a supervisor to restart)",
     )
 
 
@@ -286,10 +307,16 @@ def serve(args) -> int:
     )
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
     server = make_server(
-        app, args.host, args.port, args.log_level, args.shutdown_timeout, args.header_timeout
+        app,
+        args.host,
+        args.port,
+        args.log_level,
+        args.shutdown_timeout,
+        args.header_timeout,
+        exit_on_engine_death=not getattr(args, "keep_alive_on_engine_death", False),
     )
     # uvicorn stops on SIGTERM, then restores the previous handler and re-raises the
     # signal; a no-op handler here turns that graceful stop into exit status 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
-    return 0
+    return 1 if server.engine_died else 0
