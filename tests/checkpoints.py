@@ -35,6 +35,13 @@ ARCH_KWARGS = {
     "mistral": dict(cls="MistralConfig", tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(cls="Qwen2Config", tie_word_embeddings=True),
     "qwen3": dict(cls="Qwen3Config", tie_word_embeddings=False, head_dim=40),
+    # heads that divide by 2 (tensor parallelism): a single KV head (replicated over the
+    # ranks) with the odd vocabulary of 1001 (padded to 2 x 501); 2 KV heads (split)
+    "llama_tp": dict(cls="LlamaConfig", tie_word_embeddings=False, hidden_size=128, num_attention_heads=4),
+    "qwen2_tp": dict(
+        cls="Qwen2Config", tie_word_embeddings=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "qwen3_tp": dict(cls="Qwen3Config", tie_word_embeddings=False, head_dim=40, num_attention_heads=4, num_key_value_heads=2),
 }
 
 

@@ -82,9 +82,10 @@ def test_speculative_config_is_validated():
     assert cfg.speculative.num_speculative_tokens == 5 and cfg.speculative.method == "ngram"
 
 
-def test_tensor_parallel_above_one_is_refused_clearly():
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        EngineArgs(tensor_parallel_size=2).create_engine_config()
+def test_tensor_parallel_size_reaches_the_config():
+    assert EngineArgs(tensor_parallel_size=2).create_engine_config().parallel.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineArgs(tensor_parallel_size=0).create_engine_config()
 
 
 def test_parse_bytes():
