@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLM: the app factory,
 routes, middleware, the uvicorn server with a drain on shutdown, and `serve()`.
 
-The endpoints live in serving_completion.py, serving_chat.py and serving_models.py; what
+The endpoints live in serving_completion.py, serving_chat.py (tools: tool_calls.py),
+serving_tokenize.py (/tokenize, /detokenize) and serving_models.py; what
 they share (errors, envelopes, usage, logprobs, admission) in serving_base.py; the ASGI
 guard (auth, body limit, client-disconnect watcher) in middleware.py.
 
@@ -31,7 +32,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve.errors import InvalidRequestError
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import RequestGuard, header_timeout_protocol
-from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagedserve.server.serving_base import (
     AdmissionLimiter,
     APIError,
@@ -42,6 +48,8 @@ from pagedserve.server.serving_base import (
 from pagedserve.server.serving_chat import OpenAIServingChat
 from pagedserve.server.serving_completion import OpenAIServingCompletion
 from pagedserve.server.serving_models import OpenAIServingModels
+from pagedserve.server.serving_tokenize import OpenAIServingTokenization
+from pagedserve.server.tool_calls import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +67,30 @@ def build_app(
     trust_request_chat_template: bool = False,
     allow_unauthenticated_metrics: bool = False,
     limiter: AdmissionLimiter | None = None,
+    tool_call_parser: str = "hermes",
+    structured_outputs_disable_any_whitespace: bool = False,
 ) -> FastAPI:
     """The app over one AsyncLLM (only its public API is used). `limiter` may be shared by
     several apps (front-end workers) over the same engine; by default the app makes its own
-    with capacity max_num_seqs + max_queue (None: unbounded)."""
+    with capacity max_num_seqs + max_queue (None: unbounded). `tool_call_parser` reads
+    tool calls out of the text of chat requests with tool_choice "auto";
+    `structured_outputs_disable_any_whitespace` makes JSON constraints compact (no free
+    whitespace, which small models can fill forever) unless a request says otherwise."""
     if limiter is None:
         cap = None if max_queue is None else llm.config.scheduler.max_num_seqs + max_queue
         limiter = AdmissionLimiter(cap)
     metrics = ServerMetrics(lambda: llm.stats, model_name, lambda: (limiter.in_flight, limiter.capacity))
-    ctx = ServingContext(llm, model_name, metrics, limiter, trust_request_chat_template)
-    completion, chat, models = OpenAIServingCompletion(ctx), OpenAIServingChat(ctx), OpenAIServingModels(ctx)
+    ctx = ServingContext(
+        llm,
+        model_name,
+        metrics,
+        limiter,
+        trust_request_chat_template,
+        compact_json=structured_outputs_disable_any_whitespace,
+    )
+    completion, models = OpenAIServingCompletion(ctx), OpenAIServingModels(ctx)
+    chat = OpenAIServingChat(ctx, tool_call_parser)
+    tokenization = OpenAIServingTokenization(ctx, chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -131,6 +153,14 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await chat.create(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await tokenization.detokenize(body)
 
     from pagedserve.server.dashboard import add_dashboard
 
@@ -244,6 +274,24 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="accept a chat_template in requests (rendered sandboxed, with time and memory limits)",
     )
     g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default="hermes",
+        help="how tool calls are read from the text of chat requests with tool_choice 'auto' "
+        "(hermes and qwen: <tool_call>{...}</tool_call>; llama3_json: bare JSON)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always enabled here",
+    )
+    g.add_argument(
+        "--structured-outputs-disable-any-whitespace",
+        action="store_true",
+        help="JSON constraints (response_format, forced tool calls...) allow no free whitespace "
+        "(small models can fill it forever); a request's structured_outputs may say otherwise",
+    )
+    g.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
         help="if the engine core dies, keep serving 503 (default: exit with status 1 for a supervisor to restart)",
@@ -304,6 +352,10 @@ def serve(args) -> int:
         max_body_bytes=args.max_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
         allow_unauthenticated_metrics=args.allow_unauthenticated_metrics,
+        tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
+        structured_outputs_disable_any_whitespace=getattr(
+            args, "structured_outputs_disable_any_whitespace", False
+        ),
     )
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
     server = make_server(

@@ -61,18 +61,14 @@ async def render_request_template(
     timeout: float = TIMEOUT_S,
     memory_bytes: int = MEMORY_BYTES,
     max_chars: int = MAX_OUTPUT_CHARS,
+    tools: list[dict] | None = None,
 ) -> str:
-    """The rendered prompt text, or InvalidRequestError(param="chat_template")."""
-    payload = json.dumps(
-        {
-            "template": template,
-            "variables": {
-                "messages": messages,
-                "add_generation_prompt": add_generation_prompt,
-                **special_tokens,
-            },
-        }
-    ).encode()
+    """The rendered prompt text, or InvalidRequestError(param="chat_template"). `tools`
+    (OpenAI's shape) is the template's `tools` variable, as transformers passes it."""
+    variables = {"messages": messages, "add_generation_prompt": add_generation_prompt, **special_tokens}
+    if tools:
+        variables["tools"] = tools
+    payload = json.dumps({"template": template, "variables": variables}).encode()
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-I",

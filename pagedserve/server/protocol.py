@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_N = 64
 _I32 = 2**31 - 1
@@ -46,25 +48,122 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# OpenAI fields that are accepted and ignored: they ask nothing of the output (bookkeeping
+# for OpenAI's own platform). Every other field the models below do not declare is a 400
+# naming it, so a client never believes it asked for something that was dropped.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+MAX_NAMED = 8  # an error names at most this many unknown fields
+
+
+def _field_name(key) -> str:
+    s = key if isinstance(key, str) else repr(key)
+    return s[:64].encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class _Request(BaseModel):
+    """A request body: strings must be valid Unicode, and fields must be known (declared
+    here or in IGNORED_FIELDS). An unknown field set to null asks for nothing and is dropped."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data):
-        if isinstance(data, dict):
-            for key, value in data.items():
-                if _bad_string(key, "body") is not None:
-                    where, name = "a body key", None
-                else:
-                    where, name = _bad_string(value, key), key
-                if where is not None:
-                    raise InvalidRequestError(
-                        f"{where[:80]} is not valid Unicode text (lone surrogates cannot be encoded as UTF-8).",
-                        name,
-                    )
-        return data
+    def _check_body(cls, data):
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            if _bad_string(key, "body") is not None:
+                where, name = "a body key", None
+            else:
+                where, name = _bad_string(value, key), key
+            if where is not None:
+                raise InvalidRequestError(
+                    f"{where[:80]} is not valid Unicode text (lone surrogates cannot be encoded as UTF-8).",
+                    name,
+                )
+        known = cls.model_fields
+        unknown = [k for k, v in data.items() if k not in known and v is not None]
+        if unknown:
+            names = ", ".join(repr(_field_name(k)) for k in unknown[:MAX_NAMED])
+            more = f" and {len(unknown) - MAX_NAMED} more" if len(unknown) > MAX_NAMED else ""
+            raise InvalidRequestError(
+                f"unsupported field{'s' if len(unknown) > 1 else ''} {names}{more} (this server refuses "
+                "the fields it does not implement rather than ignoring them).",
+                _field_name(unknown[0]),
+            )
+        return {k: v for k, v in data.items() if k in known}
 
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # OpenAI's strict mode: the output always follows the schema here
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self, compact: bool = False) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True, disable_any_whitespace=compact)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidRequestError(
+                "response_format of type json_schema needs json_schema.schema.", "response_format"
+            )
+        schema = self.json_schema.schema_
+        if schema is True or schema == {}:  # any JSON value: OpenAI's clients mean an object
+            return StructuredOutputsParams(json_object=True, disable_any_whitespace=compact)
+        if schema is False:
+            raise InvalidRequestError(
+                "response_format: the schema false admits no output.", "response_format"
+            )
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
+
+
+# vLLM's structured_outputs extra body: the constraint (one of) and its JSON options
+_SO_FIELDS = (
+    "json",
+    "regex",
+    "choice",
+    "grammar",
+    "json_object",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+)
+# vLLM's older names (before structured_outputs): guided_json=... is structured_outputs.json
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def _structured_outputs_from_body(value: dict, compact: bool) -> StructuredOutputsParams:
+    extra = [k for k in value if k not in _SO_FIELDS]
+    if extra:
+        names = ", ".join(repr(_field_name(k)) for k in extra[:MAX_NAMED])
+        raise InvalidRequestError(
+            f"structured_outputs: unsupported key(s) {names} (supported: {', '.join(_SO_FIELDS)}).",
+            "structured_outputs",
+        )
+    for k in ("disable_any_whitespace", "disable_additional_properties"):
+        if not isinstance(value.get(k, False), bool):
+            raise InvalidRequestError(f"structured_outputs.{k} must be a boolean.", "structured_outputs")
+    return StructuredOutputsParams(**{"disable_any_whitespace": compact, **value})
+
+
+class _Sampling(_Request):
     model: str | None = None
     n: StrictInt = 1
     temperature: float | None = None
@@ -73,9 +172,17 @@ class _Sampling(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    # accepted and ignored (IGNORED_FIELDS)
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -87,9 +194,44 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     priority: int = Field(default=0, ge=-_I32, le=_I32)
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraints(self, compact_json: bool = False) -> list[tuple[str, StructuredOutputsParams]]:
+        """The output constraints this request asks for, each with the field that asked:
+        response_format, structured_outputs and vLLM's guided_* names (at most one may).
+        `compact_json` (the server's --structured-outputs-disable-any-whitespace): JSON
+        without free whitespace, unless structured_outputs says otherwise."""
+        found = []
+        if self.response_format is not None:
+            so = self.response_format.structured_outputs(compact_json)
+            if so is not None:
+                found.append(("response_format", so))
+        if self.structured_outputs is not None:
+            found.append(
+                ("structured_outputs", _structured_outputs_from_body(self.structured_outputs, compact_json))
+            )
+        for name, kind in GUIDED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                ws = {"disable_any_whitespace": compact_json} if kind == "json" else {}
+                found.append((name, StructuredOutputsParams(**{kind: value}, **ws)))
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise InvalidRequestError(f"only one output constraint per request; got {names}.", found[1][0])
+        return found
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}.", "n")
@@ -113,6 +255,10 @@ class _Sampling(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
 
@@ -136,6 +282,9 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
+    """One chat message; besides role and content, an assistant's `tool_calls` and a tool
+    result's `tool_call_id` / `name` reach the chat template (other keys are dropped)."""
+
     model_config = ConfigDict(extra="allow")
 
     role: str
@@ -161,6 +310,40 @@ class ChatMessage(BaseModel):
             parts.append(text)
         return "".join(parts)
 
+    def to_template(self) -> dict:
+        """The message as chat templates read it: tool-call arguments as objects (the
+        templates of Qwen, Llama 3, Hermes... write them with `tojson`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        extra = self.model_extra or {}
+        for key in ("tool_call_id", "name"):
+            if extra.get(key) is not None:
+                if not isinstance(extra[key], str):
+                    raise InvalidRequestError(f"messages: {key} must be a string.", "messages")
+                out[key] = extra[key]
+        calls = extra.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise InvalidRequestError("messages: tool_calls must be a list.", "messages")
+            out["tool_calls"] = [_template_call(c) for c in calls]
+        return out
+
+
+def _template_call(call) -> dict:
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise InvalidRequestError(
+            "messages: each tool call must be {'id', 'type': 'function', 'function': {'name', 'arguments'}}.",
+            "messages",
+        )
+    args = f.get("arguments", "{}")
+    if isinstance(args, str):
+        with contextlib.suppress(ValueError):  # else left as the model wrote it
+            args = json.loads(args) if args.strip() else {}
+    out = {"type": "function", "function": {"name": f["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
@@ -168,8 +351,29 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (the first)
     add_generation_prompt: bool = True
     chat_template: str | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions does."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]

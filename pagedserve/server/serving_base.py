@@ -115,6 +115,16 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf (a token masked by a constraint): JSON has no -inf
+
+
+def finite_logprob(v: float | None) -> float | None:
+    """A logprob JSON can carry: -inf (and NaN) become MIN_LOGPROB."""
+    if v is None or v >= MIN_LOGPROB:
+        return v
+    return MIN_LOGPROB
+
+
 class LogprobFormatter:
     """Token logprobs in OpenAI's two shapes (completions' parallel lists, chat's content list)."""
 
@@ -127,7 +137,7 @@ class LogprobFormatter:
             return self.tokenizer.decode([tid]), None
         return (
             lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([tid])
-        ), lp.logprob
+        ), finite_logprob(lp.logprob)
 
     @staticmethod
     def ranked(d, k: int) -> list[int]:
@@ -328,8 +338,11 @@ class ServingContext:
         metrics,
         limiter: AdmissionLimiter,
         trust_request_chat_template: bool = False,
+        compact_json: bool = False,
     ) -> None:
         self.llm = llm
+        # --structured-outputs-disable-any-whitespace: JSON constraints without free whitespace
+        self.compact_json = compact_json
         self.model_name = model_name
         self.metrics = metrics
         self.limiter = limiter

@@ -1,4 +1,5 @@
-"""POST /v1/completions."""
+"""POST /v1/completions (with response_format / structured_outputs / guided_* constraints,
+validated before admission as in serving_chat.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pagedserve.server.serving_base import (
     to_api_error,
     usage,
 )
+from pagedserve.structured_outputs.validate import validate_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,12 @@ class OpenAIServingCompletion:
             prompt_lp = logprobs  # the echoed prompt tokens get logprobs too
         elif max_tokens == 0:
             prompt_lp = body.prompt_logprobs or 0
-        return prompts, body.sampling_params(max_tokens, logprobs, prompt_lp)
+        if body.suffix:
+            raise InvalidRequestError("suffix (insertion) is not supported.", "suffix")
+        so = None
+        for param, so in body.constraints(self.ctx.compact_json):  # at most one
+            validate_structured_outputs(so, param)
+        return prompts, body.sampling_params(max_tokens, logprobs, prompt_lp, structured_outputs=so)
 
     async def create(self, body: CompletionRequest, request: Request):
         ctx = self.ctx

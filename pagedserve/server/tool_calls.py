@@ -91,8 +91,11 @@ def check_tools(tools, tool_choice) -> tuple[list[dict], str | dict]:
     return functions, tool_choice
 
 
-def forced_structured_outputs(functions: list[dict], choice) -> StructuredOutputsParams | None:
-    """The constraint that enforces "required" or a named function (None otherwise)."""
+def forced_structured_outputs(
+    functions: list[dict], choice, parallel: bool = True
+) -> StructuredOutputsParams | None:
+    """The constraint that enforces "required" or a named function (None otherwise);
+    `parallel=False` (parallel_tool_calls=false): "required" makes exactly one call."""
     if isinstance(choice, dict):
         f = next(f for f in functions if f["name"] == choice["name"])
         return StructuredOutputsParams(json=f["parameters"])
@@ -105,7 +108,10 @@ def forced_structured_outputs(functions: list[dict], choice) -> StructuredOutput
             }
             for f in functions
         ]
-        return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return StructuredOutputsParams(json=schema)
     return None
 
 
@@ -129,6 +135,38 @@ def tools_system_prompt(functions: list[dict]) -> str:
         "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
+
+
+def fallback_messages(messages: list[dict], functions: list[dict]) -> list[dict]:
+    """The conversation for a chat template that knows nothing of tools: the tools prompt
+    joins the system message (one is added if there is none), an assistant's earlier
+    tool calls become `<tool_call>` text and tool results `<tool_response>` text in a user
+    message (as Qwen2.5's template writes them)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                    ensure_ascii=False,
+                )
+                + "\n</tool_call>"
+                for c in m.pop("tool_calls")
+            )
+            m["content"] = f"{m['content']}\n{calls}" if m.get("content") else calls
+        if m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        m.pop("tool_call_id", None)
+        out.append(m)
+    if functions:
+        prompt = tools_system_prompt(functions)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
 
 
 # -- the response -----------------------------------------------------------------------------
