@@ -12,6 +12,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.server.tool_calls import (
     ToolCallStreamer,
     check_tools,
+    fallback_messages,
     forced_structured_outputs,
     parse_forced,
     parse_tool_calls,
@@ -170,3 +171,63 @@ def test_streaming_forced(chunk):
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.name, c.arguments) for c in parse_forced(text, "required")
     ]
+
+
+def test_required_without_parallel_calls_is_one_call():
+    jsonschema = pytest.importorskip("jsonschema")
+    fns, _ = check_tools([WEATHER, TIME], "required")
+    one = forced_structured_outputs(fns, "required", parallel=False).json
+    call = {"name": "get_time", "parameters": {}}
+    jsonschema.validate([call], one)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([call, call], one)
+    jsonschema.validate([call, call], forced_structured_outputs(fns, "required").json)
+
+
+def test_fallback_messages():
+    fns, _ = check_tools([WEATHER], None)
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+    ]
+    out = fallback_messages(history, fns)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.\n\n# Tools") and "<tools>" in out[0]["content"]
+    assert out[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    }
+    assert out[3] == {"role": "user", "content": "<tool_response>\n-3 C\n</tool_response>"}
+    assert history[2]["tool_calls"]  # the request's messages are not modified
+    # no system message: one is added; no functions: history only, no tools prompt
+    assert fallback_messages(history[1:2], fns)[0]["role"] == "system"
+    assert fallback_messages(history[:2], []) == history[:2]
+
+
+def test_openai_deltas_shape():
+    from pagedserve.server.serving_chat import openai_deltas
+
+    s = ToolCallStreamer("hermes")
+    events = s.feed(HERMES) + s.finish()
+    deltas = openai_deltas(events)
+    assert deltas[0] == {"content": "Let me check.\n"}
+    first = deltas[1]["tool_calls"][0]
+    assert first == {
+        "index": 0,
+        "id": s.calls[0].id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
+    assert all(
+        set(d["tool_calls"][0]) == {"index", "function"} for d in deltas[2:] if "id" not in d["tool_calls"][0]
+    )
+    # parallel_tool_calls=false: the second call's deltas are dropped
+    assert {d["tool_calls"][0]["index"] for d in openai_deltas(events, parallel=False)[1:]} == {0}
