@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -76,6 +77,7 @@ class Worker:
             device = f"cuda:{local_rank}"
         self.runner = ModelRunner(spec.model_path, spec.model_config, device=device, **spec.runner_kwargs)
         self.control = None  # gloo group over all ranks, for the token check
+        self.busy_seconds = 0.0  # inside execute_model (the rest of a step is dispatch)
 
     def info(self) -> dict:
         r = self.runner
@@ -91,10 +93,31 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks, block_size)
 
     def comm_stats(self, reset: bool = False) -> dict:
-        return ps.comm_stats(reset)
+        """Seconds inside collectives and their count, and seconds inside execute_model."""
+        out = ps.comm_stats(reset) | {"busy_seconds": self.busy_seconds}
+        if reset:
+            self.busy_seconds = 0.0
+        return out
+
+    def bench_all_reduce(self, numels: list[int], iters: int = 50) -> dict[int, float]:
+        """Median seconds of one all-reduce of `numel` elements (model dtype), ranks lined
+        up by a barrier first: the collective's own cost, without waiting for a late rank."""
+        out = {}
+        for n in numels:
+            x = torch.zeros(n, dtype=self.runner.dtype, device=self.runner.device)
+            times = []
+            for _ in range(iters):
+                dist.barrier()
+                t = time.perf_counter()
+                dist.all_reduce(x)
+                times.append(time.perf_counter() - t)
+            out[n] = sorted(times)[len(times) // 2]
+        return out
 
     def execute_model(self, scheduler_output):
+        t = time.perf_counter()
         out = self.runner.execute_model(scheduler_output)
+        self.busy_seconds += time.perf_counter() - t
         if self.spec.check_tokens:
             mine = (out.sampled_token_ids, out.spec_token_ids)
             every = [None] * self.spec.world_size
@@ -108,12 +131,11 @@ class Worker:
 def _setup(spec: WorkerSpec, rank: int, local_rank: int):
     """Process group, relay group, runner (every rank calls new_group in the same order)."""
     torch.set_num_threads(spec.num_threads)
-    worker = Worker.__new__(Worker)  # filled below, after the groups exist
     remote = list(range(spec.num_local, spec.world_size))
     forever = timedelta(days=365)  # an idle engine sends nothing for as long as it likes
     relay = dist.new_group([0, *remote], backend="gloo", timeout=forever) if remote else None
     control = dist.new_group(backend="gloo") if spec.check_tokens else None
-    Worker.__init__(worker, spec, rank, local_rank)
+    worker = Worker(spec, rank, local_rank)
     worker.control = control
     return worker, relay
 
