@@ -364,6 +364,26 @@ async def run_round(ac: httpx.AsyncClient, cfg: SoakConfig, index: int) -> dict:
     }
 
 
+def _dead_round(index: int, why: str) -> dict:
+    """A round cut short because the server stopped answering (/metrics or /health)."""
+    return {
+        "round": index + 1,
+        "server_unreachable": why,
+        "status_5xx": 0,
+        "non_openai_error_bodies": 0,
+        "bad_inputs_ok": False,
+        "probes_ok": "0/1",
+        "broken": [],
+        "failed": [why],
+        "health": 0,
+        "leaked_blocks": None,
+        "running_after": None,
+        "waiting_after": None,
+        "slowest_over_p99": None,
+        "rss": None,
+    }
+
+
 def _r(x):
     return None if x is None else round(x, 3)
 
@@ -416,7 +436,11 @@ async def run_soak(cfg: SoakConfig, log=None) -> dict:
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=cfg.url, headers=headers, timeout=timeout, limits=limits) as ac:
         for i in range(cfg.rounds):
-            r = await run_round(ac, cfg, i)
+            try:
+                r = await run_round(ac, cfg, i)
+            except httpx.HTTPError as e:  # the server stopped answering: that is the finding
+                rounds.append(_dead_round(i, f"{type(e).__name__}: {e}"))
+                break
             rounds.append(r)
             if log is not None:
                 log(
