@@ -254,3 +254,27 @@ def test_layout_and_vocab_padding():
     assert [TPLayout.make(four, r, 4).kv_head_start for r in range(4)] == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="num_attention_heads=3"):
         TPLayout.make(ModelConfig("LlamaForCausalLM", 1001, 96, 160, 2, 3, 1, 32), 0, 2)
+
+
+@pytest.mark.slow
+def test_packed_gguf_shards(tmp_path, monkeypatch):
+    """A GGUF runs packed on every rank (rows of packed blocks split by rank, K at block
+    boundaries, the vocabulary padded with zero blocks): same tokens as one process."""
+    gguf = pytest.importorskip("gguf")
+    from tests.checkpoints import build_checkpoint
+    from tests.test_gguf import write_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf_dir = build_checkpoint(str(tmp_path / "hf"), "llama_tp", intermediate_size=256)  # K shards of 128
+    path = write_gguf(hf_dir, str(tmp_path / "m.gguf"), gguf.GGMLQuantizationType.Q8_0)
+    one = _llm(path, 1)
+    ref, _ = _run(one, max_tokens=6)
+    one.shutdown()
+    two = _llm(path, 2)
+    assert all(i["packed_layers"] > 0 for i in two.engine.core.engine_core.executor.worker_info)
+    out, _ = _run(two, max_tokens=6)
+    two.shutdown()
+    for o, r in zip(out, ref):
+        assert o.token_ids == r.token_ids
+        for a, b in zip(o.logprobs, r.logprobs):
+            _close(a, b)

@@ -79,9 +79,6 @@ class MultiprocExecutor(Executor):
         self.num_local = int(os.environ.get("PAGEDSERVE_LOCAL_TP_RANKS", tp))
         if not 1 <= self.num_local <= tp:
             raise ValueError(f"PAGEDSERVE_LOCAL_TP_RANKS={self.num_local} must be in [1, {tp}]")
-        quant = mc.quantization
-        if quant is None:  # a GGUF's packed types do not shard: run it dequantized
-            quant = "none"
         cores = len(os.sched_getaffinity(0))
         spec = WorkerSpec(
             model_path=model_path,
@@ -95,7 +92,7 @@ class MultiprocExecutor(Executor):
                 seed=mc.seed,
                 load_format=mc.load_format,
                 enforce_eager=True,  # no CUDA graphs around collectives (not verified on a GPU)
-                quantization=quant,
+                quantization=mc.quantization,  # packed GGUF blocks shard too
             ),
             num_threads=max(1, cores // self.num_local),
             check_tokens=os.environ.get("PAGEDSERVE_TP_CHECK_TOKENS", "") not in ("", "0"),
@@ -126,6 +123,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        self.worker_info = infos  # per local rank: pid, dtype, device, packed_layers
         self.pids = [i["pid"] for i in infos]
         self.dtype_name = infos[0]["dtype"]
         self.device = infos[0]["device"]

@@ -10,6 +10,10 @@
 Q heads are split evenly (H % N == 0). KV heads too when there are at least N of them
 (K % N == 0); with fewer, each rank holds one KV head, replicated over N / K ranks (the
 rank's q heads are exactly those that read that KV head).
+
+Weights may be torch tensors or packed GGUF blocks (`PackedWeight`): rows of a packed
+matrix split freely; its K (columns, row-parallel layers) only at block boundaries (32
+elements, 256 for K-quants), else a ValueError names the layer's problem.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.quant.formats import BLOCKS, NAMES, PackedWeight
 
 
 def cdiv(a: int, b: int) -> int:
@@ -78,40 +83,68 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model: {', '.join(problems)}.")
 
 
-def shard_qkv(w: torch.Tensor, part: int, lay: TPLayout, head_dim: int) -> torch.Tensor:
+Weight = torch.Tensor | PackedWeight
+
+
+def _rows(w: Weight, start: int, n: int) -> Weight:
+    if isinstance(w, PackedWeight):
+        return w.narrow_rows(start, n)
+    return w.narrow(0, start, n)
+
+
+def _cols(w: Weight, start: int, n: int) -> Weight:
+    if not isinstance(w, PackedWeight):
+        return w.narrow(1, start, n)
+    be, bb = BLOCKS[w.qtype]
+    if start % be or n % be:
+        raise ValueError(
+            f"a {NAMES[w.qtype]} weight's K={w.shape[1]} does not split at its {be}-element blocks "
+            f"into {n}-column shards; use fewer ranks or quantization='none'"
+        )
+    data = w.data.narrow(1, start // be * bb, n // be * bb)
+    return PackedWeight(w.qtype, data, (w.shape[0], n))
+
+
+def shard_qkv(w: Weight, part: int, lay: TPLayout, head_dim: int) -> Weight:
     """q (part 0), k (1) or v (2) projection rows (or bias) of this rank's heads."""
     if lay.size == 1:
         return w
     if part == 0:
         n = lay.num_heads * head_dim
-        return w.narrow(0, lay.rank * n, n)
-    n = lay.num_kv_heads * head_dim
-    return w.narrow(0, lay.kv_head_start * head_dim, n)
+        return _rows(w, lay.rank * n, n)
+    return _rows(w, lay.kv_head_start * head_dim, lay.num_kv_heads * head_dim)
 
 
-def shard_column(w: torch.Tensor, lay: TPLayout) -> torch.Tensor:
+def shard_column(w: Weight, lay: TPLayout) -> Weight:
     """Rows [rank * n, (rank + 1) * n) with n = rows / size (gate, up)."""
     if lay.size == 1:
         return w
     n = w.shape[0] // lay.size
-    return w.narrow(0, lay.rank * n, n)
+    return _rows(w, lay.rank * n, n)
 
 
-def shard_row(w: torch.Tensor, lay: TPLayout) -> torch.Tensor:
+def shard_row(w: Weight, lay: TPLayout) -> Weight:
     """Input columns [rank * n, (rank + 1) * n) with n = columns / size (o_proj, down_proj)."""
     if lay.size == 1:
         return w
     n = w.shape[1] // lay.size
-    return w.narrow(1, lay.rank * n, n)
+    return _cols(w, lay.rank * n, n)
 
 
-def shard_vocab(w: torch.Tensor, lay: TPLayout) -> torch.Tensor:
-    """This rank's vocabulary rows, zero-padded to vocab_per_rank (embedding, LM head)."""
+def shard_vocab(w: Weight, lay: TPLayout) -> Weight:
+    """This rank's vocabulary rows, zero-padded to vocab_per_rank (embedding, LM head).
+    Zero bytes are zeros in every packed block type (zero scales), so padding is bytes."""
     if lay.size == 1:
         return w
     start, n = lay.vocab_start, lay.vocab_per_rank
-    rows = w[start : min(start + n, w.shape[0])]
-    if rows.shape[0] == n:
+    have = max(0, min(start + n, w.shape[0]) - start)
+    if isinstance(w, PackedWeight):
+        data = w.data[start : start + have]
+        if have < n:
+            data = torch.cat([data, torch.zeros((n - have, data.shape[1]), dtype=torch.uint8)])
+        return PackedWeight(w.qtype, data.contiguous(), (n, w.shape[1]))
+    rows = w[start : start + have]
+    if have == n:
         return rows
-    pad = torch.zeros((n - rows.shape[0], *w.shape[1:]), dtype=w.dtype, device=w.device)
+    pad = torch.zeros((n - have, *w.shape[1:]), dtype=w.dtype, device=w.device)
     return torch.cat([rows, pad])

@@ -80,8 +80,11 @@ class Worker:
         self.busy_seconds = 0.0  # inside execute_model (the rest of a step is dispatch)
 
     def info(self) -> dict:
+        from pagedserve.executor.quant.layers import QuantLinear
+
         r = self.runner
-        return {"dtype": str(r.dtype).removeprefix("torch."), "device": str(r.device), "pid": os.getpid()}
+        packed = sum(isinstance(m, QuantLinear) for m in r.model.modules())
+        return {"dtype": str(r.dtype).removeprefix("torch."), "device": str(r.device), "pid": os.getpid(), "packed_layers": packed}
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.runner.kv_bytes_per_block(block_size)

@@ -255,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
             return [tp.num_heads * c.head_dim, tp.num_kv_heads * c.head_dim, tp.num_kv_heads * c.head_dim]
         return [tp.intermediate, tp.intermediate]
 
-    def _shard(self, target: str, part: int | None, w: torch.Tensor) -> torch.Tensor:
+    def _shard(self, target: str, part: int | None, w):
         """This rank's slice of checkpoint tensor `w` bound for parameter `target` (part
         `part` of a fused one): vLLM's weight_loader, one rule per parallel style."""
         if self.tp.size == 1:
@@ -287,12 +287,8 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 fused, shard = self._STACKED[parts[-2]]
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
+            tensor = self._shard(target, shard, tensor)  # this rank's slice (packed or not)
             if not isinstance(tensor, torch.Tensor) or self._packed(target):  # quantized, kept packed
-                if self.tp.size > 1:
-                    raise NotImplementedError(
-                        "tensor parallelism with packed (GGUF) weights is not implemented: "
-                        "use quantization='none' (dequantized), 'int8' or 'int4'"
-                    )
                 self._load_packed(target, shard, tensor)
                 loaded.add(f"{target}#{shard}")
                 continue
@@ -301,7 +297,6 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}"
                 )
-            tensor = self._shard(target, shard, tensor)
             with torch.no_grad():
                 if shard is None:
                     if param.shape != tensor.shape:
