@@ -136,6 +136,7 @@ class EngineCoreOutputs:
     input_seconds: float = 0.0
     idle_seconds: float = 0.0
     fatal: str | None = None  # the core stopped on this error (an executor fault); nothing follows
+    engine_index: int = 0  # data parallelism: the replica that sent this (engine/dp_client.py)
     # engine-state snapshot for the live view (engine/snapshot.py), at most every
     # snapshot_interval_ms; None in most messages
     snapshot: dict | None = None

@@ -7,6 +7,12 @@ child process by default, or a thread with `engine_core_process=False`): the sch
 the executor and the step loop (`engine/core_proc.py`), so HTTP, JSON and
 detokenization never hold the GIL the step needs.
 
+Data parallelism (`data_parallel_size` M > 1): M engine cores, each with its own KV
+cache, behind this one front end (engine/dp_client.py); each request goes to the replica
+its router picks (engine/dp_router.py), its aborts follow it; `stats` sums the replicas.
+A replica that dies fails the requests it held with EngineDeadError and turns `is_alive`
+False (new requests are refused, /health says 503); the other replicas finish theirs.
+
 Faults: an exception while processing one request's outputs (detokenizer, stop strings,
 logprob text) or inputs fails that request alone: its stream gets a RequestFailedError,
 the core aborts it (its KV blocks are freed) and every other request goes on. If the core
@@ -31,6 +37,7 @@ import zmq.asyncio
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_proc import CoreHandle
+from pagedserve.engine.dp_client import EngineReplicas
 from pagedserve.engine.llm_engine import FrontEnd
 from pagedserve.engine.stats import EngineStats
 from pagedserve.engine_args import EngineArgs
@@ -48,16 +55,15 @@ class AsyncLLM(FrontEnd):
     def __init__(self, config: EngineConfig, engine_core_process: bool = True, on_finished=None) -> None:
         super().__init__(config)
         self.on_finished = on_finished  # callback(RequestOutput) for finished requests, on the event loop
-        self.handle = CoreHandle(config, process=engine_core_process)
-        # input: a plain socket (sends never block: unbounded queue); output: asyncio
+        # inputs: plain sockets (sends never block: unbounded queue); output: asyncio, one
+        # socket for every replica
         self.sync_ctx, self.ctx = zmq.Context(), zmq.asyncio.Context()
-        self.input, self.output = self.handle.bind(self.sync_ctx, self.ctx)
-        info = self.handle.start()
-        self.core_ready(info.num_kv_blocks)
-        self.num_blocks = info.num_kv_blocks
-        self.stats: EngineStats = info.stats
-        self.core_times = (0.0, 0.0, 0.0)  # the core loop's seconds: stepping, input, idle
-        self.snapshot: dict | None = None  # the core's latest live-view snapshot (engine/snapshot.py)
+        self.replicas = EngineReplicas(config, engine_core_process, self.sync_ctx, self.ctx)
+        self.handle: CoreHandle = self.replicas.handles[0]
+        self.output = self.replicas.output
+        self.num_blocks = min(info.num_kv_blocks for info in self.replicas.infos)  # per replica
+        self.core_ready(self.num_blocks)
+        self.snapshot: dict | None = None  # replica 0's latest live-view snapshot (engine/snapshot.py)
         self._streams: dict[str, asyncio.Queue] = {}
         self._dead: str | None = None
         self._output_task: asyncio.Task | None = None
@@ -68,6 +74,17 @@ class AsyncLLM(FrontEnd):
     def from_engine_args(cls, args: EngineArgs, **kw) -> AsyncLLM:
         process = True if args.engine_core_process is None else args.engine_core_process
         return cls(args.create_engine_config(), engine_core_process=process, **kw)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest stats, summed over the replicas (`replicas.stats`: each one's)."""
+        return self.replicas.total_stats
+
+    @property
+    def core_times(self) -> tuple[float, float, float]:
+        """The core loops' seconds so far (summed over replicas): stepping, input, idle."""
+        times = self.replicas.core_times
+        return tuple(sum(t[k] for t in times) for k in range(3))
 
     # -- requests -------------------------------------------------------------------------
     async def add_request(
@@ -111,7 +128,7 @@ class AsyncLLM(FrontEnd):
         self._streams.pop(request_id, None)
         children = self.output_processor.child_ids_of(request_id)
         self.output_processor.remove(request_id)
-        if children and self._dead is None:
+        if children and not self._closed:  # to the replica holding it, if it is alive
             self._send(CoreRequestType.ABORT, children)
 
     def reset_prefix_cache(self) -> None:
@@ -131,22 +148,24 @@ class AsyncLLM(FrontEnd):
         if self._closed:
             return
         self._closed = True
-        if self._dead is None and self.handle.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                self.input.send(pickle.dumps((CoreRequestType.SHUTDOWN, None)), flags=zmq.NOBLOCK)
-        self.handle.join(timeout)
+        self.replicas.shutdown(timeout)
         if self._output_task is not None:
             self._output_task.cancel()
         self._fail_all("the engine was shut down")
-        self.input.close(0)
-        self.output.close(0)
+        self.replicas.close_sockets()
         self.sync_ctx.term()
         self.ctx.term()
 
     # -- plumbing -------------------------------------------------------------------------
     def _send(self, kind: CoreRequestType, payload=None) -> None:
-        # Never blocks (no high-water mark); pickling takes microseconds.
-        self.input.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        """To the replica(s) concerned: ADD where the router says, ABORT / FINISH_STOPPED
+        where the requests run, the rest to all. Never blocks."""
+        if kind == CoreRequestType.ADD:
+            self.replicas.add(payload)
+        elif kind in (CoreRequestType.ABORT, CoreRequestType.FINISH_STOPPED):
+            self.replicas.abort(payload, kind)
+        else:
+            self.replicas.broadcast(kind, payload)
 
     def start_output_loop(self) -> None:
         """Read the core's messages from now on (call on the event loop; idempotent), not
@@ -161,13 +180,34 @@ class AsyncLLM(FrontEnd):
 
     def _watch_core(self) -> None:
         """Notices a dead core process within milliseconds (threads die with their loop)."""
-        sentinel = self.handle.sentinel
-        if sentinel is None:
+        sentinels = {h.sentinel: i for i, h in enumerate(self.replicas.handles) if h.sentinel is not None}
+        while sentinels:
+            for s in wait(list(sentinels)):
+                i = sentinels.pop(s)
+                if not self._closed and self._loop is not None:
+                    why = self.replicas.death_reason(i)
+                    with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                        self._loop.call_soon_threadsafe(self._on_replica_dead, i, why)
+
+    def _on_replica_dead(self, i: int, why: str) -> None:
+        """Replica i is gone: the requests it held fail; with one replica, all of them."""
+        if self._closed or self.replicas.dead[i] is not None:
             return
-        wait([sentinel])
-        if not self._closed and self._loop is not None:
-            code = self.handle.process.exitcode
-            self._loop.call_soon_threadsafe(self._on_dead, f"engine core process exited (code {code})")
+        if self.replicas.num_replicas == 1:
+            self.replicas.mark_dead(i, why)
+            self._on_dead(why)
+            return
+        logger.error("engine core %d died: %s", i, why)
+        lost = {rid.split("#", 1)[0] for rid in self.replicas.mark_dead(i, why)}
+        if self._dead is None:
+            self._dead = f"engine core {i}: {why}"
+        for rid in lost:
+            queue = self._streams.pop(rid, None)
+            self.output_processor.remove(rid)
+            if queue is not None:
+                queue.put_nowait(EngineDeadError(f"the engine core {i} died: {why}"))
+        if all(self.replicas.dead):
+            self._fail_all(f"the engine cores died: {why}")
 
     def _on_dead(self, why: str) -> None:
         if self._dead is None and not self._closed:
@@ -187,11 +227,12 @@ class AsyncLLM(FrontEnd):
             while True:
                 msg: EngineCoreOutputs = pickle.loads(await recv())
                 if msg.fatal is not None:
-                    self._on_dead(msg.fatal)
-                    return
-                self.stats = msg.stats
-                self.core_times = (msg.step_seconds, msg.input_seconds, msg.idle_seconds)
-                if msg.snapshot is not None:
+                    self._on_replica_dead(msg.engine_index, msg.fatal)
+                    if all(self.replicas.dead):
+                        return
+                    continue
+                self.replicas.on_message(msg)  # stats, times, which replica holds what
+                if msg.snapshot is not None and msg.engine_index == 0:
                     self.snapshot = msg.snapshot
                 for rid, err in msg.errors.items():  # refused by the core (invalid)
                     self._fail_request(rid.split("#", 1)[0], InvalidRequestError(err))

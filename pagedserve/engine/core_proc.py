@@ -40,8 +40,14 @@ MAX_SNAPSHOT_SHARE = 0.005  # live-view snapshots take at most 0.5% of the core 
 class EngineCoreProc:
     """Runs an EngineCore's loop, fed and drained over ZMQ."""
 
-    def __init__(self, core: EngineCore, input_addr: str, output_addr: str, parent_pid: int | None) -> None:
+    def __init__(
+        self, core: EngineCore, input_addr: str, output_addr: str, parent_pid: int | None, engine_index: int = 0
+    ) -> None:
         self.core = core
+        self.engine_index = engine_index  # data parallelism: tags every message this core sends
+        # tests: "<index>:<seconds>" makes replica <index> sleep that long after each step
+        slow = os.environ.get("PAGEDSERVE_TEST_SLOW_ENGINE", "")
+        self.step_delay = float(slow.split(":")[1]) if slow.split(":")[0] == str(engine_index) else 0.0
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_addr)
@@ -88,6 +94,8 @@ class EngineCoreProc:
                 self.input_seconds += t1 - t0
                 if core.has_unfinished_requests():
                     outputs = core.step()
+                    if self.step_delay:
+                        time.sleep(self.step_delay)
                     self.step_seconds += time.perf_counter() - t1
                     self._send(outputs, errors)
                 elif handled:  # aborts and refusals while idle: report the state they left
@@ -95,7 +103,7 @@ class EngineCoreProc:
         except Exception as e:  # an executor fault: tell the front end, then stop
             logger.exception("engine core loop failed")
             with contextlib.suppress(Exception):
-                msg = EngineCoreOutputs([], fatal=f"{type(e).__name__}: {e}")
+                msg = EngineCoreOutputs([], fatal=f"{type(e).__name__}: {e}", engine_index=self.engine_index)
                 self.output.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
             raise
         finally:
@@ -143,6 +151,7 @@ class EngineCoreProc:
             self.step_seconds,
             self.input_seconds,
             self.idle_seconds,
+            engine_index=self.engine_index,
         )
         if self.failed:
             msg.failed, self.failed = self.failed, {}
@@ -173,11 +182,18 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, conn: Connection) -> None:
-    """The engine-core process's entry point."""
+def run_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, conn: Connection, engine_index: int = 0
+) -> None:
+    """The engine-core process's entry point (`engine_index`: its data-parallel replica)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    dp = config.parallel.data_parallel_size
+    if dp > 1:  # replicas share the CPU cores instead of each claiming all of them
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // dp))
     try:
         core = EngineCore(config)
         conn.send(("ready", core.info()))
@@ -187,15 +203,17 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         return
     finally:
         conn.close()
-    EngineCoreProc(core, input_addr, output_addr, parent_pid).run()
+    EngineCoreProc(core, input_addr, output_addr, parent_pid, engine_index).run()
 
 
 class CoreHandle:
     """The front end's handle on an engine core running its busy loop in a child process
     (`process=True`) or in a thread of this process. Owns the ipc addresses; the clients
-    open their own sockets on them (`input_addr`: bind PUSH; `output_addr`: bind PULL)."""
+    open their own sockets on them (`input_addr`: bind PUSH; `output_addr`: bind PULL).
+    `engine_index`: its data-parallel replica, stamped on every message it sends."""
 
-    def __init__(self, config: EngineConfig, process: bool = True) -> None:
+    def __init__(self, config: EngineConfig, process: bool = True, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
         self._dir = tempfile.mkdtemp(prefix="pagedserve-")
         self.input_addr = f"ipc://{self._dir}/input"
         self.output_addr = f"ipc://{self._dir}/output"
@@ -205,35 +223,55 @@ class CoreHandle:
         self._as_process = process
         self.info: CoreInfo | None = None
 
-    def bind(self, input_ctx: zmq.Context, output_ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+    def bind(
+        self, input_ctx: zmq.Context, output_ctx: zmq.Context, outputs: zmq.Socket | None = None
+    ) -> tuple[zmq.Socket, zmq.Socket]:
         """The front end's two sockets, bound before `start()`: a PUSH for commands (no
-        high-water mark: sends never block) and a PULL for the core's outputs."""
+        high-water mark: sends never block) and a PULL for the core's outputs (`outputs`:
+        an existing PULL, that of other replicas, bound to this core's address too)."""
         commands = input_ctx.socket(zmq.PUSH)
         commands.setsockopt(zmq.SNDHWM, 0)
         commands.bind(self.input_addr)
-        outputs = output_ctx.socket(zmq.PULL)
+        if outputs is None:
+            outputs = output_ctx.socket(zmq.PULL)
         outputs.bind(self.output_addr)
         return commands, outputs
 
     def start(self) -> CoreInfo:
         """Start the core once the caller has bound its sockets; returns when it is ready."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """`start()`'s first half: spawn the process (in this thread: a child dies with the
+        thread that started it) or, for a thread, start the core completely. Several
+        replicas launch, then wait, so that their start-ups overlap."""
         if not self._as_process:
             core = EngineCore(self._config)
             self.info = core.info()
-            loop = EngineCoreProc(core, self.input_addr, self.output_addr, None)
-            self.thread = threading.Thread(target=loop.run, name="pagedserve-engine-core", daemon=True)
+            loop = EngineCoreProc(core, self.input_addr, self.output_addr, None, self.engine_index)
+            name = f"pagedserve-engine-core-{self.engine_index}"
+            self.thread = threading.Thread(target=loop.run, name=name, daemon=True)
             self.thread.start()
-            return self.info
+            return
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
+        self._ready_pipe = parent
         self.process = ctx.Process(
             target=run_engine_core,
-            args=(self._config, self.input_addr, self.output_addr, os.getpid(), child),
-            name="pagedserve-engine-core",
+            args=(self._config, self.input_addr, self.output_addr, os.getpid(), child, self.engine_index),
+            name=f"pagedserve-engine-core-{self.engine_index}",
             daemon=True,
         )
         self.process.start()
         child.close()
+
+    def wait_ready(self) -> CoreInfo:
+        """`start()`'s second half: wait for the launched core's ("ready", info)."""
+        if self.process is None:
+            assert self.info is not None, "launch() first"
+            return self.info
+        parent = self._ready_pipe
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not parent.poll(0.1):
             if not self.process.is_alive():

@@ -79,7 +79,14 @@ def build_app(
     if limiter is None:
         cap = None if max_queue is None else llm.config.scheduler.max_num_seqs + max_queue
         limiter = AdmissionLimiter(cap)
-    metrics = ServerMetrics(lambda: llm.stats, model_name, lambda: (limiter.in_flight, limiter.capacity))
+    replicas = getattr(llm, "replicas", None)  # data parallelism: per-engine gauges, routing counts
+    metrics = ServerMetrics(
+        lambda: llm.stats,
+        model_name,
+        lambda: (limiter.in_flight, limiter.capacity),
+        get_engine_stats=(lambda: replicas.stats) if replicas is not None else None,
+        get_routed=(lambda: replicas.routed) if replicas is not None else None,
+    )
     ctx = ServingContext(
         llm,
         model_name,

@@ -1,7 +1,10 @@
 """Prometheus metrics with vLLM's names under the `pagedserve:` prefix.
 
 Gauges and counters are read from the engine's stats snapshot at scrape time; latency
-histograms are observed when a request finishes.
+histograms are observed when a request finishes. Data parallelism: gauges are per
+replica, labeled `engine="0"`, `engine="1"`, ... (vLLM's label; one engine: "0"),
+counters are summed over the replicas, and `dp_routed_requests` counts the router's
+choices by replica and reason (prefix / load / round_robin).
 """
 
 from __future__ import annotations
@@ -15,18 +18,22 @@ P = "pagedserve:"
 
 
 class _StatsCollector:
-    def __init__(self, get_stats, model_name: str) -> None:
-        self.get_stats = get_stats
+    def __init__(self, get_stats, model_name: str, get_engine_stats=None, get_routed=None) -> None:
+        self.get_stats = get_stats  # -> EngineStats (summed over replicas)
+        self.get_engine_stats = get_engine_stats or (lambda: [get_stats()])  # -> one per replica
+        self.get_routed = get_routed  # -> {(replica, reason): requests} or None
         self.model_name = model_name
 
     def collect(self):
         s = self.get_stats()
+        per_engine = self.get_engine_stats()
         lbl = ["model_name"]
         val = [self.model_name]
 
-        def gauge(name, doc, v):
-            g = GaugeMetricFamily(P + name, doc, labels=lbl)
-            g.add_metric(val, v)
+        def gauge(name, doc, attr):
+            g = GaugeMetricFamily(P + name, doc, labels=lbl + ["engine"])
+            for i, e in enumerate(per_engine):
+                g.add_metric(val + [str(i)], getattr(e, attr))
             return g
 
         def counter(name, doc, v):
@@ -34,12 +41,23 @@ class _StatsCollector:
             c.add_metric(val, v)
             return c
 
-        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%).", s.kv_cache_usage)
-        yield gauge("kv_blocks_used", "KV blocks in use.", s.kv_blocks_used)
-        yield gauge("kv_blocks_total", "KV blocks in the cache.", s.kv_blocks_total)
-        yield gauge("kv_utilization", "Stored tokens / allocated token slots.", s.kv_utilization)
+        yield gauge("num_requests_running", "Requests in the running batch.", "num_running")
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting")
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%).", "kv_cache_usage")
+        yield gauge("kv_blocks_used", "KV blocks in use.", "kv_blocks_used")
+        yield gauge("kv_blocks_total", "KV blocks in the cache.", "kv_blocks_total")
+        yield gauge("kv_utilization", "Stored tokens / allocated token slots.", "kv_utilization")
+        routed = self.get_routed() if self.get_routed is not None else None
+        if routed:
+            c = CounterMetricFamily(
+                P + "dp_routed_requests",
+                "Data parallelism: requests sent to each engine, by why (prefix: it held the longest "
+                "cached prefix; load: the least loaded; round_robin).",
+                labels=lbl + ["engine", "reason"],
+            )
+            for (i, reason), v in sorted(routed.items()):
+                c.add_metric(val + [str(i), reason], v)
+            yield c
         yield counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries
         )
@@ -88,10 +106,12 @@ class _FrontendCollector:
 
 
 class ServerMetrics:
-    def __init__(self, get_stats, model_name: str, get_admission=None) -> None:
+    def __init__(
+        self, get_stats, model_name: str, get_admission=None, get_engine_stats=None, get_routed=None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_StatsCollector(get_stats, model_name))
+        self.registry.register(_StatsCollector(get_stats, model_name, get_engine_stats, get_routed))
         if get_admission is not None:
             self.registry.register(_FrontendCollector(get_admission, model_name))
         self.rejections = Counter(

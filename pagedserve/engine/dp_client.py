@@ -1,0 +1,267 @@
+"""Data parallelism: M engine cores (replicas, each with its own scheduler, executor and KV
+cache) behind one front end.
+
+`EngineReplicas` is the front end's side of them: a `CoreHandle` per replica, a PUSH
+socket per replica for commands, and ONE PULL socket bound to every replica's output
+address, so a single reader (AsyncLLM's output loop, or `SyncDPClient.get_output`) gets
+every replica's steps, fair-queued; each message names its sender
+(`EngineCoreOutputs.engine_index`). A `DPRouter` picks the replica of each new request;
+all of a request's samples (n > 1) go to the same one, and its aborts and stop-string
+finishes follow it there.
+
+Invariants: `holder` maps every child request id sent to a replica and not yet finished,
+aborted or refused to that replica; `loads[i]` counts the ids held by replica i; a dead
+replica gets no more commands, and nothing is routed once any replica died (the front end
+refuses new requests: the deployment is degraded and /health says 503).
+
+With M = 1 this is exactly the single engine core (no routing, no hashing).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import pickle
+from dataclasses import fields
+
+import zmq
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import CoreInfo
+from pagedserve.engine.core_proc import CoreHandle
+from pagedserve.engine.dp_router import DPRouter
+from pagedserve.engine.stats import EngineStats
+from pagedserve.errors import EngineDeadError
+from pagedserve.messages import CoreRequestType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+
+def merge_stats(stats: list[EngineStats]) -> EngineStats:
+    """The replicas' stats as one engine's: counts and counters summed, the KV usage
+    recomputed over all blocks, utilization weighted by blocks used."""
+    if len(stats) == 1:
+        return stats[0]
+    total = {
+        f.name: sum(getattr(s, f.name) for s in stats)
+        for f in fields(EngineStats)
+        if f.name not in ("kv_cache_usage", "kv_utilization", "block_size", "spec_accepted_per_position")
+    }
+    used, blocks = total["kv_blocks_used"], total["kv_blocks_total"]
+    per_pos = [0] * max(len(s.spec_accepted_per_position) for s in stats)
+    for s in stats:
+        for i, v in enumerate(s.spec_accepted_per_position):
+            per_pos[i] += v
+    return EngineStats(
+        **total,
+        kv_cache_usage=used / blocks if blocks else 0.0,
+        kv_utilization=sum(s.kv_utilization * s.kv_blocks_used for s in stats) / used if used else 0.0,
+        block_size=stats[0].block_size,
+        spec_accepted_per_position=per_pos,
+    )
+
+
+class EngineReplicas:
+    """The front end's handles, sockets and bookkeeping for `data_parallel_size` cores."""
+
+    def __init__(
+        self, config: EngineConfig, process: bool, input_ctx: zmq.Context, output_ctx: zmq.Context
+    ) -> None:
+        par = config.parallel
+        n = par.data_parallel_size
+        self.handles = [CoreHandle(config, process=process, engine_index=i) for i in range(n)]
+        self.inputs: list[zmq.Socket] = []
+        self.output: zmq.Socket | None = None
+        for h in self.handles:
+            commands, self.output = h.bind(input_ctx, output_ctx, outputs=self.output)
+            self.inputs.append(commands)
+        try:
+            for h in self.handles:  # the start-ups (model load, KV sizing) overlap
+                h.launch()
+            self.infos: list[CoreInfo] = [h.wait_ready() for h in self.handles]
+        except BaseException:
+            for h in self.handles:  # the others may be up (or half started): stop them
+                with contextlib.suppress(Exception):
+                    h.kill()
+                    h.join(0)
+            self.close_sockets()
+            raise
+        self.stats: list[EngineStats] = [info.stats for info in self.infos]
+        self.core_times = [(0.0, 0.0, 0.0)] * n  # per replica: seconds stepping, input, idle
+        self.dead: list[str | None] = [None] * n
+        self.holder: dict[str, int] = {}
+        self.loads = [0] * n
+        slack = max(4, config.scheduler.max_num_seqs // 16)
+        self.router = DPRouter(n, config.cache.block_size, par.dp_routing, balance_slack=slack)
+        # (replica, reason: dp_router.PREFIX / LOAD / ROUND_ROBIN) -> requests routed
+        self.routed: collections.Counter[tuple[int, str]] = collections.Counter()
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.handles)
+
+    @property
+    def total_stats(self) -> EngineStats:
+        return merge_stats(self.stats)
+
+    # -- commands -------------------------------------------------------------------------
+    def add(self, children: list[EngineCoreRequest]) -> int:
+        """Route one request (all its samples) to a replica and send it there."""
+        if any(self.dead):
+            raise EngineDeadError(f"the engine core died: {next(d for d in self.dead if d)}")
+        if self.num_replicas == 1:
+            i = 0
+        else:
+            first = children[0]
+            i, reason = self.router.route(first.prompt_token_ids, first.cache_salt, self.loads)
+            self.routed[i, reason] += 1
+        self.send(i, CoreRequestType.ADD, children)
+        for c in children:
+            self.holder[c.request_id] = i
+        self.loads[i] += len(children)
+        return i
+
+    def abort(self, child_ids: list[str], kind: CoreRequestType = CoreRequestType.ABORT) -> None:
+        """Abort (or finish on a stop string: `kind` FINISH_STOPPED) requests wherever they run."""
+        by_replica: dict[int, list[str]] = collections.defaultdict(list)
+        for rid in child_ids:
+            i = self.holder.pop(rid, None)
+            if i is not None:
+                self.loads[i] -= 1
+                by_replica[i].append(rid)
+        for i, ids in by_replica.items():
+            if self.dead[i] is None:
+                self.send(i, kind, ids)
+
+    def broadcast(self, kind: CoreRequestType, payload=None) -> None:
+        for i in range(self.num_replicas):
+            if self.dead[i] is None:
+                self.send(i, kind, payload)
+        if kind == CoreRequestType.RESET_PREFIX_CACHE:
+            self.router.forget()
+
+    def send(self, i: int, kind: CoreRequestType, payload=None, flags: int = 0) -> None:
+        # Never blocks (no high-water mark); pickling takes microseconds.
+        self.inputs[i].send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL), flags=flags)
+
+    # -- what comes back ------------------------------------------------------------------
+    def on_message(self, msg: EngineCoreOutputs) -> list[str]:
+        """Book one message of replica `msg.engine_index`: its stats, times, and the
+        requests it finished or refused. A fatal message marks the replica dead and
+        returns the ids of the requests it held (now lost); else returns []."""
+        i = msg.engine_index
+        if msg.fatal is not None:
+            return self.mark_dead(i, msg.fatal)
+        if msg.stats is not None:
+            self.stats[i] = msg.stats
+        self.core_times[i] = (msg.step_seconds, msg.input_seconds, msg.idle_seconds)
+        holder = self.holder
+        for out in msg.outputs:
+            if out.finish_reason is not None and holder.pop(out.req_id, None) is not None:
+                self.loads[i] -= 1
+        for rid in (*msg.errors, *msg.failed):  # refused, or failed on admission
+            if holder.pop(rid, None) is not None:
+                self.loads[i] -= 1
+        return []
+
+    def mark_dead(self, i: int, why: str) -> list[str]:
+        """Replica i is gone: returns the child ids it held (forgotten here)."""
+        if self.dead[i] is None:
+            self.dead[i] = why
+        lost = [rid for rid, r in self.holder.items() if r == i]
+        for rid in lost:
+            del self.holder[rid]
+        self.loads[i] = 0
+        return lost
+
+    def death_reason(self, i: int) -> str:
+        code = self.handles[i].process.exitcode if self.handles[i].process is not None else None
+        return (
+            f"engine core {i} process exited (code {code})"
+            if self.num_replicas > 1
+            else f"engine core process exited (code {code})"
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def shutdown(self, timeout: float) -> None:
+        """Ask every live replica to stop, then join them (SIGTERM, SIGKILL after `timeout`)."""
+        for i, h in enumerate(self.handles):
+            if self.dead[i] is None and h.is_alive():
+                with contextlib.suppress(zmq.ZMQError):
+                    self.send(i, CoreRequestType.SHUTDOWN, flags=zmq.NOBLOCK)
+        for h in self.handles:  # they stop concurrently: the first join waits for most of them
+            h.join(timeout)
+
+    def close_sockets(self) -> None:
+        for s in self.inputs:
+            s.close(0)
+        if self.output is not None:
+            self.output.close(0)
+
+
+class SyncDPClient:
+    """Offline (`LLM(data_parallel_size=M)`): the replicas in child processes, blocking
+    calls, the interface of `core_client.SyncMPClient`. `get_output()` returns the next
+    step of whichever replica finished one."""
+
+    engine_core = None  # not reachable from this process
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.ctx = zmq.Context()
+        self.replicas = EngineReplicas(config, True, self.ctx, self.ctx)
+        self.info = self.replicas.infos[0]
+
+    @property
+    def handle(self) -> CoreHandle:
+        return self.replicas.handles[0]
+
+    def _check(self) -> None:
+        dead = [d for d in self.replicas.dead if d]
+        if dead:
+            raise EngineDeadError(f"the engine core died: {dead[0]}")
+
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        self._check()
+        groups: dict[str, list[EngineCoreRequest]] = {}
+        for r in reqs:  # the samples of one request ("<id>#<i>") stay together
+            groups.setdefault(r.request_id.split("#", 1)[0], []).append(r)
+        for children in groups.values():
+            self.replicas.add(children)
+
+    def abort_requests(self, ids: list[str]) -> None:
+        self._check()
+        self.replicas.abort(list(ids))
+
+    def finish_requests_stopped(self, ids: list[str]) -> None:
+        self._check()
+        self.replicas.abort(list(ids), CoreRequestType.FINISH_STOPPED)
+
+    def reset_prefix_cache(self) -> None:
+        self._check()
+        self.replicas.broadcast(CoreRequestType.RESET_PREFIX_CACHE)
+
+    def get_output(self) -> EngineCoreOutputs:
+        self._check()
+        reps = self.replicas
+        while not reps.output.poll(200):
+            for i, h in enumerate(reps.handles):
+                if not h.is_alive():
+                    reps.mark_dead(i, reps.death_reason(i))
+                    self._check()
+        msg: EngineCoreOutputs = pickle.loads(reps.output.recv())
+        reps.on_message(msg)
+        self._check()
+        for rid in msg.errors:  # refused by the core: ends like an abort
+            msg.outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+        for rid in msg.failed:  # failed in the core on an internal error
+            msg.outputs.append(EngineCoreOutput(rid, [], finish_reason="error"))
+        return msg
+
+    def get_stats(self) -> EngineStats:
+        return self.replicas.total_stats
+
+    def shutdown(self) -> None:
+        self.replicas.shutdown(10)
+        self.replicas.close_sockets()
+        self.ctx.term()

@@ -1,0 +1,97 @@
+"""Data parallelism's router: which engine-core replica gets a request.
+
+"prefix" (the default): hash the prompt's first full blocks with the KV cache manager's
+own chained block hash (`block_pool.hash_block_tokens`, same block size, same cache
+salt), and send the request to the replica that was last sent the longest of those
+prefixes: its prefix cache most likely still holds them. A bounded LRU map
+`block hash -> replica`, updated on every routing decision, stands for the replicas'
+caches (the front end never asks them). No match, a prompt shorter than one block, or a
+matching replica that is more than `balance_slack` requests busier than the least loaded
+one: the least loaded replica (fewest requests in flight, ties broken in turn).
+
+"round_robin": replica 0, 1, ..., M-1, 0, ... whatever the prompt (the baseline).
+
+Invariants: `route` returns an index in [0, M); the map never holds more than
+`max_entries` hashes; the hashes equal `Request.block_hashes` for the same tokens and
+salt (tests/test_data_parallel.py checks it against the KV cache manager).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from pagedserve.engine.block_pool import hash_block_tokens
+
+PREFIX, LOAD, ROUND_ROBIN = "prefix", "load", "round_robin"  # why a request went where it went
+
+
+class DPRouter:
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        policy: str = "prefix",
+        *,
+        max_prefix_blocks: int = 64,
+        max_entries: int = 1 << 16,
+        balance_slack: int = 8,
+    ) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
+        if policy not in ("prefix", "round_robin"):
+            raise ValueError(f"dp routing must be 'prefix' or 'round_robin', got {policy!r}.")
+        self.num_replicas = num_replicas
+        self.block_size = block_size
+        self.policy = policy
+        self.max_prefix_blocks = max_prefix_blocks  # hash at most this many leading blocks
+        self.max_entries = max_entries
+        self.balance_slack = balance_slack
+        self.owner: OrderedDict[bytes, int] = OrderedDict()  # block hash -> replica, LRU first
+        self._turn = 0
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
+        """The chained hashes of the first full blocks of `token_ids` (at most
+        `max_prefix_blocks`), exactly as the KV cache manager computes them."""
+        bs, out, parent = self.block_size, [], None
+        for i in range(min(len(token_ids) // bs, self.max_prefix_blocks)):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], cache_salt)
+            out.append(parent)
+        return out
+
+    def route(self, token_ids: list[int], cache_salt: str | None, loads: list[int]) -> tuple[int, str]:
+        """(replica, reason) for a prompt; `loads[i]`: requests in flight on replica i.
+        Records the choice (the chosen replica now holds, or will hold, this prefix)."""
+        n = self.num_replicas
+        if self.policy == "round_robin":
+            self._turn = (self._turn + 1) % n
+            return (self._turn - 1) % n, ROUND_ROBIN
+        hashes = self.block_hashes(token_ids, cache_salt)
+        least = self._least_loaded(loads)
+        choice, reason = least, LOAD
+        for h in reversed(hashes):  # the longest prefix first
+            r = self.owner.get(h)
+            if r is not None:
+                if loads[r] <= loads[least] + self.balance_slack:
+                    choice, reason = r, PREFIX
+                break
+        owner = self.owner
+        for h in hashes:
+            owner[h] = choice
+            owner.move_to_end(h)
+        while len(owner) > self.max_entries:
+            owner.popitem(last=False)
+        return choice, reason
+
+    def _least_loaded(self, loads: list[int]) -> int:
+        n, start = self.num_replicas, self._turn
+        best = start % n
+        for k in range(1, n):
+            i = (start + k) % n
+            if loads[i] < loads[best]:
+                best = i
+        self._turn = (best + 1) % n  # the next tie goes to the next replica
+        return best
+
+    def forget(self) -> None:
+        """The replicas' prefix caches were reset: nothing is known to be cached."""
+        self.owner.clear()
