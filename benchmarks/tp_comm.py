@@ -44,13 +44,13 @@ def random_llama(out_dir: str) -> str:
     return out_dir
 
 
-def measure(model: str, tp: int, batches, context: int, prefill_len: int, steps: int) -> list[dict]:
+def measure(model: str, tp: int, batches, context: int, prefill_len: int, steps: int, device: str = "cpu") -> list[dict]:
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(
         model,
         dtype="float32",
-        device="cpu",
+        device=device,
         quantization="none",
         tensor_parallel_size=tp,
         enable_prefix_caching=False,
@@ -135,13 +135,14 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     model = args.model
     if args.random_llama:
         model = random_llama(tempfile.mkdtemp(prefix="tp-bench-"))
     for tp in args.tp:
-        measure(model, tp, args.batches, args.context, args.prefill_len, args.steps)
+        measure(model, tp, args.batches, args.context, args.prefill_len, args.steps, args.device)
     return 0
 
 

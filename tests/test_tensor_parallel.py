@@ -278,3 +278,22 @@ def test_packed_gguf_shards(tmp_path, monkeypatch):
         assert o.token_ids == r.token_ids
         for a, b in zip(o.logprobs, r.logprobs):
             _close(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (benchmarks/gpu_check.sh runs it)")
+@pytest.mark.parametrize("arch", ["llama_tp", "qwen2_tp"])
+def test_tp2_on_two_gpus_matches_one_gpu(checkpoint, arch, monkeypatch):
+    """NCCL, one GPU per rank, float32: tokens of one GPU, logprobs within 1e-4."""
+    monkeypatch.setenv("PAGEDSERVE_TP_CHECK_TOKENS", "1")
+    path = checkpoint(arch)
+    one = _llm(path, 1, device="cuda")
+    ref, _ = _run(one)
+    one.shutdown()
+    two = _llm(path, 2, device="cuda")
+    assert [i["device"] for i in two.engine.core.engine_core.executor.worker_info] == ["cuda:0", "cuda:1"]
+    out, _ = _run(two)
+    two.shutdown()
+    for o, r in zip(out, ref):
+        assert o.token_ids == r.token_ids
+        for a, b in zip(o.logprobs, r.logprobs):
+            _close(a, b)

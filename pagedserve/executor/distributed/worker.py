@@ -71,10 +71,7 @@ class Worker:
         from pagedserve.executor.model_runner import ModelRunner
 
         self.spec, self.rank = spec, rank
-        device = spec.device
-        if device.startswith("cuda"):
-            torch.cuda.set_device(local_rank)
-            device = f"cuda:{local_rank}"
+        device = f"cuda:{local_rank}" if spec.device.startswith("cuda") else spec.device
         self.runner = ModelRunner(spec.model_path, spec.model_config, device=device, **spec.runner_kwargs)
         self.control = None  # gloo group over all ranks, for the token check
         self.busy_seconds = 0.0  # inside execute_model (the rest of a step is dispatch)
@@ -159,6 +156,8 @@ def run_local_worker(spec: WorkerSpec, rank: int, master_addr: str, master_port:
             os._exit(1)
 
     try:
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(rank)  # before NCCL sees the process
         ps.init_tensor_parallel(rank, spec.world_size, spec.backend, master_addr, master_port)
         if rank == 0 and spec.num_local < spec.world_size:
             # the remote ranks learn the spec from rank 0 (they were started without flags)
@@ -204,6 +203,8 @@ def run_remote_worker() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
     backend = os.environ.get("PAGEDSERVE_TP_BACKEND") or ps.default_backend(
         "cuda" if torch.cuda.is_available() else "cpu"
     )
