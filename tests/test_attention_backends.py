@@ -27,3 +27,45 @@ def test_cpp_decode_matches_reference(dtype, tol, bs, heads, kv_heads, d):
     ref = TorchAttentionBackend._decode(q, kc, vc, meta, d**-0.5)
     out = kernels.paged_decode(q, kc, vc, bt, lens, d**-0.5)
     assert (out.float() - ref.float()).abs().max().item() < tol
+
+
+def _mixed_meta(reqs, bs, nb, g):
+    """reqs: (cached tokens, query tokens) per request, decodes (query 1) first."""
+    qlens = [q for _, q in reqs]
+    seq = [c + q for c, q in reqs]
+    cu = [0]
+    for q in qlens:
+        cu.append(cu[-1] + q)
+    nblk = max(-(-s // bs) for s in seq)
+    perm = torch.randperm(nb - 1, generator=g) + 1
+    bt = perm[: len(reqs) * nblk].view(len(reqs), nblk)
+    slots = []
+    for r, (c, q) in enumerate(reqs):
+        slots += [int(bt[r, p // bs]) * bs + p % bs for p in range(c, c + q)]
+    nd = sum(1 for q in qlens if q == 1)
+    return AttentionMetadata(
+        len(reqs), nd, torch.tensor(cu), torch.tensor(seq), bt, torch.tensor(slots), max(qlens), max(seq),
+        max(seq[:nd], default=0), cu, seq,
+    )
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_short_queries_through_decode_kernel_match_sdpa(heads, kv_heads):
+    """Speculative verification rows (a few query tokens over a cached context), a short fresh
+    prompt and a long chunk, beside decodes: the C++ path equals the SDPA path."""
+    g = torch.Generator().manual_seed(heads)
+    bs, nb, d = 16, 96, 32
+    reqs = [(40, 1), (3, 1), (37, 5), (16, 2), (0, 4), (20, 16), (9, 40)]
+    meta = _mixed_meta(reqs, bs, nb, g)
+    t = meta.num_tokens
+    q = torch.randn(t, heads, d, generator=g)
+    k, v = torch.randn(t, kv_heads, d, generator=g), torch.randn(t, kv_heads, d, generator=g)
+    kc0 = torch.randn(nb, bs, kv_heads, d, generator=g)
+    vc0 = torch.randn(nb, bs, kv_heads, d, generator=g)
+    ref = TorchAttentionBackend().forward(q, k, v, kc0.clone(), vc0.clone(), meta, d**-0.5)
+    meta2 = _mixed_meta(reqs, bs, nb, torch.Generator().manual_seed(heads))
+    fast = TorchAttentionBackend(use_cpp_decode=True)
+    out = fast.forward(q, k, v, kc0.clone(), vc0.clone(), meta2, d**-0.5)
+    assert meta2.backend_cache["short"] is not None  # the short requests took the kernel
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

@@ -15,7 +15,7 @@ KV cache per layer: K and V each of shape [num_blocks, block_size, num_kv_heads,
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,8 @@ class AttentionMetadata:
     # The same numbers as Python lists, for backends that loop on the host.
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
+    # Filled by a backend on the step's first layer, reused by the others (backend-private).
+    backend_cache: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,11 @@ with GQA (the CPU flash kernel reads the transposed view without copying it agai
 Prefill chunks go one request at a time through SDPA (a step holds few of them): with
 no cached prefix they attend to their own K/V causally; otherwise over the gathered
 context with an offset causal mask. No loop over tokens.
+
+With the C++ decode kernel, requests with a few query tokens over a cached context
+(speculative verification: the last token and k guesses) go through it too, each query
+token as its own row that sees the context up to itself: the kernel reads K/V in place,
+where SDPA would need the context gathered into a copy and a mask, per request and layer.
 """
 
 from __future__ import annotations
@@ -30,6 +35,31 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     n, nblk = block_tables.shape
     _, bs, kvh, d = cache.shape
     return cache.index_select(0, block_tables.reshape(-1)).view(n, nblk * bs, kvh, d)
+
+
+# Requests with at most this many query tokens use the decode kernel (one row per token).
+SHORT_QUERY_MAX = 16
+
+
+def short_query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
+    """The non-decode requests with 2..SHORT_QUERY_MAX query tokens, as decode rows:
+    (token indices [R], their block-table rows [R, max_blocks], their causal context
+    lengths [R], the request indices). Token j of a request with q query tokens and
+    seq_len L sees L - q + 1 + j tokens. None when there are none."""
+    qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
+    reqs = [r for r in range(meta.num_decodes, meta.num_reqs) if qsl[r + 1] - qsl[r] <= SHORT_QUERY_MAX]
+    if not reqs:
+        return None
+    toks, rows, lens = [], [], []
+    for r in reqs:
+        q = qsl[r + 1] - qsl[r]
+        toks.extend(range(qsl[r], qsl[r + 1]))
+        rows.extend([r] * q)
+        lens.extend(range(sl[r] - q + 1, sl[r] + 1))
+    dev = meta.block_tables.device
+    tok = torch.tensor(toks, dtype=torch.int64, device=dev)
+    bt = meta.block_tables.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+    return tok, bt, torch.tensor(lens, dtype=torch.int64, device=dev), reqs
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -63,7 +93,18 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
-        for r in range(nd, meta.num_reqs):
+        rest = range(nd, meta.num_reqs)
+        if self._cpp is not None and q.device.type == "cpu" and meta.num_reqs > nd:
+            if "short" not in meta.backend_cache:
+                meta.backend_cache["short"] = short_query_rows(meta)
+            short = meta.backend_cache["short"]
+            if short is not None:
+                tok, bt, lens, reqs = short
+                o = self._cpp.paged_decode(q.index_select(0, tok), k_cache, v_cache, bt, lens, scale)
+                out.index_copy_(0, tok, o)
+                done = set(reqs)
+                rest = [r for r in rest if r not in done]
+        for r in rest:
             s, e = qsl[r], qsl[r + 1]
             out[s:e] = self._prefill(
                 q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[r], sl[r], scale
