@@ -88,6 +88,13 @@ def test_tp2_matches_tp1_and_transformers(checkpoint, arch, monkeypatch):
     assert isinstance(ex, MultiprocExecutor) and len(ex.pids) == 2
     try:
         out, plp = _run(two)
+        # random sampling too: every rank draws the same tokens (the check raises otherwise)
+        sampled = two.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS[:2]],
+            [SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, n=2), SamplingParams(max_tokens=6, seed=7)],
+            use_tqdm=False,
+        )
+        assert all(len(c.token_ids) == 6 for o in sampled for c in o.outputs)
         kv_two = ex.kv_bytes_per_block(16)
         comm = ex.comm_stats()
     finally:

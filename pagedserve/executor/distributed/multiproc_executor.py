@@ -11,8 +11,8 @@ ranks hold the same number of blocks, each of its own KV heads).
 Failures: the executor waits on the workers' pipes and process sentinels together, so a
 worker that dies (or reports an error) is noticed at once, mid-step or at the next call;
 the executor then ends the other workers and raises `WorkerDiedError` naming the rank.
-Workers die with the engine's process (PR_SET_PDEATHSIG, a parent check while idle, and
-multiprocessing's daemon clean-up), so no process is left behind.
+Workers die with the engine's process (PR_SET_PDEATHSIG when started from the main thread,
+a parent check while idle, multiprocessing's daemon clean-up), so no process is left behind.
 
 Local ranks: all N by default; `PAGEDSERVE_LOCAL_TP_RANKS=M` starts ranks [0, M) here and
 waits for ranks [M, N) to join from other machines (README, "Tensor parallelism").
@@ -28,6 +28,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -103,6 +104,7 @@ class MultiprocExecutor(Executor):
         master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         master_port = int(os.environ.get("MASTER_PORT") or _free_port())
         ctx = multiprocessing.get_context("spawn")
+        main_thread = threading.current_thread() is threading.main_thread()
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.conns = []
         with _children_allowed():
@@ -110,7 +112,7 @@ class MultiprocExecutor(Executor):
                 recv, send = ctx.Pipe(duplex=False)
                 p = ctx.Process(
                     target=run_local_worker,
-                    args=(spec, rank, master_addr, master_port, send, os.getpid()),
+                    args=(spec, rank, master_addr, master_port, send, os.getpid(), main_thread),
                     name=f"pagedserve-tp-rank{rank}",
                     daemon=True,
                 )

@@ -145,9 +145,14 @@ def _call(worker: Worker, msg):
     return getattr(worker, method)(*args)
 
 
-def run_local_worker(spec: WorkerSpec, rank: int, master_addr: str, master_port: int, conn, parent_pid: int) -> None:
-    """Entry point of a rank started by MultiprocExecutor on its own machine."""
-    die_with_parent()
+def run_local_worker(
+    spec: WorkerSpec, rank: int, master_addr: str, master_port: int, conn, parent_pid: int, pdeathsig: bool
+) -> None:
+    """Entry point of a rank started by MultiprocExecutor on its own machine. `pdeathsig`:
+    the parent started us from its main thread (PR_SET_PDEATHSIG fires when the creating
+    *thread* ends, so from another thread only the parent-pid check while idle applies)."""
+    if pdeathsig:
+        die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when to stop
     from pagedserve.executor.distributed.shm_ring import ShmRing
 
