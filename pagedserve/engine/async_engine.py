@@ -198,9 +198,11 @@ class AsyncLLM(FrontEnd):
             self._on_dead(why)
             return
         logger.error("engine core %d died: %s", i, why)
-        lost = {rid.split("#", 1)[0] for rid in self.replicas.mark_dead(i, why)}
+        lost_children = set(self.replicas.mark_dead(i, why))
         if self._dead is None:
             self._dead = f"engine core {i}: {why}"
+        children_of = self.output_processor.child_ids_of
+        lost = [rid for rid in list(self._streams) if lost_children.intersection(children_of(rid))]
         for rid in lost:
             queue = self._streams.pop(rid, None)
             self.output_processor.remove(rid)

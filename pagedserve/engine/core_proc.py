@@ -182,6 +182,28 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _place_replica(config: EngineConfig, engine_index: int) -> None:
+    """Data parallelism: replicas share the CPU cores (cores / M threads each) instead of
+    each claiming all of them; on GPUs (without tensor parallelism, whose workers pick
+    their own), replica i's current device is cuda:(i mod devices). Replicas sharing a
+    device need a fixed KV size: profiling (gpu_memory_utilization) counts the other
+    replica's memory as taken, and the two start at the same time."""
+    import torch
+
+    dp = config.parallel.data_parallel_size
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // dp))
+    mc, cc = config.model, config.cache
+    on_gpu = mc.device in ("auto", "cuda") and config.parallel.tensor_parallel_size == 1
+    if on_gpu and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        torch.cuda.set_device(engine_index % n)  # "cuda" means this device from now on
+        if n < dp and cc.num_kv_blocks is None and cc.kv_cache_memory_bytes is None:
+            raise ValueError(
+                f"data_parallel_size={dp} on {n} GPU(s): replicas share a device, so set "
+                "num_kv_blocks or kv_cache_memory_bytes (each replica's KV cache)."
+            )
+
+
 def run_engine_core(
     config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, conn: Connection, engine_index: int = 0
 ) -> None:
@@ -189,12 +211,9 @@ def run_engine_core(
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    dp = config.parallel.data_parallel_size
-    if dp > 1:  # replicas share the CPU cores instead of each claiming all of them
-        import torch
-
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // dp))
     try:
+        if config.parallel.data_parallel_size > 1:
+            _place_replica(config, engine_index)
         core = EngineCore(config)
         conn.send(("ready", core.info()))
     except BaseException as e:  # noqa: BLE001 (reported to the front end)

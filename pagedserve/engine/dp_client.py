@@ -222,12 +222,9 @@ class SyncDPClient:
             raise EngineDeadError(f"the engine core died: {dead[0]}")
 
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """One request's samples (LLMEngine.add_request): they go to one replica together."""
         self._check()
-        groups: dict[str, list[EngineCoreRequest]] = {}
-        for r in reqs:  # the samples of one request ("<id>#<i>") stay together
-            groups.setdefault(r.request_id.split("#", 1)[0], []).append(r)
-        for children in groups.values():
-            self.replicas.add(children)
+        self.replicas.add(list(reqs))
 
     def abort_requests(self, ids: list[str]) -> None:
         self._check()
