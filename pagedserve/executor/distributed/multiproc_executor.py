@@ -145,10 +145,16 @@ class MultiprocExecutor(Executor):
                 self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died (exit code {p.exitcode})")
 
     def _died(self, rank: int) -> str:
-        p = self.procs[rank]
+        """What happened to a rank whose process ended: its own last error if it sent one."""
+        p, conn = self.procs[rank], self.conns[rank]
         p.join(0.5)
         code = p.exitcode
         how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+        with contextlib.suppress(EOFError, OSError):
+            while conn.poll():
+                kind, _, payload = conn.recv()
+                if kind == "error":
+                    return f"tensor-parallel rank {rank} failed: {payload} (pid {p.pid}, {how})"
         return f"tensor-parallel worker rank {rank} (pid {p.pid}) died ({how})"
 
     def _gather(self, ranks, what: str, timeout: float | None = None) -> list:
