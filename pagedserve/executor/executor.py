@@ -9,8 +9,10 @@ Life cycle, driven by the engine core (`engine/core.py`), which never reaches pa
   5. `execute_model(SchedulerOutput) -> ModelRunnerOutput`, once per step;
   6. `shutdown()`.
 `UniProcExecutor` runs the ModelRunner in the core's process. Requests, outputs and
-configs are plain picklable messages, so an executor with worker processes (tensor
-parallelism over torch.distributed) implements the same calls.
+configs are plain picklable messages, so an executor with worker processes implements the
+same calls: `executor/distributed/multiproc_executor.py` (tensor parallelism over
+torch.distributed, one ModelRunner per rank; the engine core picks it for
+tensor_parallel_size > 1).
 """
 
 from __future__ import annotations
