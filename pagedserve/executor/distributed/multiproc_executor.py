@@ -74,6 +74,11 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig, device: str) -> None:
         tp = config.parallel.tensor_parallel_size
         check_divisible(model_config, tp)
+        spec_cfg = config.speculative
+        if spec_cfg is not None and spec_cfg.method != "ngram":  # a draft model is not sharded
+            raise NotImplementedError(
+                f"speculative method {spec_cfg.method!r} with tensor_parallel_size={tp}: only 'ngram' is supported"
+            )
         mc = config.model
         self.model_config = model_config
         self.world_size = tp
