@@ -161,12 +161,21 @@ def test_worker_killed_mid_generation_names_the_rank(checkpoint):
 
 @pytest.mark.slow
 def test_engine_core_process_with_tp2_and_clean_shutdown(checkpoint):
-    """The engine core in its own (daemon) process starts its ranks too; shutdown ends all."""
+    """The engine core in its own (daemon) process starts its ranks too; n-gram speculation
+    verifies its guesses on the sharded model (same greedy tokens); shutdown ends all."""
+    path = checkpoint("llama_tp")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": PROMPTS[1]}]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    one = _llm(path, 1)
+    ref = [o.outputs[0].token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
+    one.shutdown()
     before = _children()
-    llm = _llm(checkpoint("llama_tp"), 2, engine_core_process=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = _llm(path, 2, engine_core_process=True, speculative_config=spec)
     assert len(_children() - before) >= 3  # the core and its two ranks
-    out, _ = _run(llm, max_tokens=4)
-    assert all(len(o.token_ids) == 4 for o in out)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == ref
+    assert llm.get_stats().spec_num_draft_tokens > 0
     llm.shutdown()
     deadline = time.monotonic() + 10
     while _children() - before and time.monotonic() < deadline:
