@@ -131,19 +131,29 @@ class ObservabilityConfig:
 class SpeculativeConfig:
     """Speculative decoding, vLLM's names. method "ngram": prompt lookup of
     `num_speculative_tokens` guesses by matching the last `prompt_lookup_min..max` tokens.
-    Drafts are verified in one forward pass; greedy outputs are unchanged, sampled ones keep
-    their distribution. `max_batch_size`: no speculation in steps with more running
-    requests (verification costs real compute on a full batch)."""
+    method "draft_model": `model` (a local directory, GGUF file or "default"), a smaller
+    model with the target's vocabulary, guesses greedily. Drafts are verified in one forward
+    pass; greedy outputs are unchanged, sampled ones keep their distribution.
+    `max_batch_size`: no speculation in steps with more running requests (verification
+    costs real compute on a full batch)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     max_batch_size: int = 4
+    model: str | None = None  # the draft model (method "draft_model")
+
+    METHODS = ("ngram", "draft_model")
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative_config method must be 'ngram', got {self.method!r}.")
+        if self.method not in self.METHODS:
+            raise ValueError(f"speculative_config method must be one of {self.METHODS}, got {self.method!r}.")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config: 'model' (the draft model's path) is required with method "
+                "'draft_model' and only there."
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}."
@@ -157,10 +167,12 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
         if d is None:
             return None
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size", "model"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {sorted(unknown)}; supported: {sorted(known)}.")
+        if "model" in d and "method" not in d:  # vLLM infers the method from a draft model
+            d = {**d, "method": "draft_model"}
         return cls(**d)
 
 
@@ -176,3 +188,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+    def __post_init__(self) -> None:
+        s = self.speculative
+        if s is not None and s.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: method 'draft_model' runs with tensor_parallel_size=1 only "
+                "in this version ('ngram' works with any)."
+            )

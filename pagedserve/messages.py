@@ -30,6 +30,9 @@ class EngineCoreRequest:
     cache_salt: str | None = None
 
 
+DRAFT_PLACEHOLDER = -1  # a guess the executor's draft model fills in
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step.
@@ -53,6 +56,8 @@ class ScheduledRequest:
     output_token_ids: list[int] | None = None
     # Speculative decoding: the last len(draft_token_ids) of token_ids are guesses to
     # verify; the executor returns the accepted ones plus one more in spec_token_ids.
+    # DRAFT_PLACEHOLDER guesses (method "draft_model"): the executor's draft model makes
+    # them up in the step itself; their K/V slots are allocated like any others.
     draft_token_ids: list[int] | None = None
 
 

@@ -99,6 +99,97 @@ def llama(checkpoint):
     return checkpoint("llama")
 
 
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A different random model with the target's vocabulary (one layer, narrower)."""
+    from tests.checkpoints import build_checkpoint
+
+    return build_checkpoint(str(tmp_path_factory.mktemp("draft")), "llama", seed=5, num_hidden_layers=1, hidden_size=64, num_attention_heads=2, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def near_draft(llama, tmp_path_factory):
+    """The target with noise on its weights: it agrees with the target often, not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = str(tmp_path_factory.mktemp("near"))
+    shutil.copytree(llama, out, dirs_exist_ok=True)
+    path = f"{out}/model.safetensors"
+    g = torch.Generator().manual_seed(3)
+    weights = {k: v + 0.03 * torch.randn(v.shape, generator=g) for k, v in load_file(path).items()}
+    save_file(weights, path, metadata={"format": "pt"})
+    return out
+
+
+def _spec(method: str, llama: str, draft: str | None = None) -> dict:
+    if method == "ngram":
+        return SPEC
+    return {"method": "draft_model", "model": draft or llama, "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("own", [True, False], ids=["target-as-draft", "small-draft"])
+def test_greedy_tokens_identical_with_draft_model(llama, small_draft, n, own):
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = LLM(llama, num_kv_blocks=200, **KW).generate(_prompts(n), sp, use_tqdm=False)
+    spec = {**_spec("draft_model", llama, None if own else small_draft), "max_batch_size": 8}
+    llm = LLM(llama, num_kv_blocks=200, speculative_config=spec, **KW)
+    out = llm.generate(_prompts(n), sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
+    st = llm.get_stats()
+    assert st.spec_num_drafts > 0 and st.kv_blocks_used == 0
+    if own:  # the target guessing for itself: every guess is right
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+    else:
+        assert st.spec_num_accepted_tokens < st.spec_num_draft_tokens
+
+
+def test_draft_guesses_are_the_drafts_own_greedy_continuation(llama, near_draft, monkeypatch):
+    """The draft's K/V is kept incrementally (catch-up chunks, rollback past rejected
+    guesses, shared block tables): each step's guesses must equal what the draft model
+    says from scratch for the same sequence."""
+    from pagedserve.executor.draft_model import DraftModelProposer
+
+    seen = []
+    orig = DraftModelProposer._propose
+
+    def record(self, runner, todo):
+        guesses = orig(self, runner, todo)
+        for sr in todo:
+            st = runner.requests[sr.req_id]
+            seq = (st.prompt_token_ids + st.output_token_ids)[: sr.num_computed_tokens + 1]
+            seen.append((seq, guesses[sr.req_id]))
+        return guesses
+
+    monkeypatch.setattr(DraftModelProposer, "_propose", record)
+    spec = {**_spec("draft_model", llama, near_draft), "max_batch_size": 8}
+    llm = LLM(llama, num_kv_blocks=200, speculative_config=spec, **KW)
+    llm.generate(_prompts(3), SamplingParams(max_tokens=48, temperature=0, ignore_eos=True), use_tqdm=False)
+    st = llm.get_stats()
+    assert len(seen) >= 10 and 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens  # rollbacks happened
+    ref = LLM(near_draft, num_kv_blocks=200, **KW)
+    for seq, guesses in seen[:24]:
+        (out,) = ref.generate(
+            {"prompt_token_ids": seq}, SamplingParams(max_tokens=len(guesses), temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert out.outputs[0].token_ids == guesses
+
+
+def test_draft_model_config_errors(llama, tmp_path):
+    from tests.checkpoints import build_checkpoint
+
+    with pytest.raises(ValueError, match="model"):
+        LLM(llama, speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **KW)
+    other = build_checkpoint(str(tmp_path / "v500"), "llama", vocab_size=500)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(llama, speculative_config={"model": other, "num_speculative_tokens": 2}, **KW)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(llama, tensor_parallel_size=2, speculative_config={"model": llama}, **KW)
+
+
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_greedy_tokens_identical_with_ngram_speculation(llama, n):
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -114,7 +205,8 @@ def test_greedy_tokens_identical_with_ngram_speculation(llama, n):
     assert st.kv_blocks_used == 0 and st.num_running == 0
 
 
-def test_speculation_under_preemption_stops_and_max_tokens(llama):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_preemption_stops_and_max_tokens(llama, method):
     sps = [
         SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop=stop)
         for m, stop in [(30, None), (7, None), (40, None), (25, None), (30, None), (18, None)]
@@ -127,7 +219,8 @@ def test_speculation_under_preemption_stops_and_max_tokens(llama):
     sps = [SamplingParams(max_tokens=sp.max_tokens, temperature=0, ignore_eos=True, stop=s) for sp, s in zip(sps, stops)]
     base = base_llm.generate(_prompts(6), sps, use_tqdm=False)
     # a small cache: requests are preempted and recomputed while speculating
-    llm = LLM(llama, num_kv_blocks=14, block_size=8, speculative_config={**SPEC, "max_batch_size": 8}, **KW)
+    spec = {**_spec(method, llama), "max_batch_size": 8}
+    llm = LLM(llama, num_kv_blocks=14 if method == "ngram" else 10, block_size=8, speculative_config=spec, **KW)
     spec = llm.generate(_prompts(6), sps, use_tqdm=False)
     for a, b in zip(spec, base):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -138,8 +231,9 @@ def test_speculation_under_preemption_stops_and_max_tokens(llama):
     assert st.kv_blocks_used == 0
 
 
-def test_abort_mid_speculation_frees_blocks(llama):
-    llm = LLM(llama, num_kv_blocks=200, speculative_config=SPEC, **KW)
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_abort_mid_speculation_frees_blocks(llama, method):
+    llm = LLM(llama, num_kv_blocks=200, speculative_config=_spec(method, llama), **KW)
     eng = llm.engine
     eng.add_request("a", _prompts(1)[0], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     for _ in range(6):
@@ -154,21 +248,27 @@ def _chi2_crit(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
-def test_sampled_tokens_keep_their_distribution_with_speculation(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_keep_their_distribution_with_speculation(tmp_path, monkeypatch, method):
     """Temperature 1 with top-p: the token at each output position has the same
     distribution with and without speculation (a chi-square test of homogeneity). A random
     model's samples rarely repeat the prompt, so the proposer is made to guess every step
-    (any guesses must leave the distribution unchanged)."""
+    (any guesses must leave the distribution unchanged); the draft model is another random
+    model, so its greedy guesses are often rejected and the residual draws matter."""
     from pagedserve.engine.ngram_proposer import NgramProposer
     from tests.checkpoints import build_checkpoint
 
     monkeypatch.setattr(NgramProposer, "propose", lambda self, toks, k=None: list(toks[-1 : -(k or self.k) - 1 : -1]))
     model = build_checkpoint(str(tmp_path / "v32"), "llama", vocab_size=32)  # few tokens: counts per cell
+    draft = {**SPEC, "max_batch_size": 1024}
+    if method == "draft_model":
+        other = build_checkpoint(str(tmp_path / "d32"), "llama", seed=7, vocab_size=32)
+        draft = {"model": other, "num_speculative_tokens": 3, "max_batch_size": 1024}
     n, pos = 600, 3
     prompt = {"prompt_token_ids": [7, 8, 9, 10, 11] * 8}
     sp = SamplingParams(n=n, max_tokens=pos + 1, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
     runs = {}
-    for name, spec in (("base", None), ("spec", {**SPEC, "max_batch_size": 1024})):
+    for name, spec in (("base", None), ("spec", draft)):
         llm = LLM(model, num_kv_blocks=1500, max_num_seqs=640, speculative_config=spec, **KW)
         (out,) = llm.generate(prompt, sp, use_tqdm=False)
         runs[name] = [c.token_ids for c in out.outputs]

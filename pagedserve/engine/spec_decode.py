@@ -7,6 +7,9 @@ request: k halves after a step with no accepted guess (down to a pause of a few 
 k = 1) and doubles back after a step with every guess accepted; for the whole batch,
 the scheduler proposes only when at most `max_batch_size` requests run, because on a full
 batch verifying guesses costs real compute.
+
+Method "draft_model": the scheduler decides only how many guesses (k placeholders, whose
+slots it allocates); the executor's draft model fills them in during the step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from pagedserve.config import SpeculativeConfig
 from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.engine.request import Request
+from pagedserve.messages import DRAFT_PLACEHOLDER
 
 PAUSE_STEPS = 8  # steps without guesses after repeated misses at k = 1
 
@@ -23,7 +27,11 @@ class SpecDecodeState:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_batch_size = config.max_batch_size
-        self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = (
+            NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.method == "ngram"
+            else None  # draft_model: the executor guesses
+        )
         self.num_drafts = 0  # verification steps of one request
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -52,6 +60,8 @@ class SpecDecodeState:
         k = min(req.spec_k, room, req.max_tokens - req.num_output_tokens - 1)
         if k <= 0:
             return None
+        if self.proposer is None:
+            return [DRAFT_PLACEHOLDER] * k
         return self.proposer.propose(req.all_token_ids, k) or None
 
     def record(self, req: Request, k: int, accepted: int) -> None:

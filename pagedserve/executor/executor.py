@@ -65,6 +65,12 @@ class UniProcExecutor(Executor):
             enforce_eager=mc.enforce_eager,
             quantization=mc.quantization,
         )
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":
+            from pagedserve.executor.draft_model import DraftModelProposer
+
+            r = self.runner
+            r.drafter = DraftModelProposer(spec.model, model_config, r.dtype, r.device, r.backend)
         self.dtype_name = str(self.runner.dtype).removeprefix("torch.")
         self.device = str(self.runner.device)
 

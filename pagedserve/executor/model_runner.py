@@ -120,6 +120,8 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 16
+        # speculative method "draft_model": executor/draft_model.py, sharing the block tables
+        self.drafter = None
         self.vocab_size = model_config.vocab_size
 
     # -- KV cache -------------------------------------------------------------------
@@ -131,7 +133,8 @@ class ModelRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * block_size * self.num_kv_heads * c.head_dim * elem
+        draft = self.drafter.kv_bytes_per_block(block_size) if self.drafter is not None else 0
+        return 2 * c.num_hidden_layers * block_size * self.num_kv_heads * c.head_dim * elem + draft
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """K and V per layer: [num_blocks, block_size, kv_heads, head_dim], zeroed.
@@ -143,6 +146,8 @@ class ModelRunner:
         shape = (num_blocks, block_size, self.num_kv_heads, c.head_dim)
         self.block_size = block_size
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(c.num_hidden_layers)]
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks, block_size, self._zeros)
 
     @torch.inference_mode()
     def determine_available_kv_memory(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
@@ -205,6 +210,9 @@ class ModelRunner:
             self._generators.pop(rid, None)
         for rid in so.preempted_req_ids:
             self.requests.pop(rid, None)
+        if self.drafter is not None:
+            for rid in itertools.chain(so.finished_req_ids, so.preempted_req_ids):
+                self.drafter.forget(rid)
         for sr in so.scheduled:
             if sr.is_new:
                 params = sr.sampling_params
@@ -215,6 +223,8 @@ class ModelRunner:
                 self.requests[sr.req_id] = RequestState(
                     list(sr.prompt_token_ids), list(sr.output_token_ids), params, list(sr.block_ids), gen
                 )
+                if self.drafter is not None:
+                    self.drafter.forget(sr.req_id)
             elif sr.block_ids:
                 self.requests[sr.req_id].block_ids.extend(sr.block_ids)
 
@@ -238,7 +248,7 @@ class ModelRunner:
         max_blocks = int((seq_lens.max() + bs - 1) // bs)
         block_table = np.zeros((n, max_blocks), dtype=np.int64)
         for i, st in enumerate(states):
-            ids = st.block_ids
+            ids = st.block_ids[:max_blocks]  # a draft pass may see fewer positions than allocated
             block_table[i, : len(ids)] = ids
         slots = block_table[req_idx, positions // bs] * bs + positions % bs
         dev = self.device
@@ -264,6 +274,8 @@ class ModelRunner:
         self._update_states(so)
         if not so.scheduled:
             return ModelRunnerOutput(sampled_token_ids={})
+        if self.drafter is not None:  # the draft model's guesses for the placeholder slots
+            so = self.drafter.fill_drafts(self, so)
         inp = self.prepare_inputs(so)
         order, states, cu, dev = inp.order, inp.states, inp.cu, self.device
         rows = [i for i, sr in enumerate(order) if sr.sample and sr.draft_token_ids is None]
