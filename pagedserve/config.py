@@ -143,6 +143,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     max_batch_size: int = 4
     model: str | None = None  # the draft model (method "draft_model")
+    quantization: str | None = None  # the draft's weights: as for the target ("int8", "int4", ...)
 
     METHODS = ("ngram", "draft_model")
 
@@ -167,7 +168,7 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
         if d is None:
             return None
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size", "model", "quantization"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {sorted(unknown)}; supported: {sorted(known)}.")

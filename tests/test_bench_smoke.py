@@ -202,3 +202,14 @@ def test_spec_bench_smoke(checkpoint, capsys):
     (r,) = last_json(capsys)
     assert r["batch1"]["identical_outputs"] is True and r["batch1"]["plain_tok_s"] > 0
     assert r["load"]["ratio"] > 0
+
+
+def test_spec_bench_draft_model_smoke(checkpoint, capsys):
+    """--draft-layers 1: the target's first layer as its draft (a checkpoint of its own)."""
+    from pagedserve.bench import spec
+
+    spec.main(["--model", checkpoint("llama"), "--dtype", "float32", "--k", "2", "--max-tokens", "8",
+               "--method", "draft_model", "--draft-layers", "1", "--draft-quantization", "int8"])
+    (r,) = last_json(capsys)
+    assert r["method"] == "draft_model" and r["draft"]["quantization"] == "int8"
+    assert r["batch1"]["identical_outputs"] is True and r["batch1"]["drafts"] > 0

@@ -1,10 +1,15 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding, same model, same run.
 
     pagedserve bench spec [--model default] [--k 4] [--max-tokens 160] [--batch-load 64]
+        [--method ngram | draft_model [--draft-model PATH | --draft-layers N] [--draft-quantization int4]]
 
 Part 1, batch 1, input-grounded chat prompts (copy or lightly edit a given paragraph or
 function): decode tokens/s with and without speculation (greedy, so the outputs must be
 identical, which is checked), acceptance rate and mean accepted length (vLLM's meanings).
+Each prompt runs without, then with speculation, alternately, so a noisy machine hits both.
+--draft-layers N: the draft is the target's first N layers (and its embeddings, final norm
+and head), written as a checkpoint of its own: a self-speculative draft with the same
+tokenizer, for models that have no smaller sibling at hand.
 Part 2, --batch-load N random prompts at once: output throughput with speculation on over
 off (speculation switches itself off above max_batch_size running requests).
 """
@@ -36,21 +41,60 @@ TASKS = [
 ]
 
 
-def run_batch1(llm, prompts, max_tokens: int) -> dict:
+def run_batch1(llms: dict, prompts, max_tokens: int) -> dict:
+    """Decode speed of each engine in `llms` at batch 1, prompt by prompt, alternating."""
     from pagedserve import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0)
-    outs, decode_s, n_dec = [], 0.0, 0
+    res = {name: {"seconds": 0.0, "tokens": 0, "outs": []} for name in llms}
     for p in prompts:
-        llm.generate([p], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)  # prefill cached
-        t = time.perf_counter()
-        (o,) = llm.generate([p], sp, use_tqdm=False)
-        dt = time.perf_counter() - t
-        n = len(o.outputs[0].token_ids)
-        decode_s += dt
-        n_dec += n
-        outs.append(o.outputs[0].token_ids)
-    return {"tok_s": round(n_dec / decode_s, 2), "tokens": n_dec, "seconds": round(decode_s, 2), "outs": outs}
+        for name, llm in llms.items():
+            llm.generate([p], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)  # prefill cached
+            t = time.perf_counter()
+            (o,) = llm.generate([p], sp, use_tqdm=False)
+            r = res[name]
+            r["seconds"] += time.perf_counter() - t
+            r["tokens"] += len(o.outputs[0].token_ids)
+            r["outs"].append(o.outputs[0].token_ids)
+    for r in res.values():
+        r["tok_s"] = round(r["tokens"] / r["seconds"], 2)
+        r["seconds"] = round(r["seconds"], 2)
+    return res
+
+
+def truncated_draft(model: str, layers: int) -> str:
+    """A checkpoint of the target's first `layers` layers (float weights) in a temporary
+    directory; returns its path."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
+
+    src = resolve_model_path(model)
+    out = tempfile.mkdtemp(prefix=f"pagedserve-draft{layers}-")
+    for name in os.listdir(src):
+        if name.startswith("tokenizer") or name.endswith(".jinja") or name == "generation_config.json":
+            shutil.copy(os.path.join(src, name), out)
+    cfg = load_hf_config_dict(src)
+    if layers >= cfg["num_hidden_layers"]:
+        raise ValueError(f"--draft-layers must be below the target's {cfg['num_hidden_layers']} layers")
+    cfg["num_hidden_layers"] = layers
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    weights = {}
+    for fn in (n for n in os.listdir(src) if n.endswith(".safetensors")):
+        with safe_open(os.path.join(src, fn), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+                parts = key.split(".")
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                    continue
+                weights[key] = f.get_tensor(key).float().contiguous()
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,12 +105,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--batch-load", type=int, default=0, help="also N random prompts at once (0: skip)")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
+    ap.add_argument("--draft-model", default=None, help="the draft model (method draft_model)")
+    ap.add_argument("--draft-layers", type=int, default=0, help="draft = the target's first N layers")
+    ap.add_argument("--draft-quantization", default=None, help="the draft's weights: int8, int4 (default: float)")
     a = ap.parse_args(argv)
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.tokenizer import apply_chat_template
 
-    spec_cfg = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if a.method == "ngram":
+        spec_cfg = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    else:
+        draft = a.draft_model or (truncated_draft(a.model, a.draft_layers) if a.draft_layers else None)
+        if draft is None:
+            ap.error("--method draft_model needs --draft-model PATH or --draft-layers N")
+        spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": a.k}
+        if a.draft_quantization:
+            spec_cfg["quantization"] = a.draft_quantization
     base = LLM(a.model, dtype=a.dtype)
     spec = LLM(a.model, dtype=a.dtype, speculative_config=spec_cfg)
     tok = base.get_tokenizer()
@@ -75,13 +131,16 @@ def main(argv: list[str] | None = None) -> None:
         for t in TASKS
         for p in PARAGRAPHS
     ]
-    r_base = run_batch1(base, prompts, a.max_tokens)
-    r_spec = run_batch1(spec, prompts, a.max_tokens)
+    runs = run_batch1({"base": base, "spec": spec}, prompts, a.max_tokens)
+    r_base, r_spec = runs["base"], runs["spec"]
     st = spec.get_stats()
     result = {
         "bench": "spec",
         "model": a.model,
         "k": a.k,
+        "method": a.method,
+        "draft": {k: v for k, v in spec_cfg.items() if k in ("model", "quantization")} or None,
+        "draft_layers": a.draft_layers or None,
         "batch1": {
             "prompts": len(prompts),
             "plain_tok_s": r_base["tok_s"],

@@ -38,7 +38,9 @@ def has_placeholder_drafts(sr: ScheduledRequest) -> bool:
 
 
 class DraftModelProposer:
-    def __init__(self, model: str, target: ModelConfig, dtype: torch.dtype, device: torch.device, backend) -> None:
+    def __init__(
+        self, model: str, target: ModelConfig, dtype: torch.dtype, device: torch.device, backend, quantization=None
+    ) -> None:
         path = resolve_model_path(model)
         self.model_config = ModelConfig.from_hf_dict(load_hf_config_dict(path))
         if self.model_config.vocab_size != target.vocab_size:
@@ -47,7 +49,7 @@ class DraftModelProposer:
                 f"differs from the target's ({target.vocab_size}); a draft model must share the tokenizer."
             )
         self.dtype = dtype
-        self.model = build_model(path, self.model_config, dtype, device, backend)
+        self.model = build_model(path, self.model_config, dtype, device, backend, quantization=quantization)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.computed: dict[str, int] = {}
 

@@ -70,7 +70,7 @@ class UniProcExecutor(Executor):
             from pagedserve.executor.draft_model import DraftModelProposer
 
             r = self.runner
-            r.drafter = DraftModelProposer(spec.model, model_config, r.dtype, r.device, r.backend)
+            r.drafter = DraftModelProposer(spec.model, model_config, r.dtype, r.device, r.backend, spec.quantization)
         self.dtype_name = str(self.runner.dtype).removeprefix("torch.")
         self.device = str(self.runner.device)
 
