@@ -15,8 +15,8 @@ and readers walk the chunks in the same order, so every reader sees every messag
 
 Waiting spins (yielding the CPU) for `spin_s`, then sleeps with a doubling backoff up to
 1 ms, and 10 ms after a second without a message (an idle engine's ranks cost ~1% of a
-core each instead of ~3%, measured); `on_wait` runs about every `check_s` while waiting (liveness checks: it raises to
-stop waiting, e.g. when a reader process died).
+core each instead of ~3%, measured); `on_wait` runs about every `check_s` while waiting
+(liveness checks: it raises to stop waiting, e.g. when a reader process died).
 """
 
 from __future__ import annotations
