@@ -355,6 +355,15 @@ def test_unknown_fields_are_400_naming_them(server, client):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "frobnicate" and "'frobnicate'" in err["message"] and "'top_a'" in err["message"]
+    # null asks for nothing: accepted; the documented ignored fields are accepted on both endpoints
+    from pagedserve.server.protocol import IGNORED_FIELDS
+
+    ignored = {"frobnicate": None, **{f: None for f in IGNORED_FIELDS}, "user": "u", "store": True}
+    for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "hi"})):
+        r = httpx.post(
+            server.url + path, json={"model": MODEL, "max_tokens": 2, **body, **ignored}, timeout=60
+        )
+        assert r.status_code == 200, r.text
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"best_of": 3})
     assert_400(e, "best_of")
@@ -460,6 +469,7 @@ def test_tokenize_detokenize_round_trip(server, client):
     t = r.json()
     assert t["count"] == len(t["tokens"]) == len(t["token_strs"]) > 3 and t["max_model_len"] == 2048
     assert httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": text}
+    assert client.completions.create(model=MODEL, prompt=text, max_tokens=1).usage.prompt_tokens == t["count"]
     # messages are rendered exactly as the chat endpoint renders them
     m = httpx.post(server.url + "/tokenize", json={"messages": ASK}).json()
     assert m["token_strs"] is None

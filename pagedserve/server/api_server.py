@@ -295,8 +295,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--structured-outputs-disable-any-whitespace",
         action="store_true",
-        help="JSON constraints (response_format, forced tool calls...) allow no free whitespace "
-        "(small models can fill it forever); a request's structured_outputs may say otherwise",
+        help="JSON constraints (response_format, guided_json...) allow no free whitespace "
+        "(small models can fill it forever; forced tool calls never do); a request's "
+        "structured_outputs may say otherwise",
     )
     g.add_argument(
         "--keep-alive-on-engine-death",

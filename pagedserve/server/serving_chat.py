@@ -8,7 +8,8 @@ What a request asks of its output is settled before it is admitted:
   and answered as if it had no tools; "auto" shows the tools to the model (the chat
   template's own `tools=` support, else tool_calls.py's tools prompt) and parses its text
   with the server's --tool-call-parser; "required" and a named function are enforced with
-  a JSON schema (so they cannot be combined with another constraint) and parsed as such.
+  a JSON schema without free whitespace (so they cannot be combined with another
+  constraint, and a small model cannot fill whitespace until max_tokens) and parsed as such.
 
 finish_reason is "tool_calls" when "auto" or "required" produced calls and the model
 stopped by itself; a named function keeps "stop" (as OpenAI's API does). Streamed calls
@@ -173,8 +174,10 @@ class OpenAIServingChat:
                     f"enforced with its own constraint and cannot be combined with {found[0][0]}.",
                     found[0][0],
                 )
+            # arguments are read by programs: no free whitespace (which a small model can fill
+            # until max_tokens, leaving arguments that do not parse)
             so = forced_structured_outputs(plan.functions, plan.forced, plan.parallel)
-            so = dataclasses.replace(so, disable_any_whitespace=compact_json)
+            so = dataclasses.replace(so, disable_any_whitespace=True)
             validate_structured_outputs(so, "tools")
             return so
         if not found:
