@@ -368,6 +368,9 @@ def test_unknown_fields_are_400_naming_them(server, client):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"best_of": 3})
     assert_400(e, "best_of")
     with pytest.raises(openai.BadRequestError) as e:
+        chat(client, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert "continuous_usage_stats" in assert_400(e, "stream_options")["message"]
+    with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, suffix="!")
     assert_400(e, "suffix")
     for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):

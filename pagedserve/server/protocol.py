@@ -45,6 +45,8 @@ def _bad_string(obj, path: str, depth: int = 0) -> str | None:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # e.g. vLLM's continuous_usage_stats: a 400
+
     include_usage: bool = False
 
 
