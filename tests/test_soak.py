@@ -80,7 +80,7 @@ def test_verdict_names_each_failed_goal():
         "running_after": 0,
         "waiting_after": 0,
         "slowest_over_p99": 1.2,
-        "rss": {"total_mb": 1000.0},
+        "rss": {"total_mb": 1000.0, "server_mb": 400.0, "children_mb": 600.0},
     }
     cfg = SoakConfig("http://x", "m")
     rounds = [dict(good, round=i + 1) for i in range(3)]
@@ -88,10 +88,17 @@ def test_verdict_names_each_failed_goal():
     bad = [
         dict(good, round=1, status_5xx=2),
         dict(good, round=2, leaked_blocks=3, probes_ok="8/9"),
-        dict(good, round=3, slowest_over_p99=4.0, bad_inputs_ok=False, rss={"total_mb": 1030.0}),
+        dict(
+            good,
+            round=3,
+            slowest_over_p99=4.0,
+            bad_inputs_ok=False,
+            rss={"total_mb": 1030.0, "server_mb": 400.0, "children_mb": 630.0},
+        ),
     ]
     v = verdict(bad, cfg)
     assert not v["pass"]
     text = " | ".join(v["failures"])
     for needle in ("2 5xx", "not idle", "probes answered 8/9", "4.0x the p99", "bad inputs", "RSS grew 3.0%"):
         assert needle in text, (needle, text)
+    assert v["rss_growth_after_round2_server"] == 0 and v["rss_growth_after_round2_core"] == 0.05
