@@ -1,4 +1,11 @@
-"""OpenAI request bodies (with vLLM's extra sampling fields) and their mapping to SamplingParams."""
+"""OpenAI request bodies (with vLLM's extra sampling fields) and their mapping to SamplingParams.
+
+Bodies are strict: a field no model here declares is a 400 naming it (param = the first),
+so nothing a client asks for is silently dropped. The exceptions are IGNORED_FIELDS
+(OpenAI's platform bookkeeping, declared and unused) and unknown fields set to null. Output
+constraints come from response_format, structured_outputs or guided_* (one per request,
+`_Sampling.constraints`); tools are checked in tool_calls.py.
+"""
 
 from __future__ import annotations
 
