@@ -178,7 +178,7 @@ def run_local_worker(
     try:
         while True:
             msg = ring.dequeue(on_wait=parent_alive)
-            if relay is not None:
+            if relay is not None and rank == 0:  # other local ranks are not in the relay group
                 dist.broadcast_object_list([msg], src=0, group=relay)
             if msg[0] == SHUTDOWN:
                 break
