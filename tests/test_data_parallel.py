@@ -251,6 +251,14 @@ def test_a_dead_replica_fails_its_requests_the_other_finishes_health_503(server)
     assert llm.replicas.handles[1].process.exitcode is not None  # reaped
 
 
+def test_shutdown_stops_every_replica(server):
+    reps = server.async_llm.replicas
+    assert reps.handles[0].is_alive()
+    server.stop()  # (the fixture's teardown stops it again: a no-op)
+    assert not any(h.is_alive() for h in reps.handles)
+    assert all(h.process.exitcode is not None for h in reps.handles)
+
+
 # -- offline --------------------------------------------------------------------------------
 @pytest.mark.slow  # two more engine processes start (~25 s on a loaded 2-core machine)
 def test_offline_llm_with_two_replicas_matches_one_engine(model_dir, offline):

@@ -192,6 +192,8 @@ def _place_replica(config: EngineConfig, engine_index: int) -> None:
 
     dp = config.parallel.data_parallel_size
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // dp))
+    if engine_index > 0:  # the live view shows replica 0: the others keep no step records
+        config.observability.snapshot_interval_ms = 0
     mc, cc = config.model, config.cache
     on_gpu = mc.device in ("auto", "cuda") and config.parallel.tensor_parallel_size == 1
     if on_gpu and torch.cuda.is_available():
