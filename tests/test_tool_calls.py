@@ -96,7 +96,7 @@ HERMES = (
 
 def test_parse_hermes():
     content, calls = parse_tool_calls(HERMES, "hermes")
-    assert content == "Let me check."
+    assert content == "Let me check.\n"
     assert [(c.name, c.arguments) for c in calls] == [
         ("get_weather", '{"city": "Paris", "unit": "c"}'),
         ("get_time", "{}"),
@@ -151,7 +151,7 @@ def test_streaming_reassembles(parser, text, chunk):
     events += s.finish()
     content, calls = reassemble(events)
     want_content, want_calls = parse_tool_calls(text, parser)
-    assert content.strip() == (want_content or "").strip()
+    assert content == (want_content or "") or (want_content is None and not content.strip())
     assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in want_calls]
     assert [c["id"] for c in calls] == [c.id for c in s.calls]
 

@@ -211,8 +211,8 @@ def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, lis
         calls = [c for c in (_call_from_json(m.group(1).strip()) for m in _HERMES.finditer(text)) if c]
         if not calls:
             return text, []
-        content = text[: text.index("<tool_call>")].strip()
-        return content or None, calls
+        content = text[: text.index("<tool_call>")]  # as streamed (vLLM's hermes parser too)
+        return (content if content.strip() else None), calls
     if parser == "llama3_json":
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
