@@ -3,6 +3,7 @@ prompt prefix (engine/dp_router.py). Replica 1 is made slower than replica 0 (it
 after every step), so every end-to-end test also checks that a slow replica loses nothing."""
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -275,3 +276,33 @@ def test_offline_llm_with_two_replicas_matches_one_engine(model_dir, offline):
     finally:
         llm.shutdown()
     assert not any(h.is_alive() for h in reps.handles)
+
+
+@pytest.mark.slow  # two engine processes start
+def test_bench_dp_smoke(model_dir, tmp_path, capsys):
+    from pagedserve.bench import dp
+
+    out = tmp_path / "dp.json"
+    dp.main(
+        [
+            "--model",
+            model_dir,
+            "--dtype",
+            "float32",
+            "--groups",
+            "3",
+            "--per-group",
+            "3",
+            "--system-len",
+            "48",
+        ]
+        + ["--question-len", "5", "--output-len", "2", "--configs", "dp2-prefix", "--output-json", str(out)]
+    )
+    (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert r["config"] == "dp2-prefix" and r["requests"] == 9
+    assert r["hit_rate"] == r["ideal_hit_rate"] == round(3 * 2 * 48 / (9 * 53), 4)
+    assert (
+        sum(r["routed"].values()) == 9
+        and r["routed"].get("0/prefix", 0) + r["routed"].get("1/prefix", 0) == 6
+    )
+    assert json.loads(out.read_text())[0]["hit_rate"] == r["hit_rate"]
