@@ -92,7 +92,7 @@ class EngineReplicas:
         self.dead: list[str | None] = [None] * n
         self.holder: dict[str, int] = {}
         self.loads = [0] * n
-        slack = max(4, config.scheduler.max_num_seqs // 16)
+        slack = max(2, config.scheduler.max_num_seqs // 64)  # 4 with the default 256
         self.router = DPRouter(n, config.cache.block_size, par.dp_routing, balance_slack=slack)
         # (replica, reason: dp_router.PREFIX / LOAD / ROUND_ROBIN) -> requests routed
         self.routed: collections.Counter[tuple[int, str]] = collections.Counter()

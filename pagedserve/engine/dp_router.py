@@ -7,7 +7,10 @@ prefixes: its prefix cache most likely still holds them. A bounded LRU map
 `block hash -> replica`, updated on every routing decision, stands for the replicas'
 caches (the front end never asks them). No match, a prompt shorter than one block, or a
 matching replica that is more than `balance_slack` requests busier than the least loaded
-one: the least loaded replica (fewest requests in flight, ties broken in turn).
+one: the least loaded replica (fewest requests in flight, ties broken in turn). The slack
+is small on purpose: a split costs one prefill of the prefix on the other replica, after
+which both hold it, whereas a large slack would pin a single hot system prompt (every
+request of an application) to one replica.
 
 "round_robin": replica 0, 1, ..., M-1, 0, ... whatever the prompt (the baseline).
 
@@ -34,7 +37,7 @@ class DPRouter:
         *,
         max_prefix_blocks: int = 64,
         max_entries: int = 1 << 16,
-        balance_slack: int = 8,
+        balance_slack: int = 4,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
