@@ -60,7 +60,9 @@ class EngineArgs:
     seed: int = _arg(0, "random seed")
     load_format: str = _arg("auto", "auto: the checkpoint; dummy: random weights", ["auto", "dummy"])
     quantization: str | None = _arg(
-        None, "None: the checkpoint's own (GGUF types run packed); int8 | int4 weight-only; none: dequantize"
+        None,
+        "None: the checkpoint's own (GGUF types run packed); gguf_q8: packed, activations quantized "
+        "to int8 for decode (as llama.cpp; not float-exact); int8 | int4 weight-only; none: dequantize",
     )
     enforce_eager: bool = _arg(False, "GPU: no CUDA graphs")
     # -- KV cache ---------------------------------------------------------------------

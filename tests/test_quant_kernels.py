@@ -112,6 +112,34 @@ def test_gemm_matches_dequantized_matmul(isa, qtype, m):
             assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)  # only its columns
 
 
+def quantize_q8_reference(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's q8 activations, in float32 as the kernel computes them: per 32-element
+    block, scale max|x| / 127, quants round-half-even(x / scale); returns scale * quants."""
+    b = x.reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(b * inv) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 5, 9, 40])
+def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
+    """act_q8 ("gguf_q8"): the integer path (few rows) and the GEMM path (many rows) both equal
+    (q8-quantized x) @ dequantized w, up to float rounding; and stay near the float product."""
+    n, k = 37, 576
+    raw = random_packed(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    xq = quantize_q8_reference(x)
+    ref, mag = reference(xq, raw, qtype, k)
+    exact, _ = reference(x, raw, qtype, k)
+    out = torch.zeros(m, n)
+    kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 0, act_q8=True)
+    got = out.numpy()
+    assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-5), np.abs(got - ref).max()
+    rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+    assert 1e-4 < rel < 2e-2, rel  # quantized activations: close to, not equal to, the float product
+
+
 def test_isa_names_are_checked():
     mod = kernels.load()
     with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA"):

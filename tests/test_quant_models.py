@@ -116,6 +116,23 @@ def test_packed_gguf_matches_dequantized(checkpoint, kquant_checkpoint, tmp_path
     assert_same(run(path, None), run(path, "none"), 1e-4)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda t: t.name)
+def test_gguf_q8_activations_close_to_float_activations(checkpoint, tmp_path, monkeypatch, qtype):
+    """quantization="gguf_q8" (the named llama.cpp-style option): the same packed layers with
+    act_q8 set; logits within 5% of the largest logit of the float-activation path where the
+    inputs agree, and not equal to it (the option must change the arithmetic)."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(checkpoint("llama"), str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    ref, got = run(path, None), run(path, "gguf_q8")
+    worst = 0.0
+    for (rid, pos), la in ref[1].items():
+        if ref[0][rid][: pos + 1] == got[0][rid][: pos + 1]:
+            worst = max(worst, (la - got[1][(rid, pos)]).abs().max().item() / la.abs().max().item())
+    assert 0.0 < worst <= 0.05, worst
+    with pytest.raises(ValueError, match="GGUF"):
+        packed_modules(checkpoint("llama"), "gguf_q8")
+
+
 def test_packed_tied_embeddings(tmp_path, monkeypatch):
     # tied lm_head shares the packed embedding
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))

@@ -7,6 +7,10 @@ python -m pagedserve.bench.quant kernels [--rounds 20]
       torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu
 python -m pagedserve.bench.quant rss     [--model default] [--quantization ...]
       resident memory of an engine after start and one generation
+python -m pagedserve.bench.quant ppl     [--variants default,gguf_q8,none]
+      perplexity of the default GGUF on a public-domain text (the Gettysburg Address and the
+      opening of the Declaration of Independence), each quantization mode beside transformers
+      loading the same GGUF (the numerics contract: within 1%)
 """
 
 from __future__ import annotations
@@ -188,6 +192,67 @@ def cmd_demo(args) -> dict:
     }
 
 
+PUBLIC_DOMAIN_TEXT = (
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in "
+    "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great "
+    "civil war, testing whether that nation, or any nation so conceived and so dedicated, can long endure. We are "
+    "met on a great battle-field of that war. We have come to dedicate a portion of that field, as a final "
+    "resting place for those who here gave their lives that that nation might live. It is altogether fitting and "
+    "proper that we should do this. But, in a larger sense, we can not dedicate -- we can not consecrate -- we "
+    "can not hallow -- this ground. The brave men, living and dead, who struggled here, have consecrated it, far "
+    "above our poor power to add or detract. The world will little note, nor long remember what we say here, but "
+    "it can never forget what they did here. It is for us the living, rather, to be dedicated here to the "
+    "unfinished work which they who fought here have thus far so nobly advanced. It is rather for us to be here "
+    "dedicated to the great task remaining before us -- that from these honored dead we take increased devotion "
+    "to that cause for which they gave the last full measure of devotion -- that we here highly resolve that "
+    "these dead shall not have died in vain -- that this nation, under God, shall have a new birth of freedom -- "
+    "and that government of the people, by the people, for the people, shall not perish from the earth.\n\n"
+    "When in the Course of human events, it becomes necessary for one people to dissolve the political bands "
+    "which have connected them with another, and to assume among the powers of the earth, the separate and equal "
+    "station to which the Laws of Nature and of Nature's God entitle them, a decent respect to the opinions of "
+    "mankind requires that they should declare the causes which impel them to the separation. We hold these "
+    "truths to be self-evident, that all men are created equal, that they are endowed by their Creator with "
+    "certain unalienable Rights, that among these are Life, Liberty and the pursuit of Happiness."
+)
+
+
+def cmd_ppl(args) -> dict:
+    """Perplexity from prompt logprobs (pagedserve) and from one forward of transformers over
+    the same token ids; both models read the same GGUF file."""
+    import math
+    import os
+
+    import torch
+    import transformers
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.model_files import default_model_path
+
+    path = default_model_path() if args.model == "default" else args.model
+    out: dict = {"bench": "quant_ppl", "model": os.path.basename(path), "text": "gettysburg+declaration"}
+    ids = None
+    for v in [q.strip() for q in args.variants.split(",")]:
+        llm = LLM(path, dtype="float32", quantization=None if v == "default" else v, enable_prefix_caching=False)
+        if ids is None:
+            ids = llm.get_tokenizer().encode(PUBLIC_DOMAIN_TEXT)
+        (o,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        lps = [d[t].logprob for t, d in zip(ids[1:], o.prompt_logprobs[1:])]
+        out[f"ppl_{v}"] = round(math.exp(-sum(lps) / len(lps)), 4)
+        del llm
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1].float()
+    lp = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    ref = math.exp(-float(lp.mean()))
+    out["ppl_transformers"] = round(ref, 4)
+    out["tokens"] = len(ids)
+    for k in [k for k in out if k.startswith("ppl_") and k != "ppl_transformers"]:
+        out[k.replace("ppl_", "vs_transformers_")] = round(out[k] / ref, 4)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m pagedserve.bench.quant")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -208,8 +273,12 @@ def main(argv=None) -> None:
     r = sub.add_parser("rss")
     r.add_argument("--model", default="default")
     r.add_argument("--quantization", default="default")
+    q = sub.add_parser("ppl")
+    q.add_argument("--model", default="default", help="a GGUF file (transformers loads the same one)")
+    q.add_argument("--variants", default="default,gguf_q8,none")
     args = p.parse_args(argv)
-    out = {"tpot": cmd_tpot, "kernels": cmd_kernels, "rss": cmd_rss, "demo": cmd_demo}[args.cmd](args)
+    cmds = {"tpot": cmd_tpot, "kernels": cmd_kernels, "rss": cmd_rss, "demo": cmd_demo, "ppl": cmd_ppl}
+    out = cmds[args.cmd](args)
     print(json.dumps(out, indent=1))
 
 

@@ -72,10 +72,16 @@ def build_model(
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02)
-    elif quant == "gguf":
+    elif quant in ("gguf", "gguf_q8"):
         from pagedserve.executor.loader.gguf_loader import iterate_packed_model
 
         model.load_weights(iterate_packed_model(path))
+        if quant == "gguf_q8":
+            from pagedserve.executor.quant.layers import QuantLinear
+
+            for mod in model.modules():
+                if isinstance(mod, QuantLinear):
+                    mod.act_q8 = True
     else:
         model.load_weights(iterate_weights(path))
     if quant in ("int8", "int4"):

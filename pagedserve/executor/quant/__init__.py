@@ -6,12 +6,14 @@ QuantLinear / QuantEmbedding modules. See BENCHMARKS.md ("quant") for the measur
 
 from __future__ import annotations
 
-METHODS = ("none", "gguf", "int8", "int4")
+METHODS = ("none", "gguf", "gguf_q8", "int8", "int4")
 
 
 def resolve_quantization(quantization: str | None, model_dir: str, device, load_format: str = "auto") -> str:
     """What to run: "none" (float weights), "gguf" (a GGUF's own block types, packed), or
-    "int8" / "int4" (weight-only, quantized at load from float weights).
+    "int8" / "int4" (weight-only, quantized at load from float weights). "gguf_q8": as
+    "gguf", and the few-row products (decode) quantize activations to int8 blocks first, as
+    llama.cpp does (faster; not float-exact: a named option, never the default).
 
     None means: a GGUF file's own types on a CPU, float otherwise. "none" dequantizes a GGUF
     as before. The packed kernels are CPU kernels."""
@@ -26,11 +28,11 @@ def resolve_quantization(quantization: str | None, model_dir: str, device, load_
         if not (is_gguf and on_cpu and load_format == "auto"):
             return "none"
         return "gguf" if _kernels_usable() else "none"
-    if q == "gguf" and not is_gguf:
+    if q in ("gguf", "gguf_q8") and not is_gguf:
         raise ValueError("quantization='gguf' needs a GGUF model file")
     if q != "none" and not on_cpu:
         raise NotImplementedError(f"quantization={q!r} runs on the CPU only (device={device}).")
-    if q == "gguf" and load_format != "auto":
+    if q in ("gguf", "gguf_q8") and load_format != "auto":
         raise ValueError("quantization='gguf' loads the file's weights (load_format='auto')")
     return q
 

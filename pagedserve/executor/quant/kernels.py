@@ -78,8 +78,10 @@ def set_prefill_rows(m: int) -> int:
     return int(load().set_prefill_rows(int(m)))
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0) -> None:
-    load().gemm(x, w, int(qtype), out, int(col0))
+def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, act_q8: bool = False) -> None:
+    """out[:, col0:col0+N] = x @ dequant(w).T; act_q8: activations quantized to int8 blocks first
+    (Q4_0 / Q4_1 / Q8_0 with fewer rows than the prefill threshold; others ignore it)."""
+    load().gemm(x, w, int(qtype), out, int(col0), bool(act_q8))
 
 
 def dequant(w: torch.Tensor, qtype: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:

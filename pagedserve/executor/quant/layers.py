@@ -3,7 +3,8 @@
 A QuantLinear holds one or more row segments (a fused Q/K/V or gate/up projection is several
 checkpoint tensors; they are joined into one packed matrix when their types agree, else kept
 as segments that write their own output columns). Activations are float: x is cast to
-float32 for the kernel and the result back to the model dtype.
+float32 for the kernel and the result back to the model dtype; `act_q8` (quantization
+"gguf_q8") lets the kernel quantize them to int8 blocks for the few-row products.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class QuantLinear(nn.Module):
         self.bias = bias
         self._pending: list[PackedWeight | None] = [None] * len(parts)
         self.segments: list[tuple[int, torch.Tensor, int]] = []  # (qtype, data [n, rb], first column)
+        self.act_q8 = False
 
     def set_part(self, i: int, w: PackedWeight | torch.Tensor) -> None:
         if not isinstance(w, PackedWeight):  # a float part of a fused layer: run it as F32 rows
@@ -71,7 +73,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one C++ call: reshape, float32 activations, every segment, bias, back to x's dtype
         ws, types, cols, n = self._args
-        return self._op(x, ws, types, cols, n, self._bias)
+        return self._op(x, ws, types, cols, n, self._bias, self.act_q8)
 
     @property
     def packed_bytes(self) -> int:

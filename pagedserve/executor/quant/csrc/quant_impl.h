@@ -169,7 +169,7 @@ static deq_fn deq_for(int type) {
 
 
 // ---- dot products ------------------------------------------------------------------------
-#if QK_ISA == 1
+#if QK_ISA >= 1
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -481,5 +481,107 @@ static void gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
     case T_Q4_1: gemm_fused<T_Q4_1>(g, n0, n1); break;
     case T_Q8_0: gemm_fused<T_Q8_0>(g, n0, n1); break;
     default: gemm_generic(g, n0, n1); break;
+  }
+}
+
+// ---- activation-quantized products (the named option "gguf_q8", as llama.cpp's q8 dot products) ----
+// The activations were quantized per 32-element block to int8 (Q8A: scale xd = max|x| / 127,
+// quants xq, and xs = xd * sum(xq) for Q4_1's min term); each weight block's quants meet them in
+// integer multiply-adds, then acc += (d_w * xd) * dot + m_w * xs. Q4_0, Q4_1, Q8_0 only.
+template <int TYPE, int MT>
+static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+#if QK_ISA >= 1
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    __m256i w;  // the block's 32 quants as bytes, element order
+    if (TYPE == T_Q8_0) {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const bq8_0*>(blk)->qs));
+    } else {
+      const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+      w = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
+                           _mm256_set1_epi8(15));
+      if (TYPE == T_Q4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
+    }
+    // maddubs multiplies unsigned by signed bytes: signed weights lend their sign to x
+    const __m256i wu = TYPE == T_Q4_1 ? w : _mm256_sign_epi8(w, w);
+    const float dw = h2f(hdr[0]);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t r = (m0 + t) * nb + i;
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
+      if (TYPE != T_Q4_1) x = _mm256_sign_epi8(x, w);
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+#else
+  float acc[MT], accm[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = accm[t] = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    int8_t w[32];
+    if (TYPE == T_Q8_0) {
+      std::memcpy(w, reinterpret_cast<const bq8_0*>(blk)->qs, 32);
+    } else {
+      const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+      const int off = TYPE == T_Q4_0 ? 8 : 0;
+      for (int j = 0; j < 16; ++j) {
+        w[j] = (int8_t)((qs[j] & 15) - off);
+        w[j + 16] = (int8_t)((qs[j] >> 4) - off);
+      }
+    }
+    const float dw = h2f(hdr[0]);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t r = (m0 + t) * nb + i;
+      const int8_t* x = g.xq + r * 32;
+      int32_t s = 0;
+      for (int j = 0; j < 32; ++j) s += (int32_t)w[j] * (int32_t)x[j];
+      acc[t] += (float)s * (dw * g.xd[r]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
+#endif
+}
+
+template <int TYPE>
+static void gemm_q8(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= g.M; m0 += 4) gemm_q8_tile<TYPE, 4>(g, n, m0);
+    switch (g.M - m0) {
+      case 3: gemm_q8_tile<TYPE, 3>(g, n, m0); break;
+      case 2: gemm_q8_tile<TYPE, 2>(g, n, m0); break;
+      case 1: gemm_q8_tile<TYPE, 1>(g, n, m0); break;
+      default: break;
+    }
+  }
+}
+
+static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  switch (g.type) {
+    case T_Q4_0: gemm_q8<T_Q4_0>(g, n0, n1); break;
+    case T_Q4_1: gemm_q8<T_Q4_1>(g, n0, n1); break;
+    default: gemm_q8<T_Q8_0>(g, n0, n1); break;
   }
 }

@@ -12,11 +12,16 @@
 //     OpenMP (at::parallel_for) over output rows;
 //     many rows: the weight is dequantized in row tiles into a float matrix and multiplied with
 //     at::mm (the BLAS GEMM).
+//     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0, few rows): the activations are
+//     quantized to int8 per 32-element block first and meet the weights in integer
+//     multiply-adds, as llama.cpp's q8 dot products (faster, not float-exact).
 //   dequant(w, type, K, rows?) -> float [R, K]   (all rows, or the given row ids: embeddings)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -83,6 +88,16 @@ struct GemmArgs {
   const float* X;     // [M, K]
   const float* xsum;  // [M, K/32] block sums of X (Q4_1 only)
   float* out;         // already offset by col0
+};
+
+struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 weights)
+  int type;
+  const uint8_t* W;
+  int64_t rb, K, M, ldo;
+  const int8_t* xq;  // [M, K] activation quants, per 32-block
+  const float* xd;   // [M, K/32] their scales
+  const float* xs;   // [M, K/32] scale * sum(quants) (Q4_1's min term)
+  float* out;        // already offset by col0
 };
 
 namespace scalar {
@@ -310,6 +325,36 @@ static void isa_gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
   scalar::gemm_rows(g, n0, n1);
 }
 
+static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+#if QK_X86
+  switch (current_isa()) {
+    case ISA_AVX512: return avx512::gemm_q8_rows(g, n0, n1);
+    case ISA_AVX2: return avx2::gemm_q8_rows(g, n0, n1);
+    default: break;
+  }
+#endif
+  scalar::gemm_q8_rows(g, n0, n1);
+}
+
+// x [M, K] -> per 32-block int8 quants, scale max|x| / 127 and scale * sum(quants) (llama.cpp's q8_1)
+static void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / 32;
+  for (int64_t b = 0; b < M * nb; ++b) {
+    const float* v = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float dd = amax / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int8_t qq = (int8_t)std::nearbyint(v[j] * id);
+      q[b * 32 + j] = qq;
+      sum += qq;
+    }
+    d[b] = dd;
+    s[b] = dd * (float)sum;
+  }
+}
+
 static void isa_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, const int64_t* rows, int64_t r0,
                              int64_t r1, float* out) {
 #if QK_X86
@@ -374,7 +419,7 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
   return out;
 }
 
-void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0) {
+void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool act_q8) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -382,8 +427,21 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
   if (M == 0 || N == 0) return;
   const int64_t ldo = out.size(1);
+  const bool q8 = act_q8 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0);
   if (M >= g_prefill_rows) {
-    // many rows: dequantize tiles of output rows, then the BLAS GEMM
+    // many rows: dequantize tiles of output rows, then the BLAS GEMM (act_q8: over the
+    // activations as their int8 blocks stand for them, so every row count computes the same
+    // products as the integer path, up to float rounding)
+    if (q8) {
+      const int64_t nb = K / 32;
+      std::vector<int8_t> xq(M * K);
+      std::vector<float> xd(M * nb), xs(M * nb);
+      quantize_q8(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
+      torch::Tensor xr = torch::empty({M, K}, torch::kFloat);
+      float* p = xr.data_ptr<float>();
+      for (int64_t i = 0; i < M * K; ++i) p[i] = xd[i / 32] * (float)xq[i];
+      x = xr;
+    }
     // tiles of ~2 MB of float weights in a reused buffer (a fresh one per call page-faults)
     const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(512) << 10) / K));
     const int64_t rb = w.size(1);
@@ -398,6 +456,20 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
                        [&](int64_t r0, int64_t r1) { isa_dequant_rows((int)type, W, rb, K, nullptr, r0, r1, o); });
       out.narrow(1, col0 + t0, t1 - t0).copy_(at::mm(x, wf.t()));
     }
+    return;
+  }
+  if (q8) {
+    const int64_t nb = K / 32;
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> xd, xs;
+    xq.resize(M * K);
+    xd.resize(M * nb);
+    xs.resize(M * nb);
+    quantize_q8(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
+    GemmQ8Args g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, xq.data(), xd.data(), xs.data(),
+                 out.data_ptr<float>() + col0};
+    const int64_t grain = std::max<int64_t>(1, 65536 / K);
+    parallel_rows(N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_q8_rows(g, n0, n1); });
     return;
   }
   std::vector<float> xsum;
@@ -424,7 +496,8 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
 // layer): x [..., K] of any float dtype -> [..., N] of x's dtype; segments of packed rows
 // (one per run of equal types) write their own output columns; optional float bias.
 torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
-                      const std::vector<int64_t>& cols, int64_t N, c10::optional<torch::Tensor> bias) {
+                      const std::vector<int64_t>& cols, int64_t N, c10::optional<torch::Tensor> bias,
+                      bool act_q8) {
   TORCH_CHECK(ws.size() == types.size() && ws.size() == cols.size(), "segments");
   const bool flat = x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous();  // the common case
   torch::Tensor x2 = x;
@@ -434,7 +507,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   }
   torch::Tensor out = at::detail::empty_cpu({x2.size(0), N}, at::kFloat, c10::nullopt, c10::nullopt, c10::nullopt,
                                             c10::nullopt);
-  for (size_t i = 0; i < ws.size(); ++i) gemm(x2, ws[i], types[i], out, cols[i]);
+  for (size_t i = 0; i < ws.size(); ++i) gemm(x2, ws[i], types[i], out, cols[i], act_q8);
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   if (flat) return out;
   if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
@@ -444,8 +517,10 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "x @ packed.T (+ bias), all segments");
-  m.def("gemm", &gemm, "out[:, col0:col0+N] = x @ dequant(w).T (packed weights)");
+  m.def("qlinear", &qlinear, "x @ packed.T (+ bias), all segments", py::arg("x"), py::arg("ws"), py::arg("types"),
+        py::arg("cols"), py::arg("N"), py::arg("bias"), py::arg("act_q8") = false);
+  m.def("gemm", &gemm, "out[:, col0:col0+N] = x @ dequant(w).T (packed weights)", py::arg("x"), py::arg("w"),
+        py::arg("type"), py::arg("out"), py::arg("col0"), py::arg("act_q8") = false);
   m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
         py::arg("rows") = py::none());
   m.def("set_isa", &set_isa);
