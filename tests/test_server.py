@@ -471,11 +471,6 @@ def test_request_chat_templates_are_off_by_default(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="engine core (not the server): after ~2000 aborts at once the core's stats can keep "
-    "showing running>0 / kv_blocks_used>0 for >15 s while the front end has nothing in flight",
-)
 def test_list_prompt_is_aborted_as_a_whole_when_its_client_leaves(server):
     body = {"model": MODEL, "prompt": [f"prompt {i}" for i in range(2000)], **LONG}
     with pytest.raises(httpx.ReadTimeout):
@@ -485,7 +480,10 @@ def test_list_prompt_is_aborted_as_a_whole_when_its_client_leaves(server):
         assert time.time() - t0 < 3.0
         time.sleep(0.05)
     aborted = time.time() - t0
-    # the engine core then works through 2000 adds and aborts (slow on a loaded 2-core machine)
+    # the engine core then works through 2000 adds and aborts (slow on a loaded 2-core machine).
+    # Was an xfail (core stats non-zero for > 15 s); not reproduced in 6 runs at load average
+    # ~9 after the fault-isolation work (idle 0.4-2.0 s after the client left), so it is a
+    # plain check again.
     waited = wait_idle(server.url, within=15.0)
     print(
         f"2000-prompt list: all aborted by the front end {aborted:.2f} s, engine idle {waited:.2f} s after the client left"
