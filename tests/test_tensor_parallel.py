@@ -199,34 +199,45 @@ def test_worker_that_fails_to_load_reports_it(checkpoint, tmp_path):
 
 
 @pytest.mark.slow
-def test_remote_rank_over_loopback(checkpoint, monkeypatch):
-    """Rank 1 started by hand as on a second machine (torchrun's variables, no model flags),
-    rank 0 by the engine: same tokens as one process."""
+def test_remote_ranks_over_loopback(checkpoint, monkeypatch):
+    """TP=4 as on two machines: ranks 0-1 started by the engine, ranks 2-3 by hand (torchrun's
+    variables, no model flags) and reached through torch.distributed: TP=1's tokens. Four
+    ranks on the single-KV-head checkpoint: one q head each, the KV head replicated 4 times,
+    the vocabulary of 1001 padded to 4 x 251."""
     path = checkpoint("llama_tp")
     ref, _ = _run(one := _llm(path, 1), max_tokens=6)
     one.shutdown()
     port = str(29500 + os.getpid() % 1000)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK="1")
-    remote = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.executor.distributed.worker"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")
+    remotes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.executor.distributed.worker"],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r - 2)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (2, 3)
+    ]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", port)
-    monkeypatch.setenv("PAGEDSERVE_LOCAL_TP_RANKS", "1")
+    monkeypatch.setenv("PAGEDSERVE_LOCAL_TP_RANKS", "2")
+    monkeypatch.setenv("PAGEDSERVE_TP_CHECK_TOKENS", "1")
     try:
-        llm = _llm(path, 2)
-        assert len(llm.engine.core.engine_core.executor.pids) == 1
+        llm = _llm(path, 4)
+        assert len(llm.engine.core.engine_core.executor.pids) == 2
         out, _ = _run(llm, max_tokens=6)
         llm.shutdown()
-        assert remote.wait(30) == 0, remote.stdout.read()
+        for p in remotes:
+            assert p.wait(30) == 0, p.stdout.read()
     finally:
-        if remote.poll() is None:
-            remote.kill()
+        for p in remotes:
+            if p.poll() is None:
+                p.kill()
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    for o, r in zip(out, ref):
+        for a, b in zip(o.logprobs, r.logprobs):
+            _close(a, b)
 
 
 def test_shm_ring_messages_of_any_size_reach_every_reader():

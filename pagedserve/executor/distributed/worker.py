@@ -164,11 +164,10 @@ def run_local_worker(
         if spec.device.startswith("cuda"):
             torch.cuda.set_device(rank)  # before NCCL sees the process
         ps.init_tensor_parallel(rank, spec.world_size, spec.backend, master_addr, master_port)
-        if rank == 0 and spec.num_local < spec.world_size:
-            # the remote ranks learn the spec from rank 0 (they were started without flags)
-            dist.broadcast_object_list([spec], src=0, group=_bootstrap_group())
-        elif spec.num_local < spec.world_size:
-            _bootstrap_group()
+        if spec.num_local < spec.world_size:
+            # the remote ranks learn the spec from rank 0 (they were started without flags);
+            # a collective: every rank takes part
+            dist.broadcast_object_list([spec if rank == 0 else None], src=0, group=_bootstrap_group())
         worker, relay = _setup(spec, rank, rank)
         ring = ShmRing(*spec.ring[:3], name=spec.ring[3], reader=rank)
         conn.send(("ready", rank, worker.info()))
