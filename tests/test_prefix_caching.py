@@ -48,6 +48,25 @@ def test_preempted_request_reuses_its_cached_blocks(model_dir):
     assert s.num_preemptions > 0 and s.prefix_cache_hits > 0
 
 
+def test_prompt_logprobs_cover_every_position_after_a_cache_hit(model_dir):
+    """A request that wants prompt logprobs computes its whole prompt, cached or not (vLLM
+    skips the prefix cache for it): one entry per prompt position, equal to an uncached run."""
+    rng = random.Random(3)
+    prompt = {"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(40)]}
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=60)
+    llm.generate(prompt, greedy(2), use_tqdm=False)  # its blocks are now cached
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    (out,) = llm.generate(prompt, sp, use_tqdm=False)
+    (ref,) = LLM(model_dir, dtype="float32", num_kv_blocks=60, enable_prefix_caching=False).generate(
+        prompt, sp, use_tqdm=False
+    )
+    assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) == 40
+    for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert llm.get_stats().kv_blocks_used == 0
+
+
 def test_shared_system_prompt_is_computed_once(model_dir):
     rng = random.Random(2)
     system = [rng.randrange(3, 1000) for _ in range(600)]

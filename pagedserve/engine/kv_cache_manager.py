@@ -45,9 +45,11 @@ class KVCacheManager:
         """The longest chain of cached full blocks that prefixes the request's tokens.
 
         Never the whole sequence: at least its last token is recomputed, so that its
-        logits exist. Returns (blocks, number of tokens they hold); touches nothing.
+        logits exist. None for a request that wants prompt logprobs (as vLLM): a cached
+        position has no logits to give. Returns (blocks, number of tokens they hold);
+        touches nothing.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
