@@ -31,8 +31,10 @@ def test_greedy_matches_transformers_fp32(checkpoint, arch, enforce_eager):
     )
     for p, o in zip(prompts, outs):
         with torch.inference_mode():
+            ids = torch.tensor([p], device="cuda")
             ref = hf.generate(
-                torch.tensor([p], device="cuda"),
+                ids,
+                attention_mask=torch.ones_like(ids),  # token 0 is also pad_token_id: never masked
                 max_new_tokens=16,
                 do_sample=False,
                 eos_token_id=None,
