@@ -191,7 +191,8 @@ def _place_replica(config: EngineConfig, engine_index: int) -> None:
     import torch
 
     dp = config.parallel.data_parallel_size
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // dp))
+    threads = os.environ.get("PAGEDSERVE_NUM_THREADS")  # the operator's choice wins
+    torch.set_num_threads(int(threads) if threads else max(1, len(os.sched_getaffinity(0)) // dp))
     if engine_index > 0:  # the live view shows replica 0: the others keep no step records
         config.observability.snapshot_interval_ms = 0
     mc, cc = config.model, config.cache
