@@ -67,5 +67,5 @@ def test_short_queries_through_decode_kernel_match_sdpa(heads, kv_heads):
     meta2 = _mixed_meta(reqs, bs, nb, torch.Generator().manual_seed(heads))
     fast = TorchAttentionBackend(use_cpp_decode=True)
     out = fast.forward(q, k, v, kc0.clone(), vc0.clone(), meta2, d**-0.5)
-    assert meta2.backend_cache["short"] is not None  # the short requests took the kernel
+    assert meta2.backend_cache["short"][0] is not None  # the short requests took the kernel
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

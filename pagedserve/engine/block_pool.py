@@ -93,6 +93,20 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra
     return h.digest()
 
 
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra: str | None = None, limit: int | None = None
+) -> list[bytes]:
+    """Append to `hashes` (the chain of the first len(hashes) blocks) the hashes of the
+    further full blocks of `token_ids`, up to `limit` blocks in all; returns `hashes`."""
+    n = len(token_ids) // block_size
+    if limit is not None:
+        n = min(n, limit)
+    for i in range(len(hashes), n):
+        parent = hashes[i - 1] if i else None
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra))
+    return hashes
+
+
 class BlockPool:
     """`num_blocks` blocks; block 0 is the null block (padding), never handed out."""
 

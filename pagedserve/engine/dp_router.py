@@ -1,7 +1,7 @@
 """Data parallelism's router: which engine-core replica gets a request.
 
 "prefix" (the default): hash the prompt's first full blocks with the KV cache manager's
-own chained block hash (`block_pool.hash_block_tokens`, same block size, same cache
+own chained block hash (`block_pool.extend_block_hashes`, same block size, same cache
 salt), and send the request to the replica that was last sent the longest of those
 prefixes: its prefix cache most likely still holds them. A bounded LRU map
 `block hash -> replica`, updated on every routing decision, stands for the replicas'
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pagedserve.engine.block_pool import hash_block_tokens
+from pagedserve.engine.block_pool import extend_block_hashes
 
 PREFIX, LOAD, ROUND_ROBIN = "prefix", "load", "round_robin"  # why a request went where it went
 
@@ -55,11 +55,7 @@ class DPRouter:
     def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
         """The chained hashes of the first full blocks of `token_ids` (at most
         `max_prefix_blocks`), exactly as the KV cache manager computes them."""
-        bs, out, parent = self.block_size, [], None
-        for i in range(min(len(token_ids) // bs, self.max_prefix_blocks)):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], cache_salt)
-            out.append(parent)
-        return out
+        return extend_block_hashes([], token_ids, self.block_size, cache_salt, self.max_prefix_blocks)
 
     def route(self, token_ids: list[int], cache_salt: str | None, loads: list[int]) -> tuple[int, str]:
         """(replica, reason) for a prompt; `loads[i]`: requests in flight on replica i.

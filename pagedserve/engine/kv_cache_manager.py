@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedserve.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from pagedserve.engine.block_pool import BlockPool, KVBlock, extend_block_hashes
 from pagedserve.engine.request import Request
 
 _NO_BLOCKS: tuple[KVBlock, ...] = ()
@@ -36,10 +36,7 @@ class KVCacheManager:
     # -- prefix cache -----------------------------------------------------------
     def update_block_hashes(self, request: Request) -> None:
         """Extend `request.block_hashes` to every full block of its known tokens."""
-        bs, hashes, toks = self.block_size, request.block_hashes, request.all_token_ids
-        for i in range(len(hashes), len(toks) // bs):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, toks[i * bs : (i + 1) * bs], request.cache_salt))
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest chain of cached full blocks that prefixes the request's tokens.

@@ -88,33 +88,27 @@ class DraftModelProposer:
     def _propose(self, runner, todo: list[ScheduledRequest]) -> dict[str, list[int]]:
         ks = {sr.req_id: len(sr.draft_token_ids) for sr in todo}
         starts = {sr.req_id: sr.num_computed_tokens for sr in todo}
-        # 1) catch-up chunks through each request's last known token
+        # 1) catch-up chunks through each request's last known token (position start)
         chunks = []
         for sr in todo:
-            st = runner.requests[sr.req_id]
-            seq = st.prompt_token_ids + st.output_token_ids
-            start = sr.num_computed_tokens
+            st, start = runner.requests[sr.req_id], sr.num_computed_tokens
             done = min(self.computed.get(sr.req_id, 0), start)  # rejected guesses lie past start
-            chunks.append(ScheduledRequest(sr.req_id, seq[done : start + 1], done, [], True))
-        guesses = {sr.req_id: [] for sr in todo}
+            prompt, n_prompt = st.prompt_token_ids, len(st.prompt_token_ids)
+            toks = prompt[done : start + 1] + st.output_token_ids[max(0, done - n_prompt) : start + 1 - n_prompt]
+            chunks.append(ScheduledRequest(sr.req_id, toks, done, [], True))
+        guesses: dict[str, list[int]] = {sr.req_id: [] for sr in todo}
         last = self._forward_argmax(runner, chunks)
-        for j in range(1, max(ks.values()) + 1):
+        kmax = max(ks.values())
+        for j in range(1, kmax + 1):
             for rid, tok in last.items():
                 guesses[rid].append(tok)
-            if j == max(ks.values()):
+            if j == kmax:
                 break
             # 2) guess j at position start + j, for requests that want more than j guesses
-            step = [
-                ScheduledRequest(rid, [guesses[rid][-1]], starts[rid] + j, [], True)
-                for rid in guesses
-                if ks[rid] > j
-            ]
-            if not step:
-                break
+            step = [ScheduledRequest(rid, [g[-1]], starts[rid] + j, [], True) for rid, g in guesses.items() if ks[rid] > j]
             last = self._forward_argmax(runner, step)
         for rid, k in ks.items():
             self.computed[rid] = starts[rid] + k  # positions .. start + k - 1 written
-            guesses[rid] = guesses[rid][:k]
         return guesses
 
     def _forward_argmax(self, runner, reqs: list[ScheduledRequest]) -> dict[str, int]:

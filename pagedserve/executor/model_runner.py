@@ -331,7 +331,7 @@ class ModelRunner:
         # one logits pass for every guessed position of the step (weights read once)
         spans = [(int(cu[i + 1]) - len(order[i].draft_token_ids) - 1, int(cu[i + 1])) for i in spec_rows]
         idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(hidden.device)
-        all_logits = self.model.compute_logits(hidden[idx]).float()
+        all_logits = self.model.compute_logits(hidden[idx])  # float32
         offset = 0
         for i, (a, b) in zip(spec_rows, spans):
             sr, st = order[i], states[i]
@@ -352,17 +352,16 @@ class ModelRunner:
     def _target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         """[n, V] logits of one request -> its sampling distribution at each position
         (temperature, top-k, top-p, min-p; speculation is off for penalties)."""
-        from pagedserve.executor.sampler import apply_min_p, apply_top_k_top_p
+        from pagedserve.executor.sampler import sampling_probs
 
         n = logits.shape[0]
-        scaled = logits / p.temperature
-        if p.top_k > 0 or p.top_p < 1.0:
-            k = torch.full((n,), p.top_k, dtype=torch.int64) if p.top_k > 0 else None
-            top_p = torch.full((n,), p.top_p) if p.top_p < 1.0 else None
-            scaled = apply_top_k_top_p(scaled, k, top_p)
-        if p.min_p > 0:
-            scaled = apply_min_p(scaled, torch.full((n,), p.min_p))
-        return scaled.softmax(dim=-1)
+        return sampling_probs(
+            logits,
+            torch.full((n,), p.temperature),
+            torch.full((n,), p.top_k, dtype=torch.int64) if p.top_k > 0 else None,
+            torch.full((n,), p.top_p) if p.top_p < 1.0 else None,
+            torch.full((n,), p.min_p) if p.min_p > 0 else None,
+        )
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
         dev = self.device

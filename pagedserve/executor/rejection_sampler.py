@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import torch
 
-
-def _uniform(n: int, generator: torch.Generator | None, device) -> torch.Tensor:
-    return torch.rand(n, generator=generator, device=device)
+from pagedserve.executor.sampler import sample_from_probs
 
 
 def _sample(probs: torch.Tensor, u: torch.Tensor) -> int:
     """Inverse-CDF draw from one probability row with the uniform u."""
-    cdf = torch.cumsum(probs, dim=-1)
-    idx = int(torch.searchsorted(cdf, u.reshape(1) * cdf[-1]).item())
-    return min(idx, probs.shape[-1] - 1)
+    return int(sample_from_probs(probs[None], u.reshape(1)))
 
 
 def verify(
@@ -52,7 +48,7 @@ def verify(
         return out
     # one uniform for each acceptance test and one for the final draw: the same count per
     # request whatever is accepted, so a seeded stream stays aligned
-    u = _uniform(k + 1, generator, target_probs.device)
+    u = torch.rand(k + 1, generator=generator, device=target_probs.device)
     out = []
     for i, d in enumerate(draft_token_ids):
         p = target_probs[i]

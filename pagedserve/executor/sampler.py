@@ -118,6 +118,17 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k=None, top_p=None, min_p=None):
+    """The distribution a row samples from: softmax(logits / temperature [B] (> 0)) after
+    top-k / top-p and min-p (each [B] or None)."""
+    scaled = logits / temperature.unsqueeze(1)
+    if top_k is not None or top_p is not None:
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    if min_p is not None:
+        scaled = apply_min_p(scaled, min_p)
+    return scaled.softmax(dim=-1)
+
+
 class Sampler:
     """`seed` seeds the generator of rows that have no seed of their own."""
 
@@ -143,12 +154,9 @@ class Sampler:
         else:
             temp = b.temperature
             is_greedy = temp == 0
-            scaled = logits / torch.where(is_greedy, torch.ones_like(temp), temp).unsqueeze(1)
-            if b.top_k is not None or b.top_p is not None:
-                scaled = apply_top_k_top_p(scaled, b.top_k, b.top_p)
-            if b.min_p is not None:
-                scaled = apply_min_p(scaled, b.min_p)
-            probs = scaled.softmax(dim=-1)
+            probs = sampling_probs(
+                logits, torch.where(is_greedy, torch.ones_like(temp), temp), b.top_k, b.top_p, b.min_p
+            )
             u = uniform_draws(probs.shape[0], b.generators, probs.device, self.generator)
             random = sample_from_probs(probs, u)
             sampled = torch.where(is_greedy, greedy, random)

@@ -115,6 +115,15 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def stream_error_events(e: Exception, what: str) -> list[str]:
+    """A stream that failed mid-way: its OpenAI error event (none when the server is shutting
+    down), after logging an unexpected server error (`what` names the stream)."""
+    err = to_api_error(e)
+    if err.status >= 500 and not isinstance(e, APIError):
+        logger.exception("%s failed", what)
+    return [] if err.code == "shutting_down" else [sse(err.body())]
+
+
 MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf (a token masked by a constraint): JSON has no -inf
 
 
@@ -202,7 +211,6 @@ class AdmissionLimiter:
         self._shared = shared
         self._lock = shared.get_lock() if shared is not None else threading.Lock()
         self._count = 0
-        self.rejected = 0
 
     @property
     def in_flight(self) -> int:
@@ -212,8 +220,7 @@ class AdmissionLimiter:
         with self._lock:
             cur = self.in_flight
             if self.capacity is not None and cur + n > self.capacity:
-                self.rejected += 1
-                return False
+                return False  # counted by ServerMetrics.rejected("overloaded")
             self._set(cur + n)
             return True
 

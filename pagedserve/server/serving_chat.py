@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,11 +35,11 @@ from pagedserve.server.chat_template import render_request_template
 from pagedserve.server.protocol import ChatCompletionRequest
 from pagedserve.server.serving_base import (
     SSE_DONE,
-    APIError,
     RequestTracker,
     ServingContext,
     envelope,
     sse,
+    stream_error_events,
     to_api_error,
     usage,
 )
@@ -56,8 +55,6 @@ from pagedserve.server.tool_calls import (
     template_tools,
 )
 from pagedserve.structured_outputs.validate import validate_structured_outputs
-
-logger = logging.getLogger(__name__)
 
 
 def _template_text(tokenizer, messages: list[dict], add_generation_prompt: bool, tools) -> str:
@@ -363,11 +360,8 @@ class OpenAIServingChat:
                             }
                             yield chunk([choice])
             except Exception as e:  # noqa: BLE001 (shutdown, engine failure, a bug: end this stream cleanly)
-                err = to_api_error(e)
-                if err.status >= 500 and not isinstance(e, APIError):
-                    logger.exception("chat stream %s failed", rid)
-                if err.code != "shutting_down":
-                    yield sse(err.body())
+                for event in stream_error_events(e, f"chat stream {rid}"):
+                    yield event
                 for idx in range(n):
                     if idx not in finished:
                         delta = {} if idx in started else {"role": "assistant", "content": ""}

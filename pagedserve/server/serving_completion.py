@@ -3,7 +3,6 @@ validated before admission as in serving_chat.py)."""
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 
@@ -15,17 +14,15 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.server.protocol import CompletionRequest
 from pagedserve.server.serving_base import (
     SSE_DONE,
-    APIError,
     RequestTracker,
     ServingContext,
     envelope,
     sse,
+    stream_error_events,
     to_api_error,
     usage,
 )
 from pagedserve.structured_outputs.validate import validate_structured_outputs
-
-logger = logging.getLogger(__name__)
 
 
 class OpenAIServingCompletion:
@@ -144,11 +141,8 @@ class OpenAIServingCompletion:
                     if out.finished:
                         prompt_tokens += len(out.prompt_token_ids)
             except Exception as e:  # noqa: BLE001 (shutdown, engine failure, a bug: end this stream cleanly)
-                err = to_api_error(e)
-                if err.status >= 500 and not isinstance(e, APIError):
-                    logger.exception("completion stream %s failed", base)
-                if err.code != "shutting_down":
-                    yield sse(err.body())
+                for event in stream_error_events(e, f"completion stream {base}"):
+                    yield event
                 for idx in range(num_prompts * n):
                     if idx not in finished:
                         choice = {

@@ -243,7 +243,7 @@ def parse_forced(text: str, choice) -> list[ToolCall]:
     """The calls of an output made under forced_structured_outputs()."""
     if isinstance(choice, dict):
         return [ToolCall(choice["name"], text.strip())]
-    return _complete_items(text)
+    return _complete_items(text)[0]
 
 
 class ToolCallStreamer:
@@ -264,6 +264,7 @@ class ToolCallStreamer:
         self.sent_args = ""  # of the current call
         self.args_start = None
         self.calls: list[ToolCall] = []
+        self.items_pos: int | None = None  # "required": where the next array element starts
 
     def feed(self, delta: str) -> list[dict]:
         self.text += delta
@@ -365,11 +366,15 @@ class ToolCallStreamer:
                 self.sent_args += more
             self.calls[0].arguments = self.sent_args
             return events
-        calls = parse_forced(self.text, "required") if final else _complete_items(self.text)
-        for i in range(len(self.calls), len(calls)):
-            self.calls.append(calls[i])
-            events.append({"index": i, "id": calls[i].id, "name": calls[i].name, "arguments": ""})
-            events.append({"index": i, "arguments": calls[i].arguments})
+        if final:
+            new = parse_forced(self.text, "required")[len(self.calls) :]
+        else:
+            new, self.items_pos = _complete_items(self.text, self.items_pos)
+        for call in new:
+            i = len(self.calls)
+            self.calls.append(call)
+            events.append({"index": i, "id": call.id, "name": call.name, "arguments": ""})
+            events.append({"index": i, "arguments": call.arguments})
         return events
 
 
@@ -381,19 +386,23 @@ def _safe_end(text: str, start: int, tag: str) -> int:
     return len(text)
 
 
-def _complete_items(text: str) -> list[ToolCall]:
-    """The complete elements of a streamed JSON array of calls, so far."""
-    s = text.lstrip()
-    if not s.startswith("["):
-        return []
-    pos, calls = len(text) - len(s) + 1, []
+def _complete_items(text: str, pos: int | None = None) -> tuple[list[ToolCall], int | None]:
+    """The complete elements of a streamed JSON array of calls from offset `pos` (None: from
+    the opening "["), and the offset where the next element will start (None while the "["
+    has not come): a stream resumes there instead of parsing its finished calls again."""
+    if pos is None:
+        s = text.lstrip()
+        if not s.startswith("["):
+            return [], None
+        pos = len(text) - len(s) + 1
+    calls = []
     while True:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
         try:
             _, raw = _raw_value(text, pos)
         except ValueError:
-            return calls
+            return calls, pos
         pos += len(raw)
         call = _call_from_json(raw)
         if call is not None:

@@ -41,15 +41,19 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 SHORT_QUERY_MAX = 16
 
 
-def short_query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
-    """The non-decode requests with 2..SHORT_QUERY_MAX query tokens, as decode rows:
+def short_query_rows(
+    meta: AttentionMetadata,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, list[int]]:
+    """The non-decode requests with 2..SHORT_QUERY_MAX query tokens, as decode rows
     (token indices [R], their block-table rows [R, max_blocks], their causal context
-    lengths [R], the request indices). Token j of a request with q query tokens and
-    seq_len L sees L - q + 1 + j tokens. None when there are none."""
+    lengths [R]; None when there are none), and the other non-decode requests. Token j of a
+    request with q query tokens and seq_len L sees L - q + 1 + j tokens."""
     qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
-    reqs = [r for r in range(meta.num_decodes, meta.num_reqs) if qsl[r + 1] - qsl[r] <= SHORT_QUERY_MAX]
+    reqs, rest = [], []
+    for r in range(meta.num_decodes, meta.num_reqs):
+        (reqs if qsl[r + 1] - qsl[r] <= SHORT_QUERY_MAX else rest).append(r)
     if not reqs:
-        return None
+        return None, rest
     toks, rows, lens = [], [], []
     for r in reqs:
         q = qsl[r + 1] - qsl[r]
@@ -59,7 +63,7 @@ def short_query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tenso
     dev = meta.block_tables.device
     tok = torch.tensor(toks, dtype=torch.int64, device=dev)
     bt = meta.block_tables.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
-    return tok, bt, torch.tensor(lens, dtype=torch.int64, device=dev), reqs
+    return (tok, bt, torch.tensor(lens, dtype=torch.int64, device=dev)), rest
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -95,15 +99,12 @@ class TorchAttentionBackend(AttentionBackend):
         qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
         rest = range(nd, meta.num_reqs)
         if self._cpp is not None and q.device.type == "cpu" and meta.num_reqs > nd:
-            if "short" not in meta.backend_cache:
+            if "short" not in meta.backend_cache:  # once per step, for every layer
                 meta.backend_cache["short"] = short_query_rows(meta)
-            short = meta.backend_cache["short"]
+            short, rest = meta.backend_cache["short"]
             if short is not None:
-                tok, bt, lens, reqs = short
-                o = self._cpp.paged_decode(q.index_select(0, tok), k_cache, v_cache, bt, lens, scale)
-                out.index_copy_(0, tok, o)
-                done = set(reqs)
-                rest = [r for r in rest if r not in done]
+                tok, bt, lens = short
+                out.index_copy_(0, tok, self._cpp.paged_decode(q.index_select(0, tok), k_cache, v_cache, bt, lens, scale))
         for r in rest:
             s, e = qsl[r], qsl[r + 1]
             out[s:e] = self._prefill(

@@ -253,37 +253,6 @@ static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
   constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
   const int64_t nb = g.K / 32;
   const uint8_t* row = g.W + n * g.rb;
-  if constexpr (MT >= 5) {
-    // 5-8 rows (speculative verification, small batches): the block's quants are scaled by
-    // d once for all rows; each row's own accumulator is its independent FMA chain
-    __m256 acc[MT];
-    float accm[MT];
-    for (int t = 0; t < MT; ++t) {
-      acc[t] = _mm256_setzero_ps();
-      accm[t] = 0.f;
-    }
-    for (int64_t i = 0; i < nb; ++i) {
-      const uint8_t* blk = row + i * BB;
-      __m256 f[4];
-      unpack32<TYPE>(blk, f);
-      const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
-      const __m256 vd = _mm256_set1_ps(h2f(hdr[0]));
-      for (int j = 0; j < 4; ++j) f[j] = _mm256_mul_ps(f[j], vd);
-      for (int t = 0; t < MT; ++t) {
-        const float* x = g.X + (m0 + t) * g.K + i * 32;
-        acc[t] = _mm256_fmadd_ps(f[0], _mm256_loadu_ps(x), acc[t]);
-        acc[t] = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), acc[t]);
-        acc[t] = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), acc[t]);
-        acc[t] = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), acc[t]);
-      }
-      if (TYPE == T_Q4_1) {
-        const float mn = h2f(hdr[1]);
-        for (int t = 0; t < MT; ++t) accm[t] += mn * g.xsum[(m0 + t) * nb + i];
-      }
-    }
-    for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
-    return;
-  }
   __m256 acc[MT];
   float accm[MT];
   for (int t = 0; t < MT; ++t) {
@@ -296,13 +265,21 @@ static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
     unpack32<TYPE>(blk, f);
     const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
     const __m256 vd = _mm256_set1_ps(h2f(hdr[0]));
+    // 5-8 rows (speculative verification, small batches): the quants are scaled by d once
+    // for all rows, and each row's own accumulator is its independent FMA chain
+    if constexpr (MT >= 5)
+      for (int j = 0; j < 4; ++j) f[j] = _mm256_mul_ps(f[j], vd);
     for (int t = 0; t < MT; ++t) {
       const float* x = g.X + (m0 + t) * g.K + i * 32;
-      __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
-      s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), s);
-      s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), s);
-      s = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), s);
-      acc[t] = _mm256_fmadd_ps(s, vd, acc[t]);
+      if constexpr (MT >= 5) {
+        for (int j = 0; j < 4; ++j) acc[t] = _mm256_fmadd_ps(f[j], _mm256_loadu_ps(x + 8 * j), acc[t]);
+      } else {
+        __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+        s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), s);
+        s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), s);
+        s = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), s);
+        acc[t] = _mm256_fmadd_ps(s, vd, acc[t]);
+      }
     }
     if (TYPE == T_Q4_1) {
       const float mn = h2f(hdr[1]);
@@ -402,26 +379,32 @@ static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
 }
 #endif
 
+// The activation rows in tiles: of 4, or one tile of 5-8 rows. `tile(MT, m0)` gets MT as a
+// compile-time constant (std::integral_constant).
+template <typename F>
+static inline void row_tiles(int64_t M, F&& tile) {
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t left = M - m0, r = left <= 8 && left >= 5 ? left : std::min<int64_t>(4, left);
+    switch (r) {
+      case 8: tile(std::integral_constant<int, 8>{}, m0); break;
+      case 7: tile(std::integral_constant<int, 7>{}, m0); break;
+      case 6: tile(std::integral_constant<int, 6>{}, m0); break;
+      case 5: tile(std::integral_constant<int, 5>{}, m0); break;
+      case 4: tile(std::integral_constant<int, 4>{}, m0); break;
+      case 3: tile(std::integral_constant<int, 3>{}, m0); break;
+      case 2: tile(std::integral_constant<int, 2>{}, m0); break;
+      default: tile(std::integral_constant<int, 1>{}, m0); break;
+    }
+    m0 += r;
+  }
+}
+
 template <int TYPE>
 static void gemm_fused(const GemmArgs& g, int64_t n0, int64_t n1) {
-  // one output row at a time, all activation rows for it (tiles of 4, or one tile of 5-8
-  // rows): the packed row is read from memory once per call and stays in L1 for every tile
-  for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t m0 = 0; m0 < g.M;) {
-      const int64_t left = g.M - m0, r = left <= 8 && left >= 5 ? left : std::min<int64_t>(4, left);
-      switch (r) {
-        case 8: gemm_fused_tile<TYPE, 8>(g, n, m0); break;
-        case 7: gemm_fused_tile<TYPE, 7>(g, n, m0); break;
-        case 6: gemm_fused_tile<TYPE, 6>(g, n, m0); break;
-        case 5: gemm_fused_tile<TYPE, 5>(g, n, m0); break;
-        case 4: gemm_fused_tile<TYPE, 4>(g, n, m0); break;
-        case 3: gemm_fused_tile<TYPE, 3>(g, n, m0); break;
-        case 2: gemm_fused_tile<TYPE, 2>(g, n, m0); break;
-        default: gemm_fused_tile<TYPE, 1>(g, n, m0); break;
-      }
-      m0 += r;
-    }
-  }
+  // one output row at a time, all activation rows for it: the packed row is read from
+  // memory once per call and stays in L1 for every tile
+  for (int64_t n = n0; n < n1; ++n)
+    row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_fused_tile<TYPE, decltype(mt)::value>(g, n, m0); });
 }
 
 #if QK_ISA >= 1
@@ -566,16 +549,8 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
 
 template <int TYPE>
 static void gemm_q8(const GemmQ8Args& g, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= g.M; m0 += 4) gemm_q8_tile<TYPE, 4>(g, n, m0);
-    switch (g.M - m0) {
-      case 3: gemm_q8_tile<TYPE, 3>(g, n, m0); break;
-      case 2: gemm_q8_tile<TYPE, 2>(g, n, m0); break;
-      case 1: gemm_q8_tile<TYPE, 1>(g, n, m0); break;
-      default: break;
-    }
-  }
+  for (int64_t n = n0; n < n1; ++n)
+    row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile<TYPE, decltype(mt)::value>(g, n, m0); });
 }
 
 static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
