@@ -144,12 +144,17 @@ namespace avx512 {
 #endif  // QK_X86
 
 // ---- a small thread pool that never waits for a thread that has not started ------------------
-// at::parallel_for (OpenMP) ends every region at a barrier: on a busy machine a worker that is
-// not scheduled in time stalls the whole step by a scheduler time slice (measured: 1-thread
-// 0.08 ms vs 2-thread 8-12 ms medians on a shared 2-core box). Here work is split into chunks
-// claimed from an atomic counter tagged with the job's generation; the calling thread takes
-// chunks too and waits only for chunks another thread has actually claimed. Workers spin a
-// little after a job (the next layer's call comes within microseconds), then sleep.
+// Off by default (PAGEDSERVE_QUANT_POOL=1 or set_use_pool(True) turns it on): the kernels run
+// on OpenMP's team through at::parallel_for, the team every other op of the step (BLAS,
+// attention, norms) uses. A second team beside it cost more than it saved: each team's idle
+// threads spin after their job and take the cores the other team needs (measured: n-gram
+// speculation at batch 1 1.19x with the pool vs 1.48x without, 4-row decode 25 vs 20 ms,
+// batch 1 the same within noise through the server).
+// Why it exists: at::parallel_for ends every region at a barrier, so on a busy machine a
+// worker that is not scheduled in time stalls the step by a scheduler time slice. Here work
+// is split into chunks claimed from an atomic counter tagged with the job's generation; the
+// calling thread takes chunks too and waits only for chunks another thread has actually
+// claimed. Workers spin a little after a job, then sleep.
 class Pool {
  public:
   template <typename F>
@@ -257,7 +262,7 @@ static Pool& pool() {
   });
   return *g_pool;
 }
-static bool g_use_pool = true;
+static bool g_use_pool = false;
 
 template <typename F>
 static void parallel_rows(int64_t n, int64_t grain, F&& f) {
