@@ -87,8 +87,12 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == meta.num_reqs and self._cpp is not None and q.device.type == "cpu":
+            # a decode-only step (batch-1 latency): the kernel's output is the answer, no
+            # scratch tensor, slices or copy into it per layer
+            return self._cpp.paged_decode(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        out = torch.empty_like(q)
         if nd:
             if self._cpp is not None and q.device.type == "cpu":
                 out[:nd] = self._cpp.paged_decode(
