@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, help="the target's (both engines'), e.g. gguf_q8")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--batch-load", type=int, default=0, help="also N random prompts at once (0: skip)")
@@ -123,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": a.k}
         if a.draft_quantization:
             spec_cfg["quantization"] = a.draft_quantization
-    base = LLM(a.model, dtype=a.dtype)
-    spec = LLM(a.model, dtype=a.dtype, speculative_config=spec_cfg)
+    base = LLM(a.model, dtype=a.dtype, quantization=a.quantization)
+    spec = LLM(a.model, dtype=a.dtype, quantization=a.quantization, speculative_config=spec_cfg)
     tok = base.get_tokenizer()
     prompts = [
         {"prompt_token_ids": apply_chat_template(tok, [{"role": "user", "content": t.format(p=p)}])}
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": a.model,
         "k": a.k,
         "method": a.method,
+        "quantization": a.quantization,
         "draft": {k: v for k, v in spec_cfg.items() if k in ("model", "quantization")} or None,
         "draft_layers": a.draft_layers or None,
         "batch1": {
