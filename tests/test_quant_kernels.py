@@ -150,28 +150,3 @@ def test_isa_names_are_checked():
                 kernels._set(mod, name)
     assert "scalar" in kernels.available_isas() and kernels.current_isa() in kernels.available_isas()
 
-
-@pytest.mark.parametrize("m", [1, 5, 64])
-def test_own_pool_and_openmp_team_compute_the_same(m):
-    """Both thread teams (PAGEDSERVE_QUANT_POOL=1: the kernels' own pool; default: OpenMP's)
-    split the output rows and give bit-identical results."""
-    n, k, qtype = 1000, 576, Q.Q4_1
-    w = torch.from_numpy(random_packed(qtype, n, k, seed=7))
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    mod = kernels.load()
-    prev = mod.set_use_pool(True)
-    try:
-        outs = []
-        for pool in (True, False):
-            mod.set_use_pool(pool)
-            out = torch.empty(m, n)
-            kernels.gemm(x, w, int(qtype), out)
-            outs.append(out)
-    finally:
-        mod.set_use_pool(prev)
-        torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
-    ref, mag = reference(x, w.numpy(), qtype, k)
-    assert np.all(np.abs(outs[1].numpy() - ref) <= 2e-6 * mag + 1e-6)

@@ -128,21 +128,3 @@ def test_logprobs_and_ranks_are_of_the_raw_distribution():
     assert out.sampled_ranks[0].item() == int((raw > raw[tok]).sum()) + 1
     assert out.topk_ids[0].tolist() == [1, 2]
 
-
-def test_small_batches_sample_on_one_thread_and_restore_the_count():
-    from pagedserve.executor.model_runner import SERIAL_SAMPLING_MAX_ROWS, serial_sampling
-
-    cpu = torch.device("cpu")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with serial_sampling(cpu, 1):
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
-        with serial_sampling(cpu, SERIAL_SAMPLING_MAX_ROWS + 1):
-            assert torch.get_num_threads() == 2  # a large batch keeps its threads
-        with pytest.raises(RuntimeError), serial_sampling(cpu, 4):
-            raise RuntimeError("sampling failed")
-        assert torch.get_num_threads() == 2  # restored on the way out of an error too
-    finally:
-        torch.set_num_threads(before)

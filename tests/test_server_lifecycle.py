@@ -30,14 +30,20 @@ MAX_QUEUE = 8
 def guarded(checkpoint):
     """--api-key, --max-queue 8, max_num_seqs 4, a 1 s header timeout, request chat
     templates trusted."""
-    s = Server(
-        checkpoint("llama"),
-        engine_kw={"max_num_seqs": MAX_NUM_SEQS},
-        header_timeout=1.0,
-        api_key=KEY,
-        max_queue=MAX_QUEUE,
-        trust_request_chat_template=True,
-    )
+    # +3 ms a step: the 2-layer model decodes a 2000-token stream in ~2-3 s otherwise, about the
+    # drain test's window, and its long streams must still be running when the window ends
+    os.environ["PAGEDSERVE_TEST_SLOW_ENGINE"] = "0:0.003"
+    try:
+        s = Server(
+            checkpoint("llama"),
+            engine_kw={"max_num_seqs": MAX_NUM_SEQS},
+            header_timeout=1.0,
+            api_key=KEY,
+            max_queue=MAX_QUEUE,
+            trust_request_chat_template=True,
+        )
+    finally:
+        del os.environ["PAGEDSERVE_TEST_SLOW_ENGINE"]
     yield s
     s.stop()
 

@@ -7,7 +7,6 @@ only its new token and new block ids to send.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -34,27 +33,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30  # committed lazily: RSS grows only as blocks fill
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# Sampling a step of at most this many rows runs on one intra-op thread (CPU): over one
-# vocabulary row a parallel softmax or cumsum saves nothing, but it wakes OpenMP's team,
-# whose threads then spin for a while and take a core from the next forward's GEMM workers
-# (measured at batch 1, temperature 1: a decode step 18-21 ms -> 13-15 ms).
-SERIAL_SAMPLING_MAX_ROWS = 16
-
-
-@contextlib.contextmanager
-def serial_sampling(device: torch.device, rows: int):
-    """One intra-op thread inside (CPU, at most SERIAL_SAMPLING_MAX_ROWS rows); restored after."""
-    if device.type != "cpu" or rows > SERIAL_SAMPLING_MAX_ROWS or torch.get_num_threads() == 1:
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -326,12 +304,6 @@ class ModelRunner:
         else:
             last = hidden[torch.from_numpy(cu[1:][rows] - 1).to(dev)]
         logits = self.model.compute_logits(last)
-        with serial_sampling(dev, len(rows)):
-            self._sample(logits, rows, order, sample_states, batch, plain_greedy, so, out)
-        return out
-
-    def _sample(self, logits, rows, order, sample_states, batch, plain_greedy, so, out: ModelRunnerOutput) -> None:
-        """Constraints, then one token per sampling row into `out` (and its logprobs)."""
         if so.grammar_bitmask is not None:  # structured outputs: only legal next tokens
             apply_structured_output_bitmask(logits, [order[i].req_id for i in rows], so)
         apply_token_constraints(logits, sample_states)  # logit_bias, allowed_token_ids, bad_words
@@ -347,6 +319,7 @@ class ModelRunner:
             sample_states[j].output_token_ids.append(sampled[j])
         if res is not None and res.sampled_logprobs is not None:
             self._collect_logprobs(order, rows, sample_states, res, out)
+        return out
 
     def _verify_drafts(self, order, states, cu, hidden, spec_rows, out: ModelRunnerOutput) -> None:
         """Speculative requests: logits at the last token and at each of the k guesses (one

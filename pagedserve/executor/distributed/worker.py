@@ -195,7 +195,7 @@ def run_local_worker(
 
 def _exit_now(code: int) -> None:
     """Leave without the interpreter's finalization (it takes seconds after torch and the
-    kernels' thread pools; there is nothing left to save)."""
+    OpenMP thread team; there is nothing left to save)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -147,7 +147,7 @@ class MLP(nn.Module):
             out = self.down_proj.forward(kern.silu_and_mul(gu))
         else:
             gate, up = gu.chunk(2, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+            out = self.down_proj.forward(F.silu(gate) * up)
         return tp_all_reduce(out) if self.tp_size > 1 else out
 
 

@@ -44,9 +44,6 @@ def load():
     isa = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower()
     if isa and isa != "auto":
         _set(mod, isa)
-    pool = os.environ.get("PAGEDSERVE_QUANT_POOL", "").strip()
-    if pool:  # A/B measurements: 1 = the kernels' own thread pool, 0 = OpenMP's team
-        mod.set_use_pool(pool == "1")
     return mod
 
 

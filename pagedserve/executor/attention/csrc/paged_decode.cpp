@@ -25,8 +25,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
   // are contiguous in the cache ([.., kvh, d]), so each job streams through memory in order.
   const int64_t g = h / kvh;
   // Rows per task: at least ~1M multiply-adds each. Small steps (a decode at batch 1, a few
-  // speculative rows) run inline: waking OpenMP's team costs more than they do, and its
-  // spinning threads would then compete with the packed-GEMM pool's for the same cores.
+  // speculative rows) run inline: waking OpenMP's team costs more than they do.
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) total += seq_lens[i];
   const int64_t per_row = std::max<int64_t>(1, total / std::max<int64_t>(n, 1)) * h * d * 2;

@@ -168,6 +168,22 @@ static deq_fn deq_for(int type) {
 }
 
 
+// The 32 quants of a Q4_0 / Q4_1 / Q8_0 block, in element order, as T (float or int8_t);
+// Q4_0's are centred (-8): the scalar kernels' unpacking, float or integer products alike.
+template <int TYPE, typename T>
+static inline void quants32(const uint8_t* blk, T* q) {
+  if (TYPE == T_Q8_0) {
+    for (int j = 0; j < 32; ++j) q[j] = (T)reinterpret_cast<const bq8_0*>(blk)->qs[j];
+  } else {
+    const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+    const int off = TYPE == T_Q4_0 ? 8 : 0;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (T)((int)(qs[j] & 15) - off);
+      q[j + 16] = (T)((int)(qs[j] >> 4) - off);
+    }
+  }
+}
+
 // ---- dot products ------------------------------------------------------------------------
 #if QK_ISA >= 1
 static inline float hsum8(__m256 v) {
@@ -352,16 +368,7 @@ static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* blk = row + i * BB;
     float q[32];
-    if (TYPE == T_Q8_0) {
-      for (int j = 0; j < 32; ++j) q[j] = (float)reinterpret_cast<const bq8_0*>(blk)->qs[j];
-    } else {
-      const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
-      const int off = TYPE == T_Q4_0 ? 8 : 0;
-      for (int j = 0; j < 16; ++j) {
-        q[j] = (float)((int)(qs[j] & 15) - off);
-        q[j + 16] = (float)((int)(qs[j] >> 4) - off);
-      }
-    }
+    quants32<TYPE>(blk, q);
     const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
     const float d = h2f(hdr[0]);
     for (int t = 0; t < MT; ++t) {
@@ -520,16 +527,7 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
     const uint8_t* blk = row + i * BB;
     const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
     int8_t w[32];
-    if (TYPE == T_Q8_0) {
-      std::memcpy(w, reinterpret_cast<const bq8_0*>(blk)->qs, 32);
-    } else {
-      const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
-      const int off = TYPE == T_Q4_0 ? 8 : 0;
-      for (int j = 0; j < 16; ++j) {
-        w[j] = (int8_t)((qs[j] & 15) - off);
-        w[j + 16] = (int8_t)((qs[j] >> 4) - off);
-      }
-    }
+    quants32<TYPE>(blk, w);
     const float dw = h2f(hdr[0]);
     for (int t = 0; t < MT; ++t) {
       const int64_t r = (m0 + t) * nb + i;

@@ -20,17 +20,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <mutex>
-#include <thread>
 #include <type_traits>
-
-#include <pthread.h>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -143,142 +136,12 @@ namespace avx512 {
 #endif
 #endif  // QK_X86
 
-// ---- a small thread pool that never waits for a thread that has not started ------------------
-// Off by default (PAGEDSERVE_QUANT_POOL=1 or set_use_pool(True) turns it on): the kernels run
-// on OpenMP's team through at::parallel_for, the team every other op of the step (BLAS,
-// attention, norms) uses. A second team beside it cost more than it saved: each team's idle
-// threads spin after their job and take the cores the other team needs (measured: n-gram
-// speculation at batch 1 1.19x with the pool vs 1.48x without, 4-row decode 25 vs 20 ms,
-// batch 1 the same within noise through the server).
-// Why it exists: at::parallel_for ends every region at a barrier, so on a busy machine a
-// worker that is not scheduled in time stalls the step by a scheduler time slice. Here work
-// is split into chunks claimed from an atomic counter tagged with the job's generation; the
-// calling thread takes chunks too and waits only for chunks another thread has actually
-// claimed. Workers spin a little after a job, then sleep.
-class Pool {
- public:
-  template <typename F>
-  void run(int64_t n, int64_t chunk, F&& f) {
-    const int64_t nchunks = (n + chunk - 1) / chunk;
-    const int want = std::min<int64_t>(at::get_num_threads(), nchunks) - 1;
-    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);  // a second caller runs inline
-    if (want <= 0 || !busy.owns_lock() || at::in_parallel_region()) {
-      f(0, n);
-      return;
-    }
-    ensure_workers(want);
-    std::function<void(int64_t, int64_t)> fn = std::forward<F>(f);
-    fn_.store(&fn, std::memory_order_relaxed);
-    n_.store(n, std::memory_order_relaxed);
-    chunk_.store(chunk, std::memory_order_relaxed);
-    nchunks_.store(nchunks, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
-    const uint64_t g = ++gen_;
-    next_.store(g << 32, std::memory_order_seq_cst);  // publish
-    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lk(mu_);
-      cv_.notify_all();
-    }
-    work(g);
-    // wait only for chunks a worker claimed; yield so that worker can run on a busy machine
-    for (int spin = 0; done_.load(std::memory_order_acquire) < nchunks; ++spin) {
-      if (spin < 2000)
-        cpu_relax();
-      else
-        std::this_thread::yield();
-    }
-    next_.store((g << 32) | 0xffffffffu, std::memory_order_seq_cst);  // closed: nothing left to claim
-  }
-  ~Pool() {
-    stop_.store(true);
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      cv_.notify_all();
-    }
-    for (auto& t : threads_) t.join();
-  }
-
- private:
-  static inline void cpu_relax() {
-#if QK_X86
-    _mm_pause();
-#endif
-  }
-  void work(uint64_t g) {
-    for (;;) {
-      uint64_t v = next_.load(std::memory_order_acquire);
-      if ((v >> 32) != g || (int64_t)(v & 0xffffffffu) >= nchunks_.load(std::memory_order_relaxed)) return;
-      if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
-      // claimed chunk c of job g: the caller waits for it, so the job's fields stay valid
-      const int64_t c = (int64_t)(v & 0xffffffffu), chunk = chunk_.load(std::memory_order_relaxed);
-      const int64_t b = c * chunk, e = std::min(n_.load(std::memory_order_relaxed), b + chunk);
-      (*fn_.load(std::memory_order_relaxed))(b, e);
-      done_.fetch_add(1, std::memory_order_release);
-    }
-  }
-  void ensure_workers(int want) {
-    while ((int)threads_.size() < want) threads_.emplace_back([this] { loop(); });
-  }
-  void loop() {
-    uint64_t seen = next_.load() >> 32;
-    while (!stop_.load(std::memory_order_relaxed)) {
-      uint64_t g = next_.load(std::memory_order_acquire) >> 32;
-      for (int spin = 0; g == seen && spin < 20000; ++spin) {
-        cpu_relax();
-        g = next_.load(std::memory_order_acquire) >> 32;
-      }
-      if (g == seen) {
-        std::unique_lock<std::mutex> lk(mu_);
-        sleeping_.fetch_add(1, std::memory_order_seq_cst);
-        cv_.wait(lk, [&] { return stop_.load() || (next_.load(std::memory_order_seq_cst) >> 32) != seen; });
-        sleeping_.fetch_sub(1, std::memory_order_seq_cst);
-        continue;
-      }
-      seen = g;
-      work(g);
-    }
-  }
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::atomic<uint64_t> next_{0};
-  std::atomic<int64_t> done_{0};
-  std::atomic<int> sleeping_{0};
-  std::atomic<bool> stop_{false};
-  uint64_t gen_ = 0;
-  std::mutex run_mu_;
-  std::atomic<std::function<void(int64_t, int64_t)>*> fn_{nullptr};
-  std::atomic<int64_t> n_{0}, chunk_{1}, nchunks_{0};
-};
-
-// never destroyed (workers may outlive static destructors); a forked child gets a fresh pool
-// (the parent's workers do not exist there; the old object is left alone, not freed)
-static Pool* g_pool = nullptr;
-static std::once_flag g_pool_once;
-static Pool& pool() {
-  std::call_once(g_pool_once, [] {
-    g_pool = new Pool();
-    pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool(); });
-  });
-  return *g_pool;
-}
-static bool g_use_pool = false;
-
-template <typename F>
-static void parallel_rows(int64_t n, int64_t grain, F&& f) {
-  if (g_use_pool) {
-    const int64_t t = std::max<int64_t>(1, at::get_num_threads());
-    const int64_t chunk = std::max<int64_t>(grain, (n + 4 * t - 1) / (4 * t));
-    pool().run(n, chunk, std::forward<F>(f));
-  } else {
-    at::parallel_for(0, n, grain, std::forward<F>(f));
-  }
-}
-bool set_use_pool(bool on) {
-  const bool old = g_use_pool;
-  g_use_pool = on;
-  return old;
-}
+// ---- threads ------------------------------------------------------------------------------------
+// The kernels split output rows over OpenMP's team (at::parallel_for), the team every other op
+// of a step (BLAS, attention, norms, sampling) runs on. An own thread pool beside it was measured
+// and removed: two teams' idle threads spin after their jobs and take the cores the other team
+// needs (n-gram speculation at batch 1 1.19x with the pool vs 1.48x without, a 4-row decode step
+// 25 vs 20 ms, a 64-row step 670 vs 470 ms; BENCHMARKS section 19).
 
 // ---- run-time dispatch ------------------------------------------------------------------------
 enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -420,7 +283,7 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
   }
   auto out = torch::empty({R, K}, torch::kFloat);
   float* o = out.data_ptr<float>();
-  parallel_rows(R, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
                    [&](int64_t r0, int64_t r1) { isa_dequant_rows((int)type, W, rb, K, rp, r0, r1, o); });
   return out;
 }
@@ -458,9 +321,6 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
       auto wf = buf.narrow(0, 0, (t1 - t0) * K).view({t1 - t0, K});
       float* o = wf.data_ptr<float>();
       const uint8_t* W = w.data_ptr<uint8_t>() + t0 * rb;
-      // OpenMP's team, as the BLAS call after it: with our pool here the two teams' idle
-      // threads spun against each other between the calls (measured at 64 rows: 45% of
-      // the step's CPU time spinning)
       at::parallel_for(0, t1 - t0, std::max<int64_t>(1, 16384 / K),
                        [&](int64_t r0, int64_t r1) { isa_dequant_rows((int)type, W, rb, K, nullptr, r0, r1, o); });
       out.narrow(1, col0 + t0, t1 - t0).copy_(at::mm(x, wf.t()));
@@ -478,7 +338,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
     GemmQ8Args g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, xq.data(), xd.data(), xs.data(),
                  out.data_ptr<float>() + col0};
     const int64_t grain = std::max<int64_t>(1, 65536 / K);
-    parallel_rows(N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_q8_rows(g, n0, n1); });
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_q8_rows(g, n0, n1); });
     return;
   }
   std::vector<float> xsum;
@@ -498,7 +358,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   }
   // grain: at least ~64k weights per task so small layers are not split into tiny jobs
   const int64_t grain = std::max<int64_t>(1, 65536 / K);
-  parallel_rows(N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_rows(g, n0, n1); });
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_rows(g, n0, n1); });
 }
 
 // A whole QuantLinear forward in one call (the Python version cost ~20 us of tensor ops per
@@ -536,5 +396,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_isa", &get_isa);
   m.def("isa_available", &isa_available);
   m.def("set_prefill_rows", &set_prefill_rows);
-  m.def("set_use_pool", &set_use_pool, "own thread pool (True) or at::parallel_for (False)");
 }
