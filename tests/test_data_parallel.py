@@ -146,11 +146,23 @@ def test_shared_prefixes_land_on_one_replica_and_hit_its_cache(server):
     before = llm.stats.prefix_cache_hits
     routed_before = dict(llm.replicas.routed)
     groups, per_group, blocks = 4, 4, 4
-    prompts = []
+    leaders, followers = [], []
     for g in range(groups):  # a 4-block system prompt per group, then a question
         system = [10 + g * blocks * BS + k for k in range(blocks * BS)]  # token ids
-        prompts += [system + [7 + q, 8 + g] for q in range(per_group)]
-    complete(server.url, prompts, max_tokens=4)
+        leaders.append(system + [7, 8 + g])
+        followers += [system + [7 + q, 8 + g] for q in range(1, per_group)]
+    # The leaders run first, so their blocks are cached when the followers come; the
+    # followers then come at once. The fast replica may drain its share while the slow
+    # one still holds its own, and the load balance (tested on the router alone above)
+    # would then split a group: the slack is lifted here so that only prefixes decide.
+    router = llm.replicas.router
+    slack, router.balance_slack = router.balance_slack, 1 << 20
+    try:
+        for p in leaders:
+            complete(server.url, [p], max_tokens=4)
+        complete(server.url, followers, max_tokens=4)
+    finally:
+        router.balance_slack = slack
     new = {k: v - routed_before.get(k, 0) for k, v in llm.replicas.routed.items()}
     assert sum(v for (_, why), v in new.items() if why == PREFIX) == groups * (per_group - 1)
     # every follower found the whole system prompt cached: as many hits as one engine gets
