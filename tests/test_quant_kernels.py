@@ -88,7 +88,7 @@ def test_dequant_matches_gguf(isa, qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 5, 8, 11, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 11, 17, 64, 300])
 def test_gemm_matches_dequantized_matmul(isa, qtype, m):
     n = 37
     for k in ks_for(qtype):

@@ -264,45 +264,43 @@ static inline void unpack32(const uint8_t* blk, __m256* f) {
   }
 }
 
+// The block's 32 weights dequantized in registers (q * d, + m for Q4_1: the same FMA as
+// deq_fast), so a row's products are plain FMAs. Each activation row keeps two accumulators
+// (up to 6 rows: 12 + the 4 weight vectors fill the 16 registers), so enough independent FMA
+// chains are in flight to keep both FMA pipes busy (one chain of 4-5 dependent FMAs per row
+// and block left a 5-row tile at half the machine's FMA rate).
 template <int TYPE, int MT>
 static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
   constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  constexpr int NA = MT <= 6 ? 2 : 1;
   const int64_t nb = g.K / 32;
   const uint8_t* row = g.W + n * g.rb;
-  __m256 acc[MT];
-  float accm[MT];
-  for (int t = 0; t < MT; ++t) {
-    acc[t] = _mm256_setzero_ps();
-    accm[t] = 0.f;
-  }
+  const float* X = g.X + m0 * g.K;
+  __m256 acc[MT][NA];
+  for (int t = 0; t < MT; ++t)
+    for (int a = 0; a < NA; ++a) acc[t][a] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* blk = row + i * BB;
     __m256 f[4];
     unpack32<TYPE>(blk, f);
     const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
     const __m256 vd = _mm256_set1_ps(h2f(hdr[0]));
-    // 5-8 rows (speculative verification, small batches): the quants are scaled by d once
-    // for all rows, and each row's own accumulator is its independent FMA chain
-    if constexpr (MT >= 5)
-      for (int j = 0; j < 4; ++j) f[j] = _mm256_mul_ps(f[j], vd);
-    for (int t = 0; t < MT; ++t) {
-      const float* x = g.X + (m0 + t) * g.K + i * 32;
-      if constexpr (MT >= 5) {
-        for (int j = 0; j < 4; ++j) acc[t] = _mm256_fmadd_ps(f[j], _mm256_loadu_ps(x + 8 * j), acc[t]);
-      } else {
-        __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
-        s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), s);
-        s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), s);
-        s = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), s);
-        acc[t] = _mm256_fmadd_ps(s, vd, acc[t]);
-      }
-    }
     if (TYPE == T_Q4_1) {
-      const float mn = h2f(hdr[1]);
-      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xsum[(m0 + t) * nb + i];
+      const __m256 vm = _mm256_set1_ps(h2f(hdr[1]));
+      for (int j = 0; j < 4; ++j) f[j] = _mm256_fmadd_ps(f[j], vd, vm);
+    } else {
+      for (int j = 0; j < 4; ++j) f[j] = _mm256_mul_ps(f[j], vd);
+    }
+    for (int t = 0; t < MT; ++t) {
+      const float* x = X + t * g.K + i * 32;
+      for (int j = 0; j < 4; ++j) acc[t][j % NA] = _mm256_fmadd_ps(f[j], _mm256_loadu_ps(x + 8 * j), acc[t][j % NA]);
     }
   }
-  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+  for (int t = 0; t < MT; ++t) {
+    __m256 s = acc[t][0];
+    if (NA == 2) s = _mm256_add_ps(s, acc[t][NA - 1]);
+    g.out[(m0 + t) * g.ldo + n] = hsum8(s);
+  }
 }
 #elif QK_ISA == 2
 template <int TYPE>
@@ -464,6 +462,68 @@ static void dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, cons
 #endif
   for (int64_t r = r0; r < r1; ++r) f(W + (rows ? rows[r] : r) * rb, out + r * K, K);
 }
+
+#if QK_ISA == 1
+// ---- many rows (AVX2): dequantize a chunk of weight rows into an L2-resident float buffer,
+// then a register-blocked micro-kernel: 3 activation rows x 4 weight rows, 12 accumulators,
+// 7 loads per 12 FMAs, horizontal sums at the end of K. Every type (dequant_rows). Beats the
+// dequantized-tile + BLAS path at 16-64 rows (no packing of the tile, no second pass over it).
+static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {  // [sum a, sum b, sum c, sum d]
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 s = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+template <int MR, int NR>
+static void micro_many(const float* X, int64_t ldx, const float* Wf, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 x[MR];
+    for (int r = 0; r < MR; ++r) x[r] = _mm256_loadu_ps(X + r * ldx + k);
+    for (int c = 0; c < NR; ++c) {
+      const __m256 w = _mm256_loadu_ps(Wf + c * K + k);
+      for (int r = 0; r < MR; ++r) acc[r][c] = _mm256_fmadd_ps(x[r], w, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (NR == 4) {
+      _mm_storeu_ps(out + r * ldo, hsum4x8(acc[r][0], acc[r][NR > 1 ? 1 : 0], acc[r][NR > 2 ? 2 : 0], acc[r][NR - 1]));
+    } else {
+      for (int c = 0; c < NR; ++c) out[r * ldo + c] = hsum8(acc[r][c]);
+    }
+  }
+}
+
+template <int MR>
+static inline void micro_cols(const float* X, int64_t ldx, const float* Wf, int64_t K, float* out, int64_t ldo,
+                              int64_t nc) {
+  int64_t c = 0;
+  for (; c + 4 <= nc; c += 4) micro_many<MR, 4>(X, ldx, Wf + c * K, K, out + c, ldo);
+  switch (nc - c) {
+    case 3: micro_many<MR, 3>(X, ldx, Wf + c * K, K, out + c, ldo); break;
+    case 2: micro_many<MR, 2>(X, ldx, Wf + c * K, K, out + c, ldo); break;
+    case 1: micro_many<MR, 1>(X, ldx, Wf + c * K, K, out + c, ldo); break;
+    default: break;
+  }
+}
+
+// Output columns [n0, n1) for all M rows; K a multiple of 8 (every packed type's block is).
+static void gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
+  const int64_t NC = std::max<int64_t>(4, std::min<int64_t>(64, ((int64_t(48) << 10) / 4 / g.K) & ~int64_t(3)));
+  thread_local std::vector<float> buf;
+  buf.resize(NC * g.K);
+  for (int64_t c0 = n0; c0 < n1; c0 += NC) {
+    const int64_t nc = std::min(NC, n1 - c0);
+    dequant_rows(g.type, g.W + c0 * g.rb, g.rb, g.K, nullptr, 0, nc, buf.data());
+    int64_t m = 0;
+    for (; m + 3 <= g.M; m += 3) micro_cols<3>(g.X + m * g.K, g.K, buf.data(), g.K, g.out + m * g.ldo + c0, g.ldo, nc);
+    if (g.M - m == 2) micro_cols<2>(g.X + m * g.K, g.K, buf.data(), g.K, g.out + m * g.ldo + c0, g.ldo, nc);
+    if (g.M - m == 1) micro_cols<1>(g.X + m * g.K, g.K, buf.data(), g.K, g.out + m * g.ldo + c0, g.ldo, nc);
+  }
+}
+#endif
 
 static void gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
   switch (g.type) {
