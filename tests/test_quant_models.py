@@ -190,3 +190,31 @@ def test_gguf_default_falls_back_without_kernels(tmp_path, monkeypatch):
     assert resolve_quantization(None, str(tmp_path), torch.device("cuda")) == "none"
     monkeypatch.setenv("PAGEDSERVE_NO_CPP_KERNELS", "1")
     assert resolve_quantization(None, str(tmp_path), cpu) == "none"
+
+
+@pytest.mark.parametrize("m", [1, 11, 12, 13, 64, 128, 129])
+def test_float_linear_matches_f_linear_at_every_row_count(m):
+    # float32 weights through the blocked many-row kernel (12-128 rows, AVX2), the BLAS
+    # elsewhere: the same products up to float rounding, with a bias, batched leading dims
+    from pagedserve.executor.quant.layers import FloatLinear
+
+    if not kernels.has_many_rows_kernel():
+        pytest.skip(f"the blocked many-row kernel is AVX2-only (this path: {kernels.current_isa()})")
+    g = torch.Generator().manual_seed(m)
+    lin = torch.nn.Linear(72, 37, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(37, 72, generator=g))
+        lin.bias.copy_(torch.randn(37, generator=g))
+    x = torch.randn(m, 72, generator=g)
+    ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    lin.__class__ = FloatLinear
+    got = lin(x)
+    assert got.shape == ref.shape and torch.allclose(got, ref, rtol=1e-5, atol=1e-4), (got - ref).abs().max()
+    assert torch.allclose(lin(x.view(1, m, 72)), ref.view(1, m, 37), rtol=1e-5, atol=1e-4)
+
+
+def test_float_checkpoints_run_their_linears_on_the_kernel_where_it_has_the_path(checkpoint):
+    hf_dir = checkpoint("llama")
+    kinds = packed_modules(hf_dir, None)
+    assert ("FloatLinear" in kinds) == kernels.has_many_rows_kernel(), kinds
+    assert "Linear" not in kinds or not kernels.has_many_rows_kernel()

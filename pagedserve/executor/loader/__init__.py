@@ -88,4 +88,8 @@ def build_model(
         from pagedserve.executor.quant.layers import quantize_linears
 
         quantize_linears(model, quant)
+    elif quant == "none" and dtype == torch.float32 and device.type == "cpu":
+        from pagedserve.executor.quant.layers import use_float_kernels
+
+        use_float_kernels(model)  # 12-128-row products on the blocked kernel (AVX2)
     return model.eval()

@@ -74,8 +74,14 @@ def current_isa() -> str:
 
 
 def set_prefill_rows(m: int) -> int:
-    """From this many activation rows on, dequantize weight tiles and use the float GEMM."""
+    """From this many activation rows on, the many-row path: the blocked kernel over
+    dequantized chunks of rows (AVX2), else dequantized weight tiles and the float GEMM."""
     return int(load().set_prefill_rows(int(m)))
+
+
+def has_many_rows_kernel() -> bool:
+    """Whether the current path has the blocked many-row kernel (AVX2 today)."""
+    return bool(load().has_many_rows_kernel())
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, act_q8: bool = False) -> None:

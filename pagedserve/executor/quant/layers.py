@@ -114,6 +114,46 @@ def quantize_linears(model: nn.Module, method: str) -> None:
         setattr(model.get_submodule(parent) if parent else model, attr, q)
 
 
+class FloatLinear(nn.Linear):
+    """An nn.Linear with float32 weights whose middle row counts run through the packed
+    kernels' blocked many-row path (the weight as F32 "packed" rows; AVX2 CPUs): at 12-128
+    rows it is 1.1-2x the BLAS (BENCHMARKS section 20). Other row counts go to F.linear: one
+    row (a gemv reads the weight once either way) and long prefill chunks, where the BLAS's
+    packing pays for itself. Same products up to float rounding."""
+
+    many_rows: tuple[int, int] = (12, 128)  # inclusive; (1, 0) turns the kernel path off
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.many_rows
+        if lo <= x.numel() // self.in_features <= hi and x.dtype == torch.float32:
+            w = self.weight.view(torch.uint8)  # [N, 4K]: type F32 rows
+            return kernels.load().qlinear(x, [w], [F32], [0], self.out_features, self.bias, False)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def use_float_kernels(model: nn.Module) -> int:
+    """Turn the float32 CPU model's nn.Linear layers into FloatLinear where the kernels have
+    the many-row path (AVX2); returns how many. Nothing changes elsewhere (other ISAs, no
+    compiler: the BLAS path as before)."""
+    from pagedserve.executor.quant import _kernels_usable
+
+    if not _kernels_usable() or not kernels.has_many_rows_kernel():  # no compiler, opted out, or AVX-512
+        return 0
+    n = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if (
+            type(mod) is nn.Linear
+            and w.dtype == torch.float32
+            and w.device.type == "cpu"
+            and w.is_contiguous()
+            and mod.in_features % 8 == 0
+        ):  # the micro-kernel's step
+            mod.__class__ = FloatLinear  # same parameters, another forward
+            n += 1
+    return n
+
+
 def packed_bytes(model: nn.Module) -> int:
     seen, total = set(), 0
     for mod in model.modules():
@@ -125,7 +165,15 @@ def packed_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["QuantLinear", "QuantEmbedding", "quantize_linears", "packed_bytes", "kernels"]
+__all__ = [
+    "FloatLinear",
+    "QuantLinear",
+    "QuantEmbedding",
+    "quantize_linears",
+    "use_float_kernels",
+    "packed_bytes",
+    "kernels",
+]
 
 
 def load_packed(

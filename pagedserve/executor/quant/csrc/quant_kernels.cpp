@@ -199,6 +199,7 @@ static void isa_gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 // The many-row blocked kernel: AVX2 only so far (the AVX-512 and scalar paths take
 // dequantized tiles + BLAS, which on AVX-512 machines is the better-measured choice)
 static bool has_many_rows_kernel() { return QK_X86 && current_isa() == ISA_AVX2; }
+bool many_rows_kernel() { return has_many_rows_kernel(); }
 
 static void isa_gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 #if QK_X86
@@ -324,7 +325,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
     }
     GemmArgs g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, x.data_ptr<float>(), nullptr,
                out.data_ptr<float>() + col0};
-    if (has_many_rows_kernel()) {  // tasks of 4 output rows (the micro-kernel's width)
+    if (has_many_rows_kernel() && K % 8 == 0) {  // tasks of 4 output rows (the micro-kernel's width)
       at::parallel_for(0, (N + 3) / 4, 1,
                        [&](int64_t a, int64_t b) { isa_gemm_many_rows(g, a * 4, std::min(N, b * 4)); });
       return;
@@ -414,5 +415,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa);
   m.def("get_isa", &get_isa);
   m.def("isa_available", &isa_available);
+  m.def("has_many_rows_kernel", &many_rows_kernel, "whether many-row products use the blocked kernel (ISA now set)");
   m.def("set_prefill_rows", &set_prefill_rows);
 }
