@@ -13,7 +13,9 @@ kernels = cpu_kernels.load()
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bs", [8, 16, 32])
-@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 64), (8, 2, 64), (8, 1, 128), (9, 3, 64)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,d", [(4, 4, 64), (8, 2, 64), (8, 1, 128), (9, 3, 64), (6, 2, 40), (2, 1, 12)]
+)  # d 40: the AVX2 path's 8-wide tail; d 12: the portable path (not a multiple of 8)
 def test_cpp_decode_matches_reference(dtype, tol, bs, heads, kv_heads, d):
     g = torch.Generator().manual_seed(bs * 100 + heads)
     n, nb = 7, 64
