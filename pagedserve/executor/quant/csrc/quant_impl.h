@@ -264,13 +264,53 @@ static inline void unpack32(const uint8_t* blk, __m256* f) {
   }
 }
 
-// The block's 32 weights dequantized in registers (q * d, + m for Q4_1: the same FMA as
-// deq_fast), so a row's products are plain FMAs. Each activation row keeps two accumulators
+// 4-8 rows: the block's 32 weights dequantized in registers (q * d, + m for Q4_1: the same
+// FMA as deq_fast), so a row's products are plain FMAs. Each activation row keeps two accumulators
 // (up to 6 rows: 12 + the 4 weight vectors fill the 16 registers), so enough independent FMA
 // chains are in flight to keep both FMA pipes busy (one chain of 4-5 dependent FMAs per row
 // and block left a 5-row tile at half the machine's FMA rate).
+// 1-3 rows (a decode at batch 1 is this, and memory-bound): folding scale and min into the
+// weights would cost 4 FMAs a block for too few rows; instead each row's sum(x * q) is scaled
+// once (acc += d * s) and Q4_1's min term comes from the activations' block sums (g.xsum).
+template <int TYPE, int MT>
+static void gemm_fused_tile_few(const GemmArgs& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    __m256 f[4];
+    unpack32<TYPE>(blk, f);
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    const __m256 vd = _mm256_set1_ps(h2f(hdr[0]));
+    for (int t = 0; t < MT; ++t) {
+      const float* x = g.X + (m0 + t) * g.K + i * 32;
+      __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+      s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), s);
+      s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), s);
+      s = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), s);
+      acc[t] = _mm256_fmadd_ps(s, vd, acc[t]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xsum[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+}
+
 template <int TYPE, int MT>
 static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
+  if constexpr (MT <= 3) {
+    gemm_fused_tile_few<TYPE, MT>(g, n, m0);
+    return;
+  }
   constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
   constexpr int NA = MT <= 6 ? 2 : 1;
   const int64_t nb = g.K / 32;
