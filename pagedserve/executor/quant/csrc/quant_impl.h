@@ -2,10 +2,14 @@
 // namespace and (for AVX2 / AVX-512) a target region, with QK_ISA = 0 (portable scalar),
 // 1 (AVX2 + FMA + F16C) or 2 (AVX-512 F/BW/VL/DQ). No include guard on purpose.
 //
-// Every function computes with float activations: a packed weight is either expanded block
-// by block into registers and multiplied as (scale * sum(x * q) + min * sum(x)) (Q4_0, Q4_1,
-// Q8_0: the same products as dequantize-then-matmul, up to float rounding), or dequantized
-// one row at a time into a small float buffer that is then dotted with every activation row.
+// Every function computes with float activations (except the gemm_q8 family at the end, the
+// named option "gguf_q8"), the same products as dequantize-then-matmul up to float rounding:
+//   few rows, Q4_0 / Q4_1 / Q8_0: each weight block expanded into registers and used for every
+//     activation row, as scale * sum(x * q) + min * sum(x) (1-3 rows) or with scale and min
+//     folded into the expanded weights (4-8 rows);
+//   few rows, other types: one weight row dequantized into a small buffer, dotted with each row;
+//   many rows (AVX2, gemm_many_rows): chunks of weight rows dequantized into an L2-sized float
+//     buffer and multiplied by a 3x4 register-blocked micro-kernel, any type (F32 included).
 
 static inline float h2f(uint16_t h) {
 #if QK_ISA >= 1
@@ -233,7 +237,8 @@ static void gemm_generic(const GemmArgs& g, int64_t n0, int64_t n1) {
 
 // ---- fused kernels: Q4_0, Q4_1, Q8_0 --------------------------------------------------------
 // Each block's 32 quants become float registers once and are used for up to MT activation
-// rows; per block and row: acc += d * sum(x * q) (+ m * sum(x) for Q4_1, from g.xsum).
+// rows; per block and row: acc += d * sum(x * q) (+ m * sum(x) for Q4_1, from g.xsum), or
+// (AVX2, 4-8 rows) acc += x * (d * q + m).
 #if QK_ISA == 1
 template <int TYPE>
 static inline void unpack32(const uint8_t* blk, __m256* f) {
