@@ -213,8 +213,11 @@ def test_float_linear_matches_f_linear_at_every_row_count(m):
     assert torch.allclose(lin(x.view(1, m, 72)), ref.view(1, m, 37), rtol=1e-5, atol=1e-4)
 
 
-def test_float_checkpoints_run_their_linears_on_the_kernel_where_it_has_the_path(checkpoint):
+def test_float_checkpoints_run_their_linears_on_the_kernel_where_it_has_the_path(checkpoint, monkeypatch):
     hf_dir = checkpoint("llama")
     kinds = packed_modules(hf_dir, None)
     assert ("FloatLinear" in kinds) == kernels.has_many_rows_kernel(), kinds
     assert "Linear" not in kinds or not kernels.has_many_rows_kernel()
+    monkeypatch.setenv("PAGEDSERVE_NO_CPP_KERNELS", "1")  # opted out: plain nn.Linear, the BLAS
+    kinds = packed_modules(hf_dir, None)
+    assert "Linear" in kinds and "FloatLinear" not in kinds, kinds
