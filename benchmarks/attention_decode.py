@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
+from pagedserve.bench.forward import _median_time
 from pagedserve.executor.attention import cpu_kernels
 
 
 def median_ms(fn, rounds: int) -> float:
-    fn()
-    ts = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    return _median_time(fn, rounds) * 1e3
 
 
 def main() -> None:

@@ -19,6 +19,19 @@
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
+// sc[0:L] = softmax(sc[0:L]), in place (one query head's scores)
+static inline void softmax_inplace(float* sc, int64_t L) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < L; ++t) {
+    sc[t] = std::exp(sc[t] - m);
+    sum += sc[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+}
+
 template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* seq_lens, T* out,
                           int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t max_blocks, float scale) {
@@ -51,19 +64,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
           }
         }
       }
-      // softmax per query head
-      for (int64_t hh = 0; hh < h; ++hh) {
-        float* sc = &scores[hh * L];
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          sc[t] = std::exp(sc[t] - m);
-          sum += sc[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
-      }
+      for (int64_t hh = 0; hh < h; ++hh) softmax_inplace(&scores[hh * L], L);
       // pass 2: out[head] = sum_t p[head, t] * v[t, head / g]
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
@@ -164,18 +165,7 @@ static void decode_avx2(const float* q, const float* kc, const float* vc, const 
         else if (gn == 2) scores_avx2<2>(qq, krows.data(), L, d, sc);
         else scores_avx2<1>(qq, krows.data(), L, d, sc);
       }
-      for (int64_t gi = 0; gi < g; ++gi) {  // softmax per head
-        float* sc = scores.data() + gi * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          sc[t] = std::exp(sc[t] - m);
-          sum += sc[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
-      }
+      for (int64_t gi = 0; gi < g; ++gi) softmax_inplace(scores.data() + gi * L, L);
       for (int64_t gi = 0; gi < g; ++gi) {  // out[head] = sum_t p[t] v[t], d in chunks of 64
         const float* sc = scores.data() + gi * L;
         float* o = out + (i * h + kh * g + gi) * d;

@@ -533,8 +533,8 @@ static void micro_many(const float* X, int64_t ldx, const float* Wf, int64_t K, 
     }
   }
   for (int r = 0; r < MR; ++r) {
-    if (NR == 4) {
-      _mm_storeu_ps(out + r * ldo, hsum4x8(acc[r][0], acc[r][NR > 1 ? 1 : 0], acc[r][NR > 2 ? 2 : 0], acc[r][NR - 1]));
+    if constexpr (NR == 4) {
+      _mm_storeu_ps(out + r * ldo, hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
     } else {
       for (int c = 0; c < NR; ++c) out[r * ldo + c] = hsum8(acc[r][c]);
     }
@@ -560,17 +560,23 @@ static void gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
   // blocks of activation rows that stay in L2 (~384 KB) while every weight chunk passes over
   // them; each block dequantizes the chunks again (~2% of its multiply-adds at 48+ rows)
   const int64_t MB = std::max<int64_t>(48, ((int64_t(384) << 10) / 4 / g.K) / 3 * 3);
+  // F32 rows are already floats: read in place, no copy
+  const bool in_place = g.type == T_F32;
   thread_local std::vector<float> buf;
-  buf.resize(NC * g.K);
+  if (!in_place) buf.resize(NC * g.K);
   for (int64_t mb = 0; mb < g.M; mb += MB) {
     const int64_t me = std::min(g.M, mb + MB);
     for (int64_t c0 = n0; c0 < n1; c0 += NC) {
       const int64_t nc = std::min(NC, n1 - c0);
-      dequant_rows(g.type, g.W + c0 * g.rb, g.rb, g.K, nullptr, 0, nc, buf.data());
+      const float* wf = reinterpret_cast<const float*>(g.W + c0 * g.rb);
+      if (!in_place) {
+        dequant_rows(g.type, g.W + c0 * g.rb, g.rb, g.K, nullptr, 0, nc, buf.data());
+        wf = buf.data();
+      }
       int64_t m = mb;
-      for (; m + 3 <= me; m += 3) micro_cols<3>(g.X + m * g.K, g.K, buf.data(), g.K, g.out + m * g.ldo + c0, g.ldo, nc);
-      if (me - m == 2) micro_cols<2>(g.X + m * g.K, g.K, buf.data(), g.K, g.out + m * g.ldo + c0, g.ldo, nc);
-      if (me - m == 1) micro_cols<1>(g.X + m * g.K, g.K, buf.data(), g.K, g.out + m * g.ldo + c0, g.ldo, nc);
+      for (; m + 3 <= me; m += 3) micro_cols<3>(g.X + m * g.K, g.K, wf, g.K, g.out + m * g.ldo + c0, g.ldo, nc);
+      if (me - m == 2) micro_cols<2>(g.X + m * g.K, g.K, wf, g.K, g.out + m * g.ldo + c0, g.ldo, nc);
+      if (me - m == 1) micro_cols<1>(g.X + m * g.K, g.K, wf, g.K, g.out + m * g.ldo + c0, g.ldo, nc);
     }
   }
 }
