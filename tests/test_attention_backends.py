@@ -31,6 +31,34 @@ def test_cpp_decode_matches_reference(dtype, tol, bs, heads, kv_heads, d):
     assert (out.float() - ref.float()).abs().max().item() < tol
 
 
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("lens", [[9 * 16 + 3], [16 * 16, 12 * 16 + 1], [5]])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40)])
+def test_cpp_decode_split_context_and_strided_q(threads, lens, heads, kv_heads, d):
+    """Few sequences (a batch-1 step): each context is cut into parts over the threads and
+    merged by the parts' softmax maxima and sums; q is read in place from a fused-QKV-like
+    row (strided), as the decode-only path passes it."""
+    g = torch.Generator().manual_seed(len(lens) * 10 + heads + threads)
+    bs, nb, n = 16, 64, len(lens)
+    kc = torch.randn(nb, bs, kv_heads, d, generator=g)
+    vc = torch.randn(nb, bs, kv_heads, d, generator=g)
+    lens_t = torch.tensor(lens)
+    nblk = int((lens_t.max() + bs - 1) // bs)
+    bt = torch.stack([torch.randperm(nb - 1, generator=g)[:nblk] + 1 for _ in range(n)])
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g)
+    q = qkv[:, : heads * d].view(n, heads, d)  # strided rows, as split() leaves them
+    meta = AttentionMetadata(n, n, None, lens_t, bt, None, 1, max(lens), max(lens), None, None)
+    ref = TorchAttentionBackend._decode(q.contiguous(), kc, vc, meta, d**-0.5)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.paged_decode(q, kc, vc, bt, lens_t, d**-0.5)
+    finally:
+        torch.set_num_threads(prev)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 def _mixed_meta(reqs, bs, nb, g):
     """reqs: (cached tokens, query tokens) per request, decodes (query 1) first."""
     qlens = [q for _, q in reqs]

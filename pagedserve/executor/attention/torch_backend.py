@@ -89,9 +89,9 @@ class TorchAttentionBackend(AttentionBackend):
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == meta.num_reqs and self._cpp is not None and q.device.type == "cpu":
-            # a decode-only step (batch-1 latency): the kernel's output is the answer, no
-            # scratch tensor, slices or copy into it per layer
-            return self._cpp.paged_decode(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+            # a decode-only step (batch-1 latency): the kernel reads q in place (rows of the
+            # fused QKV output) and its output is the answer: no scratch, slices or copies
+            return self._cpp.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         out = torch.empty_like(q)
         if nd:
             if self._cpp is not None and q.device.type == "cpu":

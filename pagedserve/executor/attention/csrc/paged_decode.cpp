@@ -93,7 +93,9 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
 // head. 30 layers of 64 rows at context 320 (K/V from memory): 85.6 -> 68.6 ms; 5 verify
 // rows of one request: 3.55 -> 1.9-2.0 ms (BENCHMARKS section 20). At 64 rows it reads K/V at
 // ~14 GB/s, half of what a contiguous read gets on this machine: the (row, KV head) slices
-// are strided; prefetching them ahead did not help.
+// are strided; prefetching them ahead did not help. A batch-1 step (3 jobs for 2 threads)
+// cuts each context in parts (split-context, merged by softmax maxima and sums): 30 layers
+// of 1 row at context 320 0.74-0.8 -> 0.54-0.56 ms; a batch-1 decode step 10.6-11.0 -> 9.7-10.0 ms.
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {  // [sum a, sum b, sum c, sum d]
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -132,88 +134,149 @@ static void scores_avx2(const float* q, const float* const* krows, int64_t L, in
     }
 }
 
-static void decode_avx2(const float* q, const float* kc, const float* vc, const int64_t* bt, const int64_t* seq_lens,
-                        float* out, int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t max_blocks,
-                        float scale) {
+// One (sequence, KV head) slice of tokens [0, L): the G query heads' scores into `scores`
+// ([G, L]) and, with S == 1, their softmax-weighted V rows into out[gi * ostride ..]. With a
+// split context (part of a sequence), the scores are exponentiated against the part's own
+// maximum, left unnormalized, and part_m / part_l get each head's maximum and sum (the
+// caller merges the parts: flash-decoding).
+static void attend_avx2(const float* qf, const float* const* krows, const float* const* vrows, int64_t L, int64_t g,
+                        int64_t d, float* scores, float* out, int64_t ostride, float* part_m, float* part_l) {
+  for (int64_t g0 = 0; g0 < g; g0 += 3) {  // heads in threes (12 accumulators)
+    const int64_t gn = std::min<int64_t>(3, g - g0);
+    float* sc = scores + g0 * L;
+    const float* qq = qf + g0 * d;
+    if (gn == 3) scores_avx2<3>(qq, krows, L, d, sc);
+    else if (gn == 2) scores_avx2<2>(qq, krows, L, d, sc);
+    else scores_avx2<1>(qq, krows, L, d, sc);
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    float* sc = scores + gi * L;
+    if (part_m == nullptr) {
+      softmax_inplace(sc, L);
+      continue;
+    }
+    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
+    for (int64_t t = 0; t < L; ++t) sum += (sc[t] = std::exp(sc[t] - m));
+    part_m[gi] = m;
+    part_l[gi] = sum;
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {  // out[head] = sum_t p[t] v[t], d in chunks of 64
+    const float* sc = scores + gi * L;
+    float* o = out + gi * ostride;
+    int64_t c0 = 0;
+    for (; c0 + 64 <= d; c0 += 64) {  // 8 accumulators in registers (a fixed count)
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t t = 0; t < L; ++t) {
+        const __m256 p = _mm256_set1_ps(sc[t]);
+        const float* v = vrows[t] + c0;
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      }
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + c0 + 8 * c, acc[c]);
+    }
+    for (; c0 < d; c0 += 8) {  // head sizes that are not a multiple of 64
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t t = 0; t < L; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[t]), _mm256_loadu_ps(vrows[t] + c0), acc);
+      _mm256_storeu_ps(o + c0, acc);
+    }
+  }
+}
+
+// q rows may be strided (qs = q.stride(0): the q part of a fused QKV row, read in place).
+// When the step has fewer (sequence, KV head) jobs than twice the threads (a batch-1 decode:
+// 3 jobs on 2 threads), each sequence's context is cut into S parts of whole blocks so
+// that every thread gets work; the parts are merged by their softmax maxima and sums.
+static void decode_avx2(const float* q, int64_t qs, const float* kc, const float* vc, const int64_t* bt,
+                        const int64_t* seq_lens, float* out, int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs,
+                        int64_t max_blocks, float scale) {
   const int64_t g = h / kvh;
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += seq_lens[i];
-  const int64_t per_job = std::max<int64_t>(1, total / std::max<int64_t>(n, 1)) * g * d * 2;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / per_job);
-  at::parallel_for(0, n * kvh, grain, [&](int64_t begin, int64_t end) {
+  int64_t total = 0, min_len = std::numeric_limits<int64_t>::max();
+  for (int64_t i = 0; i < n; ++i) total += seq_lens[i], min_len = std::min(min_len, seq_lens[i]);
+  const int64_t nthr = at::get_num_threads();
+  int64_t S = 1;
+  if (nthr > 1 && n * kvh < 2 * nthr) {
+    S = (2 * nthr + n * kvh - 1) / (n * kvh);
+    S = std::max<int64_t>(1, std::min<int64_t>({S, min_len / (4 * bs), 64}));  // parts of >= 4 blocks
+  }
+  const int64_t per_job = std::max<int64_t>(1, total / std::max<int64_t>(n, 1) / S) * g * d * 2;
+  const int64_t grain = S > 1 ? 1 : std::max<int64_t>(1, (int64_t(1) << 20) / per_job);
+  // split parts: unnormalized outputs [n, kvh, S, g, d] and their (max, sum) [n, kvh, S, g]
+  std::vector<float> part_o(S > 1 ? n * kvh * S * g * d : 0), part_m(S > 1 ? n * kvh * S * g : 0),
+      part_l(part_m.size());
+  at::parallel_for(0, n * kvh * S, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d), scores;
     std::vector<const float*> krows, vrows;
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = job / kvh, kh = job % kvh, L = seq_lens[i];
-      for (int64_t x = 0; x < g * d; ++x) qf[x] = q[(i * h + kh * g) * d + x] * scale;
-      krows.resize(L);
-      vrows.resize(L);
-      for (int64_t b = 0, t = 0; t < L; ++b) {  // block by block: no division per token
-        const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs, L - t);
+      const int64_t s = job % S, i = job / S / kvh, kh = job / S % kvh, L = seq_lens[i];
+      const int64_t nblk = (L + bs - 1) / bs, b0 = nblk * s / S, b1 = nblk * (s + 1) / S;
+      const int64_t t0 = b0 * bs, t1 = std::min(L, b1 * bs), Lp = t1 - t0;
+      const float* qrow = q + i * qs + kh * g * d;
+      for (int64_t x = 0; x < g * d; ++x) qf[x] = qrow[x] * scale;
+      krows.resize(Lp);
+      vrows.resize(Lp);
+      for (int64_t b = b0, t = 0; t < Lp; ++b) {  // block by block: no division per token
+        const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs, Lp - t);
         for (int64_t o = 0; o < nt; ++o, ++t) {
           const int64_t off = ((row0 + o) * kvh + kh) * d;
           krows[t] = kc + off;
           vrows[t] = vc + off;
         }
       }
-      scores.resize(g * L);
-      for (int64_t g0 = 0; g0 < g; g0 += 3) {  // heads in threes (12 accumulators)
-        const int64_t gn = std::min<int64_t>(3, g - g0);
-        float* sc = scores.data() + g0 * L;
-        const float* qq = qf.data() + g0 * d;
-        if (gn == 3) scores_avx2<3>(qq, krows.data(), L, d, sc);
-        else if (gn == 2) scores_avx2<2>(qq, krows.data(), L, d, sc);
-        else scores_avx2<1>(qq, krows.data(), L, d, sc);
-      }
-      for (int64_t gi = 0; gi < g; ++gi) softmax_inplace(scores.data() + gi * L, L);
-      for (int64_t gi = 0; gi < g; ++gi) {  // out[head] = sum_t p[t] v[t], d in chunks of 64
-        const float* sc = scores.data() + gi * L;
-        float* o = out + (i * h + kh * g + gi) * d;
-        int64_t c0 = 0;
-        for (; c0 + 64 <= d; c0 += 64) {  // 8 accumulators in registers (a fixed count)
-          __m256 acc[8];
-          for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-          for (int64_t t = 0; t < L; ++t) {
-            const __m256 p = _mm256_set1_ps(sc[t]);
-            const float* v = vrows[t] + c0;
-            for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
-          }
-          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + c0 + 8 * c, acc[c]);
-        }
-        for (; c0 < d; c0 += 8) {  // head sizes that are not a multiple of 64
-          __m256 acc = _mm256_setzero_ps();
-          for (int64_t t = 0; t < L; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[t]), _mm256_loadu_ps(vrows[t] + c0), acc);
-          _mm256_storeu_ps(o + c0, acc);
-        }
+      scores.resize(g * Lp);
+      if (S == 1) {
+        attend_avx2(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), out + (i * h + kh * g) * d, d,
+                    nullptr, nullptr);
+      } else {
+        attend_avx2(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), &part_o[job * g * d], d,
+                    &part_m[job * g], &part_l[job * g]);
       }
     }
   });
+  if (S == 1) return;
+  for (int64_t i = 0; i < n; ++i)  // merge: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
+    for (int64_t kh = 0; kh < kvh; ++kh)
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const int64_t base = (i * kvh + kh) * S;
+        float M = -std::numeric_limits<float>::infinity(), l = 0.f;
+        for (int64_t s = 0; s < S; ++s) M = std::max(M, part_m[(base + s) * g + gi]);
+        float w[64];  // S <= 2 * threads / jobs; capped below
+        for (int64_t s = 0; s < S; ++s) l += (w[s] = std::exp(part_m[(base + s) * g + gi] - M)) * part_l[(base + s) * g + gi];
+        float* o = out + (i * h + kh * g + gi) * d;
+        for (int64_t x = 0; x < d; ++x) {
+          float a = 0.f;
+          for (int64_t s = 0; s < S; ++s) a += w[s] * part_o[((base + s) * g + gi) * d + x];
+          o[x] = a / l;
+        }
+      }
 }
 #endif
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [n,h,d], k_cache [nb,bs,kvh,d]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
   auto bt = block_tables.contiguous();
   auto sl = seq_lens.contiguous();
   const int64_t n = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t bs = k_cache.size(1), kvh = k_cache.size(2);
   TORCH_CHECK(h % kvh == 0 && k_cache.size(3) == d, "head shapes");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({n, h, d}, q.options());
   if (q.scalar_type() == at::kFloat) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (d % 8 == 0) {
-      decode_avx2(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt.data_ptr<int64_t>(),
+    if (d % 8 == 0 && q.stride(2) == 1 && q.stride(1) == d) {  // rows may be strided
+      decode_avx2(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt.data_ptr<int64_t>(),
                   sl.data_ptr<int64_t>(), out.data_ptr<float>(), n, h, kvh, d, bs, bt.size(1), (float)scale);
       return out;
     }
 #endif
+    q = q.contiguous();
     decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt.data_ptr<int64_t>(),
                          sl.data_ptr<int64_t>(), out.data_ptr<float>(), n, h, kvh, d, bs, bt.size(1), (float)scale);
   } else if (q.scalar_type() == at::kBFloat16) {
     using B = at::BFloat16;
+    q = q.contiguous();
     decode_kernel<B>(q.data_ptr<B>(), k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), bt.data_ptr<int64_t>(),
                      sl.data_ptr<int64_t>(), out.data_ptr<B>(), n, h, kvh, d, bs, bt.size(1), (float)scale);
   } else {
