@@ -182,3 +182,58 @@ def test_model_fused_matches_reference():
             outs.append(model.compute_logits(model(ids, torch.arange(t), kv, meta)))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_decode_loop_equals_layer_forward(dtype):
+    """Decode-only CPU steps through the model's lean loop (one loop over the layers'
+    kernels, attention straight from the fused QKV rows) give the same logits to the bit,
+    and the same KV cache, as the layers' own forward."""
+    from pagedserve.executor.attention import get_attention_backend
+    from pagedserve.executor.attention.backend import AttentionMetadata
+    from pagedserve.executor.model_config import ModelConfig
+    from pagedserve.executor.models.llama import LlamaForCausalLM
+
+    if ops.load() is None or get_attention_backend("auto").decode_from_qkv is None:
+        pytest.skip("C++ kernels could not be built here")
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 96,
+            "intermediate_size": 160,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 3,
+            "vocab_size": 300,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 512,
+        }
+    )
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg, get_attention_backend("auto")).eval().to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    bs, nb, lens = 16, 40, [5, 70, 200]  # 200: the context is split over the threads
+    tables = torch.arange(1, 1 + 3 * 13).view(3, 13)
+    caches = [(torch.randn(nb, bs, 2, 16).to(dtype), torch.randn(nb, bs, 2, 16).to(dtype)) for _ in range(3)]
+    outs = []
+    for lean in (True, False):
+        model.use_lean_decode = lean
+        model._plan = None
+        kv = [(k.clone(), v.clone()) for k, v in caches]
+        logits = []
+        for step in range(3):
+            seq = torch.tensor([n + step for n in lens])
+            slots = torch.tensor([int(tables[r, (n - 1) // bs]) * bs + (n - 1) % bs for r, n in enumerate(seq.tolist())])
+            meta = AttentionMetadata(
+                3, 3, torch.arange(4), seq, tables, slots, 1, int(seq.max()), int(seq.max()), [0, 1, 2, 3], seq.tolist()
+            )
+            ids = torch.tensor([7 + step, 100, 299])
+            with torch.inference_mode():
+                logits.append(model.compute_logits(model(ids, seq - 1, kv, meta)))
+        outs.append((torch.stack(logits), kv))
+        assert bool(model.__dict__.get("_plan")) == lean  # the lean loop ran (or not)
+    assert torch.equal(outs[0][0], outs[1][0])
+    for (k1, v1), (k2, v2) in zip(outs[0][1], outs[1][1]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

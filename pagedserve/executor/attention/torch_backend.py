@@ -82,6 +82,13 @@ class TorchAttentionBackend(AttentionBackend):
             if self._cpp is not None:
                 self.name = "torch+cpp-decode"
 
+    @property
+    def decode_from_qkv(self):
+        """The C++ kernel that attends a decode-only step straight from fused QKV rows
+        (qkv [T, >= h*d], h, k_cache, v_cache, block_tables, seq_lens, scale) -> [T, h*d],
+        K/V already written; None without the C++ kernels."""
+        return self._cpp.paged_decode_qkv if self._cpp is not None else None
+
     def forward(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_written: bool = False
     ) -> torch.Tensor:

@@ -285,4 +285,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
+// The same over the rows of a fused QKV output [n, >= h * d] (its first h * d columns are
+// the query heads): a decode-only step's attention straight from the projection, [n, h * d]
+// out, ready for o_proj (models/llama.py's lean decode loop).
+torch::Tensor paged_decode_qkv(torch::Tensor qkv, int64_t h, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_cache.dim() == 4, "qkv [n, width], k_cache [nb,bs,kvh,d]");
+  const int64_t n = qkv.size(0), d = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) >= h * d, "qkv row shorter than the query heads");
+  auto q = qkv.as_strided({n, h, d}, {qkv.stride(0), d, 1});
+  return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale).view({n, h * d});
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_decode_qkv", &paged_decode_qkv, "paged decode attention from fused QKV rows (CPU)");
+}
