@@ -148,18 +148,20 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs is not None else None
         if b.repetition_penalty is not None or b.output_token_ids is not None:
             logits = apply_penalties(logits, b)
-        greedy = ops.argmax(logits)
-        if b.all_greedy:
-            sampled = greedy
+        is_greedy = b.temperature == 0
+        if bool(is_greedy.all()):
+            sampled = ops.argmax(logits)
         else:
-            temp = b.temperature
-            is_greedy = temp == 0
-            probs = sampling_probs(
-                logits, torch.where(is_greedy, torch.ones_like(temp), temp), b.top_k, b.top_p, b.min_p
-            )
-            u = uniform_draws(probs.shape[0], b.generators, probs.device, self.generator)
-            random = sample_from_probs(probs, u)
-            sampled = torch.where(is_greedy, greedy, random)
+            temp = torch.where(is_greedy, torch.ones_like(b.temperature), b.temperature)
+            if b.top_k is None and b.top_p is None and b.min_p is None:
+                # temperature alone (an OpenAI client's default): one fused pass per row
+                u = uniform_draws(logits.shape[0], b.generators, logits.device, self.generator)
+                random = ops.sample_at_temperature(logits, temp, u)
+            else:
+                probs = sampling_probs(logits, temp, b.top_k, b.top_p, b.min_p)
+                u = uniform_draws(probs.shape[0], b.generators, probs.device, self.generator)
+                random = sample_from_probs(probs, u)
+            sampled = torch.where(is_greedy, ops.argmax(logits), random) if bool(is_greedy.any()) else random
         out = SamplerOutput(sampled=sampled)
         if raw_logprobs is not None:
             k = b.max_num_logprobs

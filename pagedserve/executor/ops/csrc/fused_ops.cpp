@@ -5,6 +5,7 @@
 //   rotary_cache_  the same, then K and V rows written to their paged-cache slots
 //   silu_and_mul   out = silu(gate) * up over a fused [gate | up] row
 //   argmax_rows    first index of each row's maximum (greedy sampling)
+//   sample_rows    a token per row at a temperature, by inverse CDF from a given uniform
 //
 // Built per machine with -march=native (the build is keyed by the CPU's flags, as the
 // attention kernel's): plain loops the compiler vectorizes for what the CPU has (SSE/AVX2/
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -235,6 +237,63 @@ void argmax_kernel(const T* x, int64_t* out, int64_t rows, int64_t v, int64_t sx
   }
 }
 
+// ---- sampling at a temperature (no top-k / top-p / min-p) ------------------------------
+// Row i draws the first token whose running sum of exp((x - max) / T) reaches u[i] times the
+// row's total: the same inverse-CDF rule as the PyTorch path (softmax, cumsum,
+// searchsorted), in three passes over the row and no [B, V] temporaries. The total is the
+// sum of 64-element chunk sums taken in order, and the search walks the same chunks, so the
+// target always falls inside the row; -inf logits get probability 0 exactly.
+constexpr int64_t kChunk = 64;
+
+void sample_row(const float* x, int64_t v, float temp, float u, float* e, float* chunk, int64_t* out) {
+  vf m = splat(-INFINITY);
+  int64_t j = 0;
+  for (; j + W <= v; j += W) {
+    vf y;
+    loadv(y, x + j);
+    m = y > m ? y : m;
+  }
+  float mx = -INFINITY;
+  for (int k = 0; k < W; ++k) mx = std::max(mx, m[k]);
+  for (int64_t t = j; t < v; ++t) mx = std::max(mx, x[t]);
+  const float inv = 1.f / temp;
+  const int64_t nchunks = (v + kChunk - 1) / kChunk;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t a = c * kChunk, b = std::min(v, a + kChunk);
+    vf acc = splat(0.f);
+    int64_t t = a;
+    for (; t + W <= b; t += W) {
+      vf y;
+      loadv(y, x + t);
+      vf ex = exp_cephes((y - mx) * inv);
+      ex = y > splat(-INFINITY) ? ex : splat(0.f);
+      std::memcpy(e + t, &ex, sizeof ex);
+      acc += ex;
+    }
+    float sum = 0.f;
+    for (int k = 0; k < W; ++k) sum += acc[k];
+    for (; t < b; ++t) sum += (e[t] = x[t] > -INFINITY ? exp_scalar((x[t] - mx) * inv) : 0.f);
+    chunk[c] = sum;
+  }
+  float total = 0.f;
+  for (int64_t c = 0; c < nchunks; ++c) total += chunk[c];
+  const float target = u * total;
+  float run = 0.f;
+  int64_t c = 0;
+  for (; c < nchunks - 1 && run + chunk[c] < target; ++c) run += chunk[c];
+  const int64_t a = c * kChunk, b = std::min(v, a + kChunk);
+  int64_t pick = -1, last = a;
+  for (int64_t t = a; t < b; ++t) {
+    if (e[t] > 0.f) last = t;
+    run += e[t];
+    if (e[t] > 0.f && run >= target) {
+      pick = t;
+      break;
+    }
+  }
+  *out = pick >= 0 ? pick : last;  // rounding inside the chunk: its last live token
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name, ": a CPU [rows, n] tensor with unit inner stride");
 }
@@ -319,6 +378,31 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Tensor u) {
+  check_rows(x, "logits");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "sample_rows: float32 logits");
+  const int64_t rows = x.size(0), v = x.size(1);
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() && temperature.numel() == rows,
+              "temperature: float32 [rows]");
+  TORCH_CHECK(u.scalar_type() == at::kFloat && u.is_contiguous() && u.numel() == rows, "u: float32 [rows]");
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t sx = x.stride(0);
+  auto body = [&](int64_t b, int64_t end) {
+    std::vector<float> e(v), chunk((v + kChunk - 1) / kChunk);
+    for (int64_t i = b; i < end; ++i) sample_row(xp + i * sx, v, tp[i], up[i], e.data(), chunk.data(), op + i);
+  };
+  if (rows == 1) {
+    body(0, 1);
+  } else {
+    at::parallel_for(0, rows, 1, body);
+  }
+  return out;
+}
+
 std::string isa() {
 #if defined(__AVX512F__)
   return "avx512";
@@ -338,5 +422,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_cache_", &rotary_cache_);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("argmax_rows", &argmax_rows);
+  m.def("sample_rows", &sample_rows);
   m.def("isa", &isa);
 }
