@@ -186,9 +186,10 @@ def test_model_fused_matches_reference():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_decode_loop_equals_layer_forward(dtype):
-    """Decode-only CPU steps through the model's lean loop (one loop over the layers'
-    kernels, attention straight from the fused QKV rows) give the same logits to the bit,
-    and the same KV cache, as the layers' own forward."""
+    """Decode-only CPU steps, and a step of short queries only (speculative verification),
+    through the model's lean loop (one loop over the layers' kernels, attention straight
+    from the fused QKV rows) give the same logits to the bit, and the same KV cache, as the
+    layers' own forward."""
     from pagedserve.executor.attention import get_attention_backend
     from pagedserve.executor.attention.backend import AttentionMetadata
     from pagedserve.executor.model_config import ModelConfig
@@ -232,7 +233,17 @@ def test_lean_decode_loop_equals_layer_forward(dtype):
             ids = torch.tensor([7 + step, 100, 299])
             with torch.inference_mode():
                 logits.append(model.compute_logits(model(ids, seq - 1, kv, meta)))
-        outs.append((torch.stack(logits), kv))
+        # a verification step: requests with 5 and 3 query tokens over their cached contexts
+        qlens, seq = [5, 3], [lens[1] + 3 + 5, lens[2] + 3 + 3]
+        pos = [p for q, s in zip(qlens, seq) for p in range(s - q, s)]
+        rows = [r for r, q in enumerate(qlens) for _ in range(q)]
+        slots = torch.tensor([int(tables[r + 1, p // bs]) * bs + p % bs for r, p in zip(rows, pos)])
+        meta = AttentionMetadata(
+            2, 0, torch.tensor([0, 5, 8]), torch.tensor(seq), tables[1:], slots, 5, max(seq), 0, [0, 5, 8], seq
+        )
+        with torch.inference_mode():
+            logits.append(model.compute_logits(model(torch.arange(8) * 7, torch.tensor(pos), kv, meta))[:3])
+        outs.append((torch.cat(logits), kv))
         assert bool(model.__dict__.get("_plan")) == lean  # the lean loop ran (or not)
     assert torch.equal(outs[0][0], outs[1][0])
     for (k1, v1), (k2, v2) in zip(outs[0][1], outs[1][1]):

@@ -89,6 +89,23 @@ class TorchAttentionBackend(AttentionBackend):
         K/V already written; None without the C++ kernels."""
         return self._cpp.paged_decode_qkv if self._cpp is not None else None
 
+    def decode_rows(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per query token (block-table row [T, max_blocks], causal context length [T]) when
+        every token of the step can go through `decode_from_qkv` exactly as `forward` would
+        send it through the decode kernel: a decode-only step (one call for all rows), or a
+        step of short queries only (speculative verification, tiny prompts; no decodes
+        beside them, which `forward` would attend in a call of their own). Else None."""
+        if self._cpp is None or meta.num_reqs == 0:
+            return None
+        if meta.num_decodes == meta.num_reqs:
+            return meta.block_tables, meta.seq_lens
+        if meta.num_decodes or meta.max_query_len > SHORT_QUERY_MAX:
+            return None
+        if "short" not in meta.backend_cache:
+            meta.backend_cache["short"] = short_query_rows(meta)
+        (_, tables, lens), _ = meta.backend_cache["short"]  # tokens in order: 0 .. T-1
+        return tables, lens
+
     def forward(
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_written: bool = False
     ) -> torch.Tensor:

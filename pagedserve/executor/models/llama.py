@@ -208,17 +208,19 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids)
         kern = ops.kernels_for(x) if self.use_fused_ops else None
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if kern is not None and meta.num_decodes == meta.num_reqs > 0 and self.use_lean_decode:
+        if kern is not None and self.use_lean_decode:
             plan = self._lean_plan()
-            if plan is not None:
-                return self._decode_lean(plan, x, cos, sin, kv_caches, meta, kern)
+            rows = plan[1](meta) if plan is not None else None
+            if rows is not None:  # decode-only, or short queries only (speculative verification)
+                return self._decode_lean(plan, rows, x, cos, sin, kv_caches, meta, kern)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer.forward(x, residual, cos, sin, kv, meta, kern)
         return self.norm.add_forward(x, residual, kern)[0]
 
     def _lean_plan(self):
-        """Per layer (norm weights, the four projections' forward), or None where the lean
+        """Per layer (norm weights, the four projections' forward) and the backend's row
+        and attention functions, or None where the lean
         decode loop does not apply (tensor parallelism, q/k norms, a backend without the C++
         decode-from-QKV kernel). Built on the first decode-only step, after loading: the
         projections are the installed modules' (QuantLinear, FloatLinear or nn.Linear), so a
@@ -228,7 +230,14 @@ class LlamaForCausalLM(nn.Module):
             return plan or None
         attn0 = self.layers[0].self_attn
         attend = getattr(attn0.backend, "decode_from_qkv", None)
-        if self.tp.size > 1 or attn0.q_norm is not None or attend is None or not attn0.backend.supports_prewritten_kv:
+        rows = getattr(attn0.backend, "decode_rows", None)
+        if (
+            self.tp.size > 1
+            or attn0.q_norm is not None
+            or attend is None
+            or rows is None
+            or not attn0.backend.supports_prewritten_kv
+        ):
             self._plan = ()
             return None
         layers = tuple(
@@ -242,16 +251,17 @@ class LlamaForCausalLM(nn.Module):
             )
             for layer in self.layers
         )
-        self._plan = (layers, attend, attn0.h, attn0.k, attn0.d, attn0.scale, self.config.rms_norm_eps)
+        self._plan = (layers, rows, attend, attn0.h, attn0.k, attn0.d, attn0.scale, self.config.rms_norm_eps)
         return self._plan
 
-    def _decode_lean(self, plan, x, cos, sin, kv_caches, meta, kern) -> torch.Tensor:
-        """A decode-only CPU step: the layers' own kernels in the layers' order (so the
-        result is the same to the bit), from one loop: no module calls, no split or views of
-        QKV (attention reads the query heads in place). At batch 1 the Python around the
-        kernels is a tenth of the step."""
-        layers, attend, h, k, d, scale, eps = plan
-        slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+    def _decode_lean(self, plan, rows, x, cos, sin, kv_caches, meta, kern) -> torch.Tensor:
+        """A decode-only CPU step, or one of short queries only (speculative verification):
+        the layers' own kernels in the layers' order (so the result is the same to the bit),
+        from one loop: no module calls, no split or views of QKV (attention reads the query
+        heads in place, one row per query token: `rows` = its block-table rows and causal
+        lengths). At batch 1 the Python around the kernels is a tenth of the step."""
+        layers, _, attend, h, k, d, scale, eps = plan
+        slots, (tables, lens) = meta.slot_mapping, rows
         residual = None
         for (w_in, w_post, qkv_proj, o_proj, gate_up_proj, down_proj), (kc, vc) in zip(layers, kv_caches):
             if residual is None:
