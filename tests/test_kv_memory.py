@@ -1,0 +1,37 @@
+"""The CPU KV cache's memory: zeroed, committed page by page as blocks are first written."""
+
+import sys
+
+import pytest
+import torch
+
+from pagedserve.executor.model_runner import lazy_zeros
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lazy_zeros_is_a_zeroed_writable_tensor(dtype):
+    t = lazy_zeros((5, 16, 3, 8), dtype)
+    assert t.shape == (5, 16, 3, 8) and t.dtype == dtype and t.is_contiguous()
+    assert not t.any()
+    t[2, 3] = 1.5
+    assert t.sum().item() == 1.5 * 24
+    assert lazy_zeros((0, 16), dtype).shape == (0, 16)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_lazy_zeros_commits_only_what_is_written():
+    """1 GiB reserved; writing 8 MiB of it commits ~8 MiB (base pages, not 2 MiB huge pages
+    per touched region)."""
+    before = _rss_bytes()
+    t = lazy_zeros((1 << 28,), torch.float32)
+    assert _rss_bytes() - before < (16 << 20)
+    stride = 1 << 20  # one float every 4 MiB: 256 pages touched
+    t[::stride] = 1.0
+    grown = _rss_bytes() - before
+    assert grown < (64 << 20), f"RSS grew {grown >> 20} MiB for 256 touched pages"
+    del t
