@@ -161,7 +161,9 @@ class Sampler:
                 probs = sampling_probs(logits, temp, b.top_k, b.top_p, b.min_p)
                 u = uniform_draws(probs.shape[0], b.generators, probs.device, self.generator)
                 random = sample_from_probs(probs, u)
-            sampled = torch.where(is_greedy, ops.argmax(logits), random) if bool(is_greedy.any()) else random
+            # the argmax only for greedy rows beside sampled ones (the check syncs: CPU only)
+            mixed = logits.device.type != "cpu" or bool(is_greedy.any())
+            sampled = torch.where(is_greedy, ops.argmax(logits), random) if mixed else random
         out = SamplerOutput(sampled=sampled)
         if raw_logprobs is not None:
             k = b.max_num_logprobs

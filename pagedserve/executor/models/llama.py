@@ -181,8 +181,8 @@ class LlamaForCausalLM(nn.Module):
 
     # The fused C++ ops (executor/ops) on CPU tensors when they build; False: PyTorch only.
     use_fused_ops: bool = True
-    # Decode-only CPU steps through `_decode_lean` (the same kernels, no per-layer module
-    # calls); False: every step through the layers' forward (for A/B measurements).
+    # Decode-only and short-query-only CPU steps through `_decode_lean` (the same kernels, no
+    # per-layer module calls); False: every step through the layers' forward (A/B, tests).
     use_lean_decode: bool = True
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
@@ -219,12 +219,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(x, residual, kern)[0]
 
     def _lean_plan(self):
-        """Per layer (norm weights, the four projections' forward) and the backend's row
-        and attention functions, or None where the lean
-        decode loop does not apply (tensor parallelism, q/k norms, a backend without the C++
-        decode-from-QKV kernel). Built on the first decode-only step, after loading: the
-        projections are the installed modules' (QuantLinear, FloatLinear or nn.Linear), so a
-        module swapped after that step needs `self._plan = None`."""
+        """Per layer (norm weights, the four projections' forward) and the backend's row and
+        attention functions, or None where the lean decode loop does not apply (tensor
+        parallelism, q/k norms, a backend without the C++ decode-from-QKV kernel). Built on
+        the first CPU step, after loading: the projections are the installed modules'
+        (QuantLinear, FloatLinear or nn.Linear), so a module swapped after that step needs
+        `self._plan = None`."""
         plan = self.__dict__.get("_plan")
         if plan is not None:
             return plan or None
