@@ -39,8 +39,8 @@ def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     mmap), in base pages: transparent huge pages would commit (and zero) 2 MB at a time per
     tensor, which on VMs whose memory is backed lazily costs ~10x more per byte on first
     touch (measured here: prefill of 64 x 256 tokens on a fresh engine 31.3-32.7 -> 27.3 s,
-    BENCHMARKS 21) and lets RSS run ahead of the blocks in use. Without mmap's MADV_NOHUGEPAGE (non-Linux):
-    numpy's calloc, also lazily committed."""
+    BENCHMARKS 21) and lets RSS run ahead of the blocks in use. Without mmap's
+    MADV_NOHUGEPAGE (non-Linux): numpy's calloc, also lazily committed."""
     import mmap
 
     nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
@@ -51,6 +51,8 @@ def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

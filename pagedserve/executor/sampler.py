@@ -153,14 +153,13 @@ class Sampler:
             sampled = ops.argmax(logits)
         else:
             temp = torch.where(is_greedy, torch.ones_like(b.temperature), b.temperature)
+            u = uniform_draws(logits.shape[0], b.generators, logits.device, self.generator)
+            random = None
             if b.top_k is None and b.top_p is None and b.min_p is None:
                 # temperature alone (an OpenAI client's default): one fused pass per row
-                u = uniform_draws(logits.shape[0], b.generators, logits.device, self.generator)
                 random = ops.sample_at_temperature(logits, temp, u)
-            else:
-                probs = sampling_probs(logits, temp, b.top_k, b.top_p, b.min_p)
-                u = uniform_draws(probs.shape[0], b.generators, probs.device, self.generator)
-                random = sample_from_probs(probs, u)
+            if random is None:
+                random = sample_from_probs(sampling_probs(logits, temp, b.top_k, b.top_p, b.min_p), u)
             # the argmax only for greedy rows beside sampled ones (the check syncs: CPU only)
             mixed = logits.device.type != "cpu" or bool(is_greedy.any())
             sampled = torch.where(is_greedy, ops.argmax(logits), random) if mixed else random

@@ -142,21 +142,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return k.argmax_rows(logits)
 
 
-def sample_at_temperature_ref(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """softmax(logits / T), then the first token whose cumulative probability reaches u."""
-    probs = (logits / temperature.unsqueeze(1)).softmax(dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    x = (u * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, x).squeeze(1).clamp_(max=probs.shape[1] - 1)
-
-
-def sample_at_temperature(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_at_temperature(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     """A token per row of float32 logits [B, V] at temperature [B] (> 0), drawn by inverse
-    CDF with the uniforms u [B] in (0, 1]: the same rule as the reference, in one pass
-    per row with no [B, V] temporaries (64 rows x 49,152: 14 ms -> ~1 ms on 2 cores)."""
+    CDF with the uniforms u [B] in (0, 1]: the sampler's rule (softmax, cumsum, searchsorted)
+    in one pass per row with no [B, V] temporaries (64 rows x 49,152: a sampler step 14.2 ->
+    2.8 ms). None where the kernel cannot run: the caller samples its own way."""
     k = kernels_for(logits)
     if k is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        return sample_at_temperature_ref(logits, temperature, u)
+        return None
     return k.sample_rows(logits, temperature.float().contiguous(), u.float().contiguous())
 
 

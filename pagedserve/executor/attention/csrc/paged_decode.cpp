@@ -19,8 +19,8 @@
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
-// sc[0:L] = softmax(sc[0:L]), in place (one query head's scores)
-static inline void softmax_inplace(float* sc, int64_t L) {
+// sc[0:L] = exp(sc - max), in place (one query head's scores); *m = the max, returns the sum
+static inline float exp_scores(float* sc, int64_t L, float* m_out) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
   float sum = 0.f;
@@ -28,7 +28,14 @@ static inline void softmax_inplace(float* sc, int64_t L) {
     sc[t] = std::exp(sc[t] - m);
     sum += sc[t];
   }
-  const float inv = 1.f / sum;
+  *m_out = m;
+  return sum;
+}
+
+// sc[0:L] = softmax(sc[0:L]), in place
+static inline void softmax_inplace(float* sc, int64_t L) {
+  float m;
+  const float inv = 1.f / exp_scores(sc, L, &m);
   for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
 }
 
@@ -151,15 +158,8 @@ static void attend_avx2(const float* qf, const float* const* krows, const float*
   }
   for (int64_t gi = 0; gi < g; ++gi) {
     float* sc = scores + gi * L;
-    if (part_m == nullptr) {
-      softmax_inplace(sc, L);
-      continue;
-    }
-    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
-    for (int64_t t = 0; t < L; ++t) sum += (sc[t] = std::exp(sc[t] - m));
-    part_m[gi] = m;
-    part_l[gi] = sum;
+    if (part_m == nullptr) softmax_inplace(sc, L);
+    else part_l[gi] = exp_scores(sc, L, &part_m[gi]);
   }
   for (int64_t gi = 0; gi < g; ++gi) {  // out[head] = sum_t p[t] v[t], d in chunks of 64
     const float* sc = scores + gi * L;
