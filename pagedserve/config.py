@@ -59,6 +59,9 @@ class SchedulerConfig:
         return replace(self, max_model_len=max_len, max_num_batched_tokens=budget)
 
 
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache: `num_kv_blocks` if given, else sized from `kv_cache_memory_bytes`."""
@@ -68,8 +71,15 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights + activations + KV
+    # "auto": the model's dtype; "float16" / "bfloat16" (CPU): K/V stored in 16 bits, half the
+    # bytes a float32 model's attention reads (llama.cpp's default is float16)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}."
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.block_size not in (8, 16, 32, 64, 128):

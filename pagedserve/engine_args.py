@@ -74,6 +74,9 @@ class EngineArgs:
     )
     gpu_memory_utilization: float = _arg(0.9, "GPU: fraction of device memory for weights + activations + KV")
     enable_prefix_caching: bool = _arg(True, "share KV blocks of identical prefixes")
+    kv_cache_dtype: str = _arg(
+        "auto", "K/V storage: auto (the model's dtype) | float16 | bfloat16 (CPU)", ["auto", "float16", "bfloat16"]
+    )
     # -- scheduler --------------------------------------------------------------------
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     max_num_seqs: int = _arg(256, "most requests in one step")
@@ -170,6 +173,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -206,5 +210,5 @@ def signature() -> inspect.Signature:
 
 # vLLM engine arguments that pagedserve does not implement: named in the error message.
 VLLM_ONLY_ARGS = frozenset(
-    ["trust_remote_code", "revision", "code_revision", "tokenizer_revision", "tokenizer_mode", "download_dir", "pipeline_parallel_size", "distributed_executor_backend", "swap_space", "cpu_offload_gb", "kv_cache_dtype", "num_gpu_blocks_override", "max_seq_len_to_capture", "disable_custom_all_reduce", "hf_overrides", "mm_processor_kwargs", "limit_mm_per_prompt", "speculative_config", "compilation_config", "max_logprobs", "disable_log_stats", "served_model_name", "allowed_local_media_path", "enable_lora", "max_loras", "max_lora_rank", "worker_cls", "override_generation_config", "model_impl"]
+    ["trust_remote_code", "revision", "code_revision", "tokenizer_revision", "tokenizer_mode", "download_dir", "pipeline_parallel_size", "distributed_executor_backend", "swap_space", "cpu_offload_gb", "num_gpu_blocks_override", "max_seq_len_to_capture", "disable_custom_all_reduce", "hf_overrides", "mm_processor_kwargs", "limit_mm_per_prompt", "speculative_config", "compilation_config", "max_logprobs", "disable_log_stats", "served_model_name", "allowed_local_media_path", "enable_lora", "max_loras", "max_lora_rank", "worker_cls", "override_generation_config", "model_impl"]
 )

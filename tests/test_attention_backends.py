@@ -32,6 +32,30 @@ def test_cpp_decode_matches_reference(dtype, tol, bs, heads, kv_heads, d):
 
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("q_dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("lens", [[1, 17, 3 * 16 + 5, 160], [9 * 16 + 3]])  # many rows; one split context
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 2, 40), (2, 1, 12)])
+def test_cpp_decode_narrow_kv_cache(kv_dtype, q_dtype, tol, lens, heads, kv_heads, d):
+    """kv_cache_dtype float16 / bfloat16: the kernel converts K/V as it reads them (AVX2 +
+    F16C path for float32 q, the portable one otherwise) and matches the reference over the
+    same stored values (gathered, converted to q's dtype, SDPA)."""
+    g = torch.Generator().manual_seed(len(lens) + heads + d)
+    bs, nb, n = 16, 64, len(lens)
+    kc = torch.randn(nb, bs, kv_heads, d, generator=g).to(kv_dtype)
+    vc = torch.randn(nb, bs, kv_heads, d, generator=g).to(kv_dtype)
+    lens_t = torch.tensor(lens)
+    nblk = int((lens_t.max() + bs - 1) // bs)
+    bt = torch.stack([torch.randperm(nb - 1, generator=g)[:nblk] + 1 for _ in range(n)])
+    q = torch.randn(n, heads, d, generator=g).to(q_dtype)
+    meta = AttentionMetadata(n, n, None, lens_t, bt, None, 1, max(lens), max(lens), None, None)
+    ref = TorchAttentionBackend._decode(q, kc, vc, meta, d**-0.5)
+    out = kernels.paged_decode(q, kc, vc, bt, lens_t, d**-0.5)
+    assert out.dtype == q_dtype
+    assert (out.float() - ref.float()).abs().max().item() < tol
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("threads", [2, 4])
 @pytest.mark.parametrize("lens", [[9 * 16 + 3], [16 * 16, 12 * 16 + 1], [5]])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40)])

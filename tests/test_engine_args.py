@@ -94,3 +94,11 @@ def test_parse_bytes():
     assert parse_bytes("1e9") == 10**9
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bytes("lots")
+
+
+def test_kv_cache_dtype_argument():
+    from pagedserve.engine_args import EngineArgs
+
+    assert EngineArgs(kv_cache_dtype="float16").create_engine_config().cache.kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16, got 'fp8'"):
+        EngineArgs(kv_cache_dtype="fp8").create_engine_config()

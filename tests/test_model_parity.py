@@ -18,9 +18,9 @@ ARCHS = ["llama", "llama_tied_llama3rope", "mistral", "qwen2", "qwen3"]
 TOL = 1e-4
 
 
-def make_runner(path, block_size, num_blocks=200, dtype="float32"):
+def make_runner(path, block_size, num_blocks=200, dtype="float32", kv_cache_dtype="auto"):
     cfg = ModelConfig.from_hf_dict(load_hf_config_dict(path))
-    runner = ModelRunner(path, cfg, dtype=dtype, device="cpu")
+    runner = ModelRunner(path, cfg, dtype=dtype, device="cpu", kv_cache_dtype=kv_cache_dtype)
     runner.initialize_kv_cache(num_blocks, block_size)
     return runner
 
@@ -133,3 +133,29 @@ def test_bfloat16_greedy_matches_transformers_bf16(checkpoint):
         ref = hf(torch.tensor([reqs["r0"].all_token_ids])).logits[0].float()
     for (_, p), ours in logits_at.items():
         assert (ours - ref[p]).abs().max().item() < 0.1  # bf16: a looser, stated tolerance
+
+
+@pytest.mark.parametrize("kv_cache_dtype,tol", [("float16", 2e-3), ("bfloat16", 2e-2)])
+def test_narrow_kv_cache_stays_close_to_transformers(checkpoint, kv_cache_dtype, tol):
+    """kv_cache_dtype float16 / bfloat16 with a float32 model: K/V rounded once as written,
+    read back through every attention path (decode kernel, chunked prefill and prefix hits
+    over the gathered cache); logits within a stated tolerance of transformers' float32
+    (float16's 11-bit mantissa: ~1e-3; bfloat16's 8: ~1e-2), half the bytes per block."""
+    path = checkpoint("llama")
+    hf = load_hf(path)
+    runner = make_runner(path, 16, kv_cache_dtype=kv_cache_dtype)
+    assert runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    assert runner.kv_bytes_per_block(16) * 2 == make_runner(path, 16).kv_bytes_per_block(16)
+    shared = [(11 * i + 5) % 1000 for i in range(40)]
+    prompts = [shared + [1, 2, 3], [9] * 3, list(range(100, 171))]
+    late = {3: [("late0", shared + [6, 7, 8, 9], 6)]}
+    reqs, logits_at, sched = drive(runner, prompts, 8, 16, budget=24, late=late)
+    assert sched.kv.prefix_cache_hits >= 32
+    worst = 0.0
+    for rid, r in reqs.items():
+        with torch.inference_mode():
+            ref = hf(torch.tensor([r.all_token_ids])).logits[0].float()
+        for (q, p), ours in logits_at.items():
+            if q == rid:
+                worst = max(worst, (ours - ref[p]).abs().max().item())
+    assert 0 < worst < tol  # rounded (not float32 after all), and close

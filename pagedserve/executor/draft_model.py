@@ -54,9 +54,10 @@ class DraftModelProposer:
         self.computed: dict[str, int] = {}
 
     # -- KV cache (the target's block layout, the draft's heads and layers) ---------------
-    def kv_bytes_per_block(self, block_size: int) -> int:
+    def kv_bytes_per_block(self, block_size: int, elem: int) -> int:
+        """Bytes of one block over the draft's layers, `elem` bytes per K/V element (the
+        target's KV cache dtype: the caches come from its `zeros`)."""
         c = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int, zeros) -> None:

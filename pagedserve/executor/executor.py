@@ -64,6 +64,7 @@ class UniProcExecutor(Executor):
             load_format=mc.load_format,
             enforce_eager=mc.enforce_eager,
             quantization=mc.quantization,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
         )
         spec = config.speculative
         if spec is not None and spec.method == "draft_model":

@@ -113,6 +113,23 @@ class RequestState:
         )
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type: the model's ("auto"), or float16 / bfloat16 on the CPU
+    (written rounded from the model's K/V, read back as the model's dtype by the attention
+    paths: the C++ decode kernel converts in registers, the SDPA paths after gathering)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    kv = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype)
+    if kv is None:
+        raise ValueError(f"kv_cache_dtype must be auto, float16 or bfloat16, got {kv_cache_dtype!r}.")
+    if device.type != "cpu" and kv != model_dtype:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} differs from the model's {str(model_dtype).removeprefix('torch.')}: "
+            "supported on the CPU only (use 'auto' on GPUs)."
+        )
+    return kv
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -125,11 +142,15 @@ class ModelRunner:
         load_format: str = "auto",
         enforce_eager: bool = False,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, model_config, self.device)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device)
         self.backend = get_attention_backend(attention_backend, self.device.type)
+        if self.kv_dtype != self.dtype and not self.backend.name.startswith("torch"):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs the torch attention backend, not {self.backend.name}.")
         torch.manual_seed(seed)
         self.model = build_model(
             model_path, model_config, self.dtype, self.device, self.backend, load_format, quantization
@@ -153,8 +174,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        draft = self.drafter.kv_bytes_per_block(block_size) if self.drafter is not None else 0
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        draft = self.drafter.kv_bytes_per_block(block_size, elem) if self.drafter is not None else 0
         return 2 * c.num_hidden_layers * block_size * self.num_kv_heads * c.head_dim * elem + draft
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -219,8 +240,8 @@ class ModelRunner:
 
     def _zeros(self, shape) -> torch.Tensor:
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return lazy_zeros(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        return lazy_zeros(shape, self.kv_dtype)
 
     # -- one step -------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

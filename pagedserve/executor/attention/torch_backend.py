@@ -24,17 +24,18 @@ from pagedserve.executor.attention.backend import AttentionBackend, AttentionMet
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ):
-    """Scatter the step's K/V [T, kvh, d] into their slots of the paged cache."""
+    """Scatter the step's K/V [T, kvh, d] into their slots of the paged cache (rounded to
+    the cache's dtype where it is narrower: kv_cache_dtype)."""
     nb, bs, kvh, d = k_cache.shape
-    k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, k)
-    v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, v)
+    k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[n, nblk] block ids -> [n, nblk * bs, kvh, d] (a copy, in token order)."""
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, nblk] block ids -> [n, nblk * bs, kvh, d] in `dtype` (a copy, in token order)."""
     n, nblk = block_tables.shape
     _, bs, kvh, d = cache.shape
-    return cache.index_select(0, block_tables.reshape(-1)).view(n, nblk * bs, kvh, d)
+    return cache.index_select(0, block_tables.reshape(-1)).view(n, nblk * bs, kvh, d).to(dtype)
 
 
 # Requests with at most this many query tokens use the decode kernel (one row per token).
@@ -146,8 +147,8 @@ class TorchAttentionBackend(AttentionBackend):
         bs = k_cache.shape[1]
         nblk = -(-meta.max_decode_seq_len // bs)
         bt = meta.block_tables[:n, :nblk]
-        keys = gather_kv(k_cache, bt).transpose(1, 2)  # [n, kvh, L, d]
-        vals = gather_kv(v_cache, bt).transpose(1, 2)
+        keys = gather_kv(k_cache, bt, q.dtype).transpose(1, 2)  # [n, kvh, L, d]
+        vals = gather_kv(v_cache, bt, q.dtype).transpose(1, 2)
         L = keys.shape[2]
         valid = torch.arange(L, device=q.device)[None, :] < meta.seq_lens[:n, None]  # [n, L]
         o = F.scaled_dot_product_attention(
@@ -166,8 +167,8 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             bs = k_cache.shape[1]
             bt = block_table[: -(-seq_len // bs)].unsqueeze(0)
-            kt = gather_kv(k_cache, bt)[:, :seq_len].transpose(1, 2)  # [1, kvh, seq, d]
-            vt = gather_kv(v_cache, bt)[:, :seq_len].transpose(1, 2)
+            kt = gather_kv(k_cache, bt, q.dtype)[:, :seq_len].transpose(1, 2)  # [1, kvh, seq, d]
+            vt = gather_kv(v_cache, bt, q.dtype)[:, :seq_len].transpose(1, 2)
             qpos = torch.arange(ctx, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos  # [ql, seq]
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -99,6 +99,7 @@ class MultiprocExecutor(Executor):
                 load_format=mc.load_format,
                 enforce_eager=True,  # no CUDA graphs around collectives (not verified on a GPU)
                 quantization=mc.quantization,  # packed GGUF blocks shard too
+                kv_cache_dtype=config.cache.kv_cache_dtype,
             ),
             num_threads=max(1, cores // self.num_local),
             check_tokens=os.environ.get("PAGEDSERVE_TP_CHECK_TOKENS", "") not in ("", "0"),

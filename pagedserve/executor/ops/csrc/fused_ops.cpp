@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -93,9 +94,20 @@ inline void rope_head(T* x, const T* c, const T* s, int64_t half) {
   }
 }
 
-template <typename T>
+// n K/V values into a cache row: copied, or rounded to a narrower cache dtype (kv_cache_dtype
+// float16 / bfloat16: round to nearest even, as torch's .to()).
+template <typename T, typename C>
+inline void store_kv(C* dst, const T* src, int64_t n) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(dst, src, sizeof(T) * n);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<C>(f(src[j]));
+  }
+}
+
+template <typename T, typename C>
 void rotary_kernel(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, int64_t nrot, int64_t d,
-                   T* kc, T* vc, const int64_t* slots, int64_t nq, int64_t nkv) {
+                   C* kc, C* vc, const int64_t* slots, int64_t nq, int64_t nkv) {
   const int64_t half = d / 2;
   for_rows(rows, nrot * d, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
@@ -105,8 +117,8 @@ void rotary_kernel(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row
       for (int64_t h = 0; h < nrot; ++h) rope_head(row + h * d, c, s, half);
       if (kc != nullptr) {
         const int64_t slot = slots[t];
-        std::memcpy(kc + slot * nkv * d, row + nq * d, sizeof(T) * nkv * d);
-        std::memcpy(vc + slot * nkv * d, row + (nq + nkv) * d, sizeof(T) * nkv * d);
+        store_kv(kc + slot * nkv * d, row + nq * d, nkv * d);
+        store_kv(vc + slot * nkv * d, row + (nq + nkv) * d, nkv * d);
       }
     }
   });
@@ -343,13 +355,23 @@ static void rotary_impl(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
   if (kc != nullptr) {
     TORCH_CHECK(kc->is_contiguous() && vc->is_contiguous() && kc->dim() == 4 && kc->size(2) == nkv && kc->size(3) == d,
                 "kv cache [blocks, block_size, kv_heads, head_dim], contiguous");
-    TORCH_CHECK(kc->scalar_type() == qkv.scalar_type() && vc->sizes() == kc->sizes(), "kv cache dtype/shape");
+    const auto kt = kc->scalar_type();
+    TORCH_CHECK((kt == qkv.scalar_type() || kt == at::kHalf || kt == at::kBFloat16) && vc->scalar_type() == kt &&
+                    vc->sizes() == kc->sizes(),
+                "kv cache dtype (the model's, float16 or bfloat16) / shape");
     TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->numel() == qkv.size(0), "slots");
   }
   DISPATCH(qkv.scalar_type(), [&] {
-    rotary_kernel<T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), qkv.size(0), qkv.stride(0), nq + nkv, d,
-                     kc ? kc->data_ptr<T>() : nullptr, vc ? vc->data_ptr<T>() : nullptr,
-                     slots ? slots->data_ptr<int64_t>() : nullptr, nq, nkv);
+    auto run = [&](auto* cache_type) {
+      using C = std::remove_pointer_t<decltype(cache_type)>;
+      rotary_kernel<T, C>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), qkv.size(0), qkv.stride(0), nq + nkv,
+                          d, kc ? kc->data_ptr<C>() : nullptr, vc ? vc->data_ptr<C>() : nullptr,
+                          slots ? slots->data_ptr<int64_t>() : nullptr, nq, nkv);
+    };
+    const auto kt = kc ? kc->scalar_type() : qkv.scalar_type();
+    if (kt == qkv.scalar_type()) run(static_cast<T*>(nullptr));
+    else if (kt == at::kHalf) run(static_cast<at::Half*>(nullptr));
+    else run(static_cast<at::BFloat16*>(nullptr));
   });
 }
 
