@@ -302,3 +302,22 @@ def test_spec_counters_in_prometheus_metrics():
     assert 'pagedserve:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
     assert 'pagedserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
     assert 'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 3.0' in text
+
+
+def test_step_model_replays_proposer_and_costs():
+    """benchmarks/spec_step_model.py: the n-gram proposer replayed on fixed greedy outputs,
+    a step verifying r rows costing 1 + c (r - 1) plain steps."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_step_model.py"
+    spec = importlib.util.spec_from_file_location("spec_step_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    prompt = list(range(5, 16))
+    out = list(range(5, 13))  # copies the prompt's start
+    # [14, 15] and [15, 5] unseen: two plain steps; then [5, 6] matches: 4 guesses, all
+    # accepted (+1); the last token has no room for guesses: plain
+    r = mod.replay([prompt], [out], k_max=4, c=0.5)
+    assert (r["plain_steps"], r["verify_steps"], r["tokens"]) == (3, 1, 8)
+    assert r["speedup"] == round(8 / (3 + 1 + 0.5 * 4), 3)

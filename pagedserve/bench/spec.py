@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding, same model, same run.
 
-    pagedserve bench spec [--model default] [--k 4] [--max-tokens 160] [--batch-load 64]
+    pagedserve bench spec [--model default] [--k 4] [--max-tokens 160] [--batch-load 64] [--kv-cache-dtype float16]
         [--method ngram | draft_model [--draft-model PATH | --draft-layers N] [--draft-quantization int4]]
 
 Part 1, batch 1, input-grounded chat prompts (copy or lightly edit a given paragraph or
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, help="the target's (both engines'), e.g. gguf_q8")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="both engines' KV cache (auto, float16, bfloat16)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--batch-load", type=int, default=0, help="also N random prompts at once (0: skip)")
@@ -125,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": a.k}
         if a.draft_quantization:
             spec_cfg["quantization"] = a.draft_quantization
-    base = LLM(a.model, dtype=a.dtype, quantization=a.quantization)
-    spec = LLM(a.model, dtype=a.dtype, quantization=a.quantization, speculative_config=spec_cfg)
+    kw = dict(dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+    base = LLM(a.model, **kw)
+    spec = LLM(a.model, **kw, speculative_config=spec_cfg)
     tok = base.get_tokenizer()
     prompts = [
         {"prompt_token_ids": apply_chat_template(tok, [{"role": "user", "content": t.format(p=p)}])}
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         "k": a.k,
         "method": a.method,
         "quantization": a.quantization,
+        "kv_cache_dtype": a.kv_cache_dtype,
         "draft": {k: v for k, v in spec_cfg.items() if k in ("model", "quantization")} or None,
         "draft_layers": a.draft_layers or None,
         "batch1": {
