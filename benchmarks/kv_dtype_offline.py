@@ -1,0 +1,63 @@
+"""KV cache dtype A/B under load, offline: the default model, N random 256-token prompts at
+once, 128 sampled tokens each (ignore_eos), one engine per kv_cache_dtype in this process,
+run alternately so a noisy stretch of the machine hits both.
+
+    python benchmarks/kv_dtype_offline.py [--dtypes auto float16] [--requests 64] [--rounds 2]
+
+Prints one JSON line per run: output tokens/s, the seconds of steps that held prefill work
+and of decode-only steps, and the median decode-only step (engine step records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def run(llm, work) -> dict:
+    from pagedserve import SamplingParams
+
+    core = llm.engine.core.engine_core
+    sp = SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True, temperature=1.0, seed=1)
+    core.enable_step_records(100000)
+    core.step_records.clear()
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in work], sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    recs = list(core.step_records)  # (.., prefill tokens, decode tokens, .., seconds)
+    decode = [r[7] for r in recs if r[1] == 0]
+    return {
+        "tok_s": round(len(work) * 128 / wall, 1),
+        "prefill_s": round(sum(r[7] for r in recs if r[1] > 0), 1),
+        "decode_s": round(sum(decode), 1),
+        "decode_step_ms": round(statistics.median(decode) * 1e3, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "float16"])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+
+    from pagedserve import LLM, SamplingParams
+
+    def prompts(seed: int) -> list[list[int]]:  # new prompts each round: no prefix-cache hits
+        rng = random.Random(seed)
+        return [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(a.requests)]
+
+    llms = {d: LLM("default", kv_cache_dtype=d) for d in a.dtypes}
+    for llm in llms.values():  # warm-up
+        llm.generate([{"prompt_token_ids": prompts(-1)[0][:32]}], SamplingParams(max_tokens=8), use_tqdm=False)
+    for r in range(a.rounds):
+        work = prompts(r)
+        for d in a.dtypes if r % 2 == 0 else a.dtypes[::-1]:
+            print(json.dumps({"kv_cache_dtype": d, "round": r} | run(llms[d], work)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
