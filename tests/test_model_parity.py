@@ -159,3 +159,16 @@ def test_narrow_kv_cache_stays_close_to_transformers(checkpoint, kv_cache_dtype,
             if q == rid:
                 worst = max(worst, (ours - ref[p]).abs().max().item())
     assert 0 < worst < tol  # rounded (not float32 after all), and close
+
+
+def test_narrow_kv_cache_same_numbers_with_or_without_a_prefix_hit(checkpoint):
+    """With a float16 cache a fresh prefill attends to its K/V as stored (rounded), like a
+    later request that finds the prompt's blocks cached: the same logits either way."""
+    path = checkpoint("llama")
+    runner = make_runner(path, 16, kv_cache_dtype="float16")
+    prompt = [(13 * i + 2) % 1000 for i in range(40)]
+    late = {4: [("again", prompt, 4)]}
+    reqs, logits_at, sched = drive(runner, [prompt], 4, 16, late=late)
+    assert sched.kv.prefix_cache_hits >= 32
+    for p in range(len(prompt) - 1, len(prompt) + 3):
+        torch.testing.assert_close(logits_at[("again", p)], logits_at[("r0", p)], atol=2e-5, rtol=0)

@@ -116,7 +116,9 @@ class RequestState:
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's element type: the model's ("auto"), or float16 / bfloat16 on the CPU
     (written rounded from the model's K/V, read back as the model's dtype by the attention
-    paths: the C++ decode kernel converts in registers, the SDPA paths after gathering)."""
+    paths: the C++ decode kernel converts in registers, the SDPA paths after gathering).
+    float16 holds |K/V| up to 65504 (larger values become inf, as in llama.cpp's default
+    float16 cache); bfloat16 keeps float32's range with 8 mantissa bits."""
     if kv_cache_dtype == "auto":
         return model_dtype
     kv = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype)

@@ -162,6 +162,9 @@ class TorchAttentionBackend(AttentionBackend):
         ctx = seq_len - ql
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, h, ql, d]
         if ctx == 0:
+            if k_cache.dtype != q.dtype:  # a narrower cache: attend to K/V as stored, so a
+                # prompt gives the same numbers whether or not a prefix of it was cached
+                k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
             kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:

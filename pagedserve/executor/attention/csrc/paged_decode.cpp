@@ -294,8 +294,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto run = [&](auto* q_type, auto* kv_type) {
     using T = std::remove_pointer_t<decltype(q_type)>;
     using KV = std::remove_pointer_t<decltype(kv_type)>;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if constexpr (std::is_same_v<T, float>) {
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__F16C__)
+    constexpr bool kv_ok = true;
+#else
+    constexpr bool kv_ok = !std::is_same_v<KV, at::Half>;  // float16 K/V need F16C's conversion
+#endif
+    if constexpr (std::is_same_v<T, float> && kv_ok) {
       if (d % 8 == 0 && q.stride(2) == 1 && q.stride(1) == d) {  // rows may be strided
         decode_avx2<KV>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(),
                         bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), out.data_ptr<float>(), n, h, kvh, d, bs,
