@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedserve.config import KV_CACHE_DTYPES
 from pagedserve.executor.attention import AttentionMetadata, get_attention_backend
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.model_config import ModelConfig
@@ -119,11 +120,11 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torc
     paths: the C++ decode kernel converts in registers, the SDPA paths after gathering).
     float16 holds |K/V| up to 65504 (larger values become inf, as in llama.cpp's default
     float16 cache); bfloat16 keeps float32's range with 8 mantissa bits."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}.")
     if kv_cache_dtype == "auto":
         return model_dtype
-    kv = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype)
-    if kv is None:
-        raise ValueError(f"kv_cache_dtype must be auto, float16 or bfloat16, got {kv_cache_dtype!r}.")
+    kv = _DTYPES[kv_cache_dtype]
     if device.type != "cpu" and kv != model_dtype:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} differs from the model's {str(model_dtype).removeprefix('torch.')}: "
@@ -151,7 +152,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, model_config, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device)
         self.backend = get_attention_backend(attention_backend, self.device.type)
-        if self.kv_dtype != self.dtype and not self.backend.name.startswith("torch"):
+        if self.kv_dtype != self.dtype and not self.backend.supports_narrow_kv_cache:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs the torch attention backend, not {self.backend.name}.")
         torch.manual_seed(seed)
         self.model = build_model(

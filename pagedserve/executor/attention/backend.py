@@ -49,6 +49,9 @@ class AttentionBackend(ABC):
     # True: forward(..., kv_written=True) skips the K/V write, which the caller has already
     # done (the model's fused rotary + cache-write op on the CPU).
     supports_prewritten_kv: bool = False
+    # True: the KV cache may be narrower than the model's dtype (kv_cache_dtype float16 /
+    # bfloat16): K/V are rounded as written and converted back as read.
+    supports_narrow_kv_cache: bool = False
 
     @abstractmethod
     def forward(

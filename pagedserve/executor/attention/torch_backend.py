@@ -73,6 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     supports_prewritten_kv = True
+    supports_narrow_kv_cache = True
 
     def __init__(self, use_cpp_decode: bool = False) -> None:
         self._cpp = None

@@ -102,13 +102,17 @@ static void decode_kernel(const T* q, const KV* kc, const KV* vc, const int64_t*
 // head. 30 layers of 64 rows at context 320 (K/V from memory): 85.6 -> 68.6 ms; 5 verify
 // rows of one request: 3.55 -> 1.9-2.0 ms (BENCHMARKS section 20). At 64 rows it reads K/V at
 // ~14 GB/s, half of what a contiguous read gets on this machine: the (row, KV head) slices
-// are strided; prefetching them ahead did not help. A batch-1 step (3 jobs for 2 threads)
+// are strided (software prefetch, below, recovers part of it). A batch-1 step (3 jobs for 2 threads)
 // cuts each context in parts (split-context, merged by softmax maxima and sums): 30 layers
 // of 1 row at context 320 0.74-0.8 -> 0.54-0.56 ms; a batch-1 decode step 10.6-11.0 -> 9.7-10.0 ms.
 // Tokens ahead whose K (V) rows are prefetched: a context's rows are scattered over its
 // blocks (one KV head's slice of each row), so the hardware prefetchers miss them. 64 rows at
 // context 325, 30 layers: float16 KV 66-75 -> 42-49 ms, float32 79-83 -> 69-72 ms (4: less, 12: same).
 constexpr int PFD = 8;
+template <typename KV>
+static inline void prefetch_row(const KV* p, int64_t n) {  // the cache lines of p[0:n]
+  for (int64_t c = 0; c < n * (int64_t)sizeof(KV); c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + c, _MM_HINT_T0);
+}
 // 8 K/V elements as floats: float32 as is; float16 through F16C; bfloat16 by a shift (exact)
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const at::BFloat16* p) {
@@ -137,8 +141,7 @@ static void scores_avx2(const float* q, const KV* const* krows, int64_t L, int64
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {
     if (t + PFD + 4 <= L)
-      for (int j = 0; j < 4; ++j)
-        for (int64_t c = 0; c < d * (int64_t)sizeof(KV); c += 64) _mm_prefetch(reinterpret_cast<const char*>(krows[t + PFD + j]) + c, _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) prefetch_row(krows[t + PFD + j], d);
     __m256 acc[G][4];
     for (int gi = 0; gi < G; ++gi)
       for (int j = 0; j < 4; ++j) acc[gi][j] = _mm256_setzero_ps();
@@ -189,8 +192,7 @@ static void attend_avx2(const float* qf, const KV* const* krows, const KV* const
       __m256 acc[8];
       for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
       for (int64_t t = 0; t < L; ++t) {
-        if (t + PFD < L)
-          for (int64_t c = 0; c < 64 * (int64_t)sizeof(KV); c += 64) _mm_prefetch(reinterpret_cast<const char*>(vrows[t + PFD] + c0) + c, _MM_HINT_T0);
+        if (t + PFD < L) prefetch_row(vrows[t + PFD] + c0, 64);
         const __m256 p = _mm256_set1_ps(sc[t]);
         const KV* v = vrows[t] + c0;
         for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
