@@ -122,22 +122,46 @@ def quantize_q8_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 5, 9, 40])
+@pytest.mark.parametrize("m", [1, 3, 5, 9, 13, 40, 64, 100])
 def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
-    """act_q8 ("gguf_q8"): the integer path (few rows) and the GEMM path (many rows) both equal
-    (q8-quantized x) @ dequantized w, up to float rounding; and stay near the float product."""
-    n, k = 37, 576
-    raw = random_packed(qtype, n, k, seed=m)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
-    xq = quantize_q8_reference(x)
-    ref, mag = reference(xq, raw, qtype, k)
-    exact, _ = reference(x, raw, qtype, k)
-    out = torch.zeros(m, n)
-    kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 0, act_q8=True)
-    got = out.numpy()
-    assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-5), np.abs(got - ref).max()
-    rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
-    assert 1e-4 < rel < 2e-2, rel  # quantized activations: close to, not equal to, the float product
+    """act_q8 ("gguf_q8"): the integer paths (few rows; many rows over column-interleaved int8
+    weights) equal (q8-quantized x) @ dequantized w up to float rounding, and stay near the
+    float product. Odd N: whole groups of 8 columns, a pair and a single one, a partial last
+    group; K of 3 and 48 blocks; rows in tiles of 3 with 1- and 2-row tails."""
+    for n, k in ((37, 576), (21, 96), (13, 1536)):
+        raw = random_packed(qtype, n, k, seed=m)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+        x[0, :32] = 0.0  # an all-zero block: scale 0
+        xq = quantize_q8_reference(x)
+        ref, mag = reference(xq, raw, qtype, k)
+        exact, _ = reference(x, raw, qtype, k)
+        out = torch.full((m, n + 4), 7.0)
+        kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 1, act_q8=True)
+        got = out[:, 1 : 1 + n].numpy()
+        assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-5), (n, k, np.abs(got - ref).max())
+        assert torch.all(out[:, :1] == 7.0) and torch.all(out[:, 1 + n :] == 7.0)  # only its columns
+        rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+        assert 1e-4 < rel < 2e-2, rel  # quantized activations: close to, not equal to, the float product
+
+
+def test_q8_many_rows_sums_stay_in_range():
+    """The many-row integer kernel sums a block's nibble products in 16 bits: the largest
+    quants (15 against +-127 everywhere) must not overflow, for any sign pattern."""
+    n, k, m = 16, 256, 24
+    for qtype in (Q.Q4_1, Q.Q4_0, Q.Q8_0):
+        raw = random_packed(qtype, n, k, seed=1)
+        be, bb = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = raw.reshape(n, k // be, bb)
+        first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2}[qtype]
+        blocks[..., first:] = 0xFF if qtype != Q.Q8_0 else np.uint8(0x81)  # nibbles 15 / int8 -127
+        raw = blocks.reshape(n, -1)
+        x = torch.ones(m, k)
+        x[1::2] = -1.0
+        x[2::3, ::2] *= -1.0
+        ref, mag = reference(quantize_q8_reference(x), raw, qtype, k)
+        out = torch.zeros(m, n)
+        kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 0, act_q8=True)
+        assert np.all(np.abs(out.numpy() - ref) <= 2e-6 * mag + 1e-5), (qtype, np.abs(out.numpy() - ref).max())
 
 
 def test_isa_names_are_checked():

@@ -82,6 +82,8 @@ def _kernel_fns(x, w, q8, q4, w8, s8, w4, sz4) -> dict:
         "float32_linear": lambda: F.linear(x, w),
         "packed_q8_0": lambda: kernels.gemm(x, q8.data, q8.qtype, out),
         "packed_q4_1": lambda: kernels.gemm(x, q4.data, q4.qtype, out),
+        "packed_q8_0_act_q8": lambda: kernels.gemm(x, q8.data, q8.qtype, out, act_q8=True),
+        "packed_q4_1_act_q8": lambda: kernels.gemm(x, q4.data, q4.qtype, out, act_q8=True),
         "torch_int8pack_mm": lambda: torch._weight_int8pack_mm(x, w8, s8),
     }
     if w4 is not None:

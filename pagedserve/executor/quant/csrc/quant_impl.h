@@ -592,6 +592,54 @@ static void gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 }
 
 // ---- activation-quantized products (the named option "gguf_q8", as llama.cpp's q8 dot products) ----
+// Blocks [b0, b1) of 32 floats -> int8 quants round-half-even(x / d), d = max|x| / 127 (0 for
+// an all-zero block), s = d * sum(quants). The vector and scalar code give the same bits.
+static void quantize_q8_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* v = x + b * 32;
+#if QK_ISA >= 1
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 f[4], mx = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      f[j] = _mm256_loadu_ps(v + 8 * j);
+      mx = _mm256_max_ps(_mm256_andnot_ps(sign, f[j]), mx);  // a NaN is skipped, as std::max does
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+#else
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+#endif
+    const float dd = amax / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
+#if QK_ISA >= 1
+    const __m256 iv = _mm256_set1_ps(id);
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], iv));  // MXCSR: round half to even
+    // 32 x int32 -> 32 x int8 in order (packs interleave 128-bit lanes; the permute undoes it)
+    const __m256i p16 = _mm256_packs_epi32(i[0], i[1]), p16b = _mm256_packs_epi32(i[2], i[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), p8);
+    const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const int32_t sum = _mm_cvtsi128_si32(s4);
+#else
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int8_t qq = (int8_t)std::nearbyint(v[j] * id);
+      q[b * 32 + j] = qq;
+      sum += qq;
+    }
+#endif
+    d[b] = dd;
+    s[b] = dd * (float)sum;
+  }
+}
+
 // The activations were quantized per 32-element block to int8 (Q8A: scale xd = max|x| / 127,
 // quants xq, and xs = xd * sum(xq) for Q4_1's min term); each weight block's quants meet them in
 // integer multiply-adds, then acc += (d_w * xd) * dot + m_w * xs. Q4_0, Q4_1, Q8_0 only.
@@ -675,3 +723,185 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
     default: gemm_q8<T_Q8_0>(g, n0, n1); break;
   }
 }
+
+#if QK_ISA == 1
+// ---- many rows with int8 activations (the named option "gguf_q8"; AVX2, also run on AVX-512 CPUs) ----
+// A chunk of output columns is repacked into groups of 8: for each 32-element block and each of
+// its 8 steps of 4 elements, 32 bytes whose 32-bit lane c holds column c's 4 quants (unsigned:
+// Q4_0 / Q4_1 nibbles 0..15; Q8_0 keeps its signed bytes), beside the 8 columns' scales and
+// minimums as floats (Q4_0's min is -8 * scale: its quants are stored uncentred). Every step is
+// then one vpmaddubsw per (activation row, group) against 4 activation bytes broadcast to all
+// lanes: no horizontal sums, and each lane is an output column. Nibble products (|q x| <= 15 *
+// 127) are summed over a block's 8 steps in 16 bits (at most 16 * 1905 = 30480, no overflow);
+// Q8_0's (up to 2 * 127 * 127 a step) are widened to 32 bits every step. Per block and row:
+// acc += float(sum) * (d_w * d_x) + m_w * (d_x * sum(x quants)).
+template <int TYPE>
+static void q8_repack8(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint8_t* Q, float* D, float* Mn) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i e[8];
+    for (int c = 0; c < 8; ++c) {
+      if (c >= ncols) {
+        e[c] = _mm256_setzero_si256();
+        D[b * 8 + c] = Mn[b * 8 + c] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = W + c * rb + b * BB;
+      const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+      if (TYPE == T_Q8_0) {
+        e[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const bq8_0*>(blk)->qs));
+      } else {
+        const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+        e[c] = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
+                                _mm256_set1_epi8(15));
+      }
+      const float d = h2f(hdr[0]);
+      D[b * 8 + c] = d;
+      Mn[b * 8 + c] = TYPE == T_Q4_1 ? h2f(hdr[1]) : TYPE == T_Q4_0 ? -8.f * d : 0.f;
+    }
+    // transpose 8 x 8 dwords: column c's dword s -> step s's lane c
+    const __m256i t0 = _mm256_unpacklo_epi32(e[0], e[1]), t1 = _mm256_unpackhi_epi32(e[0], e[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(e[2], e[3]), t3 = _mm256_unpackhi_epi32(e[2], e[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(e[4], e[5]), t5 = _mm256_unpackhi_epi32(e[4], e[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(e[6], e[7]), t7 = _mm256_unpackhi_epi32(e[6], e[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    __m256i* o = reinterpret_cast<__m256i*>(Q + b * 256);
+    _mm256_storeu_si256(o + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
+    _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
+    _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
+    _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
+    _mm256_storeu_si256(o + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
+    _mm256_storeu_si256(o + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
+    _mm256_storeu_si256(o + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
+    _mm256_storeu_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+  }
+}
+
+// R activation rows x G groups of 8 columns; `Q`, `D`, `Mn` the first group's repacked block 0
+// (groups `gs` bytes / `gf` floats apart); `ncols` valid columns in the last group.
+template <int TYPE, int R, int G>
+static void q8_micro(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const float* D, const float* Mn, int64_t gs,
+                     int64_t gf, float* out, int ncols) {
+  const int64_t nb = g.K / 32;
+  const int8_t* x = g.xq + m * g.K;
+  __m256 acc[R][G];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < G; ++c) acc[r][c] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s[R][G];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < G; ++c) s[r][c] = _mm256_setzero_si256();
+    const uint8_t* qb = Q + b * 256;
+#pragma GCC unroll 8
+    for (int st = 0; st < 8; ++st) {
+      __m256i w[G], wa[G];
+#pragma GCC unroll 8
+      for (int c = 0; c < G; ++c) {
+        w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * gs + st * 32));
+        wa[c] = TYPE == T_Q8_0 ? _mm256_sign_epi8(w[c], w[c]) : w[c];
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, x + r * g.K + b * 32 + st * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(xv);
+#pragma GCC unroll 8
+        for (int c = 0; c < G; ++c) {
+          if (TYPE == T_Q8_0)  // signed weights lend their sign to x; 32-bit sums every step
+            s[r][c] = _mm256_add_epi32(
+                s[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(xb, w[c])), ones));
+          else
+            s[r][c] = _mm256_add_epi16(s[r][c], _mm256_maddubs_epi16(wa[c], xb));
+        }
+      }
+      // keeps the sums in registers: without it GCC reassociates the adds into a tree of spills
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < G; ++c) __asm__("" : "+x"(s[r][c]));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_broadcast_ss(g.xd + (m + r) * nb + b);
+      const __m256 sx = _mm256_broadcast_ss(g.xs + (m + r) * nb + b);
+#pragma GCC unroll 8
+      for (int c = 0; c < G; ++c) {
+        const __m256i i32 = TYPE == T_Q8_0 ? s[r][c] : _mm256_madd_epi16(s[r][c], ones);
+        const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(D + c * gf + b * 8), dx);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), sc, acc[r][c]);
+        if (TYPE != T_Q8_0) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(Mn + c * gf + b * 8), sx, acc[r][c]);
+      }
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(ncols), lane);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < G; ++c) {
+      float* o = out + r * g.ldo + c * 8;
+      if (c == G - 1 && ncols < 8)
+        _mm256_maskstore_ps(o, tail, acc[r][c]);
+      else
+        _mm256_storeu_ps(o, acc[r][c]);
+    }
+}
+
+template <int TYPE, int G>
+static void q8_rows(const GemmQ8Args& g, int64_t m0, int64_t m1, const uint8_t* Q, const float* D, const float* Mn,
+                    int64_t gs, int64_t gf, float* out, int ncols) {
+  int64_t m = m0;
+  for (; m + 3 <= m1; m += 3) q8_micro<TYPE, 3, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols);
+  if (m1 - m == 2) q8_micro<TYPE, 2, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols);
+  if (m1 - m == 1) q8_micro<TYPE, 1, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols);
+}
+
+// Output columns [n0, n1) for all M rows (int8 activations in g.xq / g.xd / g.xs).
+template <int TYPE>
+static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  constexpr int64_t NC = 32;  // columns repacked at a time: 4 groups, nb * 1.3 KB (in L1/L2)
+  const int64_t nb = g.K / 32, gs = nb * 256, gf = nb * 8;
+  // blocks of activation rows that stay in L2 (~384 KB of int8) while every chunk passes over them
+  const int64_t MB = std::max<int64_t>(48, ((int64_t(384) << 10) / g.K) / 3 * 3);
+  thread_local std::vector<uint8_t> qbuf;
+  thread_local std::vector<float> dbuf, mbuf;
+  qbuf.resize(NC / 8 * gs);
+  dbuf.resize(NC / 8 * gf);
+  mbuf.resize(NC / 8 * gf);
+  for (int64_t mb = 0; mb < g.M; mb += MB) {
+    const int64_t me = std::min(g.M, mb + MB);
+    for (int64_t c0 = n0; c0 < n1; c0 += NC) {
+      const int64_t nc = std::min(NC, n1 - c0), ng = (nc + 7) / 8;
+      for (int64_t j = 0; j < ng; ++j)
+        q8_repack8<TYPE>(g.W + (c0 + 8 * j) * g.rb, g.rb, nb, (int)std::min<int64_t>(8, nc - 8 * j),
+                         qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf);
+      int64_t j = 0;
+      for (; j + 2 <= ng; j += 2) {
+        const int last = (int)std::min<int64_t>(8, nc - 8 * (j + 1));
+        q8_rows<TYPE, 2>(g, mb, me, qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf, gs, gf,
+                         g.out + c0 + 8 * j, last);
+      }
+      if (j < ng)
+        q8_rows<TYPE, 1>(g, mb, me, qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf, gs, gf,
+                         g.out + c0 + 8 * j, (int)(nc - 8 * j));
+    }
+  }
+}
+
+static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  switch (g.type) {
+    case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
+    case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;
+    default: gemm_q8_many_t<T_Q8_0>(g, n0, n1); break;
+  }
+}
+#endif

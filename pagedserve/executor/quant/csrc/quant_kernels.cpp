@@ -14,9 +14,11 @@
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
 //     dequantized in row tiles into a float matrix and multiplied with at::mm (the BLAS GEMM).
-//     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0, few rows): the activations are
-//     quantized to int8 per 32-element block first and meet the weights in integer
-//     multiply-adds, as llama.cpp's q8 dot products (faster, not float-exact).
+//     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0): the activations are quantized
+//     to int8 per 32-element block first and meet the weights in integer multiply-adds, as
+//     llama.cpp's q8 dot products (faster, not float-exact): few rows, each packed row against
+//     every activation row; many rows (AVX2), chunks of weights repacked so that each 32-bit
+//     lane is one output column, one vpmaddubsw per step for 8 columns.
 //   dequant(w, type, K, rows?) -> float [R, K]   (all rows, or the given row ids: embeddings)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -218,23 +220,23 @@ static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   scalar::gemm_q8_rows(g, n0, n1);
 }
 
-// x [M, K] -> per 32-block int8 quants, scale max|x| / 127 and scale * sum(quants) (llama.cpp's q8_1)
+static void isa_gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+#if QK_X86
+  avx2::gemm_q8_many(g, n0, n1);
+#endif
+}
+
+// x [M, K] -> per 32-block int8 quants, scale max|x| / 127 and scale * sum(quants) (llama.cpp's
+// q8_1), on OpenMP's team; every ISA computes the same bits (round half to even, IEEE ops)
 static void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t nb = K / 32;
-  for (int64_t b = 0; b < M * nb; ++b) {
-    const float* v = x + b * 32;
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float dd = amax / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
-    int32_t sum = 0;
-    for (int j = 0; j < 32; ++j) {
-      const int8_t qq = (int8_t)std::nearbyint(v[j] * id);
-      q[b * 32 + j] = qq;
-      sum += qq;
-    }
-    d[b] = dd;
-    s[b] = dd * (float)sum;
-  }
+  const bool vec = current_isa() >= ISA_AVX2;
+  at::parallel_for(0, M * nb, std::max<int64_t>(1, 4096 / 32), [&](int64_t b0, int64_t b1) {
+#if QK_X86
+    if (vec) return avx2::quantize_q8_blocks(x, b0, b1, q, d, s);
+#endif
+    scalar::quantize_q8_blocks(x, b0, b1, q, d, s);
+  });
 }
 
 static void isa_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, const int64_t* rows, int64_t r0,
@@ -310,19 +312,32 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   if (M == 0 || N == 0) return;
   const int64_t ldo = out.size(1);
   const bool q8 = act_q8 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0);
-  if (M >= g_prefill_rows) {
-    // many rows (act_q8: over the activations as their int8 blocks stand for them, so every
-    // row count computes the same products as the integer path, up to float rounding)
-    if (q8) {
-      const int64_t nb = K / 32;
-      std::vector<int8_t> xq(M * K);
-      std::vector<float> xd(M * nb), xs(M * nb);
-      quantize_q8(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
-      torch::Tensor xr = torch::empty({M, K}, torch::kFloat);
-      float* p = xr.data_ptr<float>();
-      for (int64_t i = 0; i < M * K; ++i) p[i] = xd[i / 32] * (float)xq[i];
-      x = xr;
+  if (q8) {
+    // int8 activations (llama.cpp's q8_1 blocks), then integer products: the column-interleaved
+    // many-row kernel (AVX2 code, which AVX-512 CPUs run too) from 2 rows on for nibble weights
+    // (1.1x the few-row q8 kernel at 2 rows, 1.3-1.6x at 3-5, 2x at 8, 2.2-2.5x the float
+    // kernel at 12+) and from the float threshold on for Q8_0 (whose repacking costs more than
+    // its few-row kernel below ~12 rows); BENCHMARKS section 23
+    const int64_t nb = K / 32;
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> xd, xs;
+    xq.resize(M * K);
+    xd.resize(M * nb);
+    xs.resize(M * nb);
+    quantize_q8(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
+    GemmQ8Args g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, xq.data(), xd.data(), xs.data(),
+                 out.data_ptr<float>() + col0};
+    const int64_t many_from = type == T_Q8_0 ? g_prefill_rows : std::min<int64_t>(2, g_prefill_rows);
+    if (QK_X86 && current_isa() >= ISA_AVX2 && M >= many_from) {
+      at::parallel_for(0, (N + 15) / 16, 1,  // tasks of two groups of 8 columns
+                       [&](int64_t a, int64_t b) { isa_gemm_q8_many(g, a * 16, std::min(N, b * 16)); });
+    } else {
+      const int64_t grain = std::max<int64_t>(1, 65536 / K);
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_q8_rows(g, n0, n1); });
     }
+    return;
+  }
+  if (M >= g_prefill_rows) {
     GemmArgs g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, x.data_ptr<float>(), nullptr,
                out.data_ptr<float>() + col0};
     if (has_many_rows_kernel() && K % 8 == 0) {  // tasks of 4 output rows (the micro-kernel's width)
@@ -345,20 +360,6 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
                        [&](int64_t r0, int64_t r1) { isa_dequant_rows((int)type, W, rb, K, nullptr, r0, r1, o); });
       out.narrow(1, col0 + t0, t1 - t0).copy_(at::mm(x, wf.t()));
     }
-    return;
-  }
-  if (q8) {
-    const int64_t nb = K / 32;
-    thread_local std::vector<int8_t> xq;
-    thread_local std::vector<float> xd, xs;
-    xq.resize(M * K);
-    xd.resize(M * nb);
-    xs.resize(M * nb);
-    quantize_q8(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
-    GemmQ8Args g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, xq.data(), xd.data(), xs.data(),
-                 out.data_ptr<float>() + col0};
-    const int64_t grain = std::max<int64_t>(1, 65536 / K);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_q8_rows(g, n0, n1); });
     return;
   }
   std::vector<float> xsum;

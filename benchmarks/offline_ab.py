@@ -1,8 +1,13 @@
-"""KV cache dtype A/B under load, offline: the default model, N random 256-token prompts at
-once, 128 sampled tokens each (ignore_eos), one engine per kv_cache_dtype in this process,
-run alternately so a noisy stretch of the machine hits both.
+"""Engine-option A/B under load, offline: the default model, N random 256-token prompts at
+once, 128 sampled tokens each (ignore_eos), one engine per configuration in this process, run
+alternately so a noisy stretch of the machine hits every one.
 
-    python benchmarks/kv_dtype_offline.py [--dtypes auto float16] [--requests 64] [--rounds 2]
+    python benchmarks/offline_ab.py [--configs kv_cache_dtype=auto kv_cache_dtype=float16]
+        [--requests 64] [--rounds 2]
+
+A configuration is comma-separated LLM(...) keyword arguments, e.g.
+`quantization=gguf_q8,kv_cache_dtype=float16` (`default` for none). Section 22's runs were
+`--configs kv_cache_dtype=auto kv_cache_dtype=float16`.
 
 Prints one JSON line per run: output tokens/s, the seconds of steps that held prefill work
 and of decode-only steps, and the median decode-only step (engine step records).
@@ -39,7 +44,7 @@ def run(llm, work) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", nargs="+", default=["auto", "float16"])
+    ap.add_argument("--configs", nargs="+", default=["kv_cache_dtype=auto", "kv_cache_dtype=float16"])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
@@ -50,13 +55,18 @@ def main() -> None:
         rng = random.Random(seed)
         return [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(a.requests)]
 
-    llms = {d: LLM("default", kv_cache_dtype=d) for d in a.dtypes}
+    def kwargs(config: str) -> dict:
+        if config == "default":
+            return {}
+        return dict(kv.split("=", 1) for kv in config.split(","))
+
+    llms = {c: LLM("default", **kwargs(c)) for c in a.configs}
     for llm in llms.values():  # warm-up
         llm.generate([{"prompt_token_ids": prompts(-1)[0][:32]}], SamplingParams(max_tokens=8), use_tqdm=False)
     for r in range(a.rounds):
         work = prompts(r)
-        for d in a.dtypes if r % 2 == 0 else a.dtypes[::-1]:
-            print(json.dumps({"kv_cache_dtype": d, "round": r} | run(llms[d], work)), flush=True)
+        for c in a.configs if r % 2 == 0 else a.configs[::-1]:
+            print(json.dumps({"config": c, "round": r} | run(llms[c], work)), flush=True)
 
 
 if __name__ == "__main__":
