@@ -127,8 +127,9 @@ def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
     """act_q8 ("gguf_q8"): the integer paths (few rows; many rows over column-interleaved int8
     weights) equal (q8-quantized x) @ dequantized w up to float rounding, and stay near the
     float product. Odd N: whole groups of 8 columns, a pair and a single one, a partial last
-    group; K of 3 and 48 blocks; rows in tiles of 3 with 1- and 2-row tails."""
-    for n, k in ((37, 576), (21, 96), (13, 1536)):
+    group; K of 3 and 48 blocks; rows in tiles of 3 with 1- and 2-row tails. Each row count
+    through both nibble kernels (the many-row one forced from 1 row, then never)."""
+    for (n, k), many_from in zip(((37, 576), (21, 96), (13, 1536), (37, 576)), (1, 1, 1, 10**9)):
         raw = random_packed(qtype, n, k, seed=m)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
         x[0, :32] = 0.0  # an all-zero block: scale 0
@@ -136,7 +137,11 @@ def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
         ref, mag = reference(xq, raw, qtype, k)
         exact, _ = reference(x, raw, qtype, k)
         out = torch.full((m, n + 4), 7.0)
-        kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 1, act_q8=True)
+        old = kernels.set_q8_many_rows(many_from)
+        try:
+            kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 1, act_q8=True)
+        finally:
+            kernels.set_q8_many_rows(old)
         got = out[:, 1 : 1 + n].numpy()
         assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-5), (n, k, np.abs(got - ref).max())
         assert torch.all(out[:, :1] == 7.0) and torch.all(out[:, 1 + n :] == 7.0)  # only its columns

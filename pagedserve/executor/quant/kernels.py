@@ -79,6 +79,12 @@ def set_prefill_rows(m: int) -> int:
     return int(load().set_prefill_rows(int(m)))
 
 
+def set_q8_many_rows(m: int) -> int:
+    """act_q8 with Q4_0 / Q4_1 weights: from this many rows on, the column-interleaved integer
+    kernel; below it, the few-row integer kernel (returns the previous value)."""
+    return int(load().set_q8_many_rows(int(m)))
+
+
 def has_many_rows_kernel() -> bool:
     """Whether the current path has the blocked many-row kernel (AVX2 today)."""
     return bool(load().has_many_rows_kernel())

@@ -167,6 +167,11 @@ static int best_isa() { return cpu_has(ISA_AVX512) ? ISA_AVX512 : cpu_has(ISA_AV
 
 static int g_isa = -1;
 static int64_t g_prefill_rows = 12;
+// act_q8 with nibble weights: the many-row kernel from this many rows. Measured in the model's
+// decode steps (weights streamed from memory, not the hot-cache micro-benchmark's 2 rows):
+// 3 rows 11.9 (few-row kernel) vs 16.0 ms, 5 rows 18.8 vs 20.5, 8 rows 29.9 vs 27.3, 11 rows
+// 35.7 vs 30.0 (BENCHMARKS section 23)
+static int64_t g_q8_many_rows = 6;
 
 static int current_isa() {
   if (g_isa < 0) g_isa = best_isa();
@@ -184,6 +189,11 @@ bool isa_available(int64_t isa) { return cpu_has((int)isa); }
 int64_t set_prefill_rows(int64_t m) {
   const int64_t old = g_prefill_rows;
   g_prefill_rows = m;
+  return old;
+}
+int64_t set_q8_many_rows(int64_t m) {
+  const int64_t old = g_q8_many_rows;
+  g_q8_many_rows = m;
   return old;
 }
 
@@ -314,10 +324,9 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   const bool q8 = act_q8 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0);
   if (q8) {
     // int8 activations (llama.cpp's q8_1 blocks), then integer products: the column-interleaved
-    // many-row kernel (AVX2 code, which AVX-512 CPUs run too) from 2 rows on for nibble weights
-    // (1.1x the few-row q8 kernel at 2 rows, 1.3-1.6x at 3-5, 2x at 8, 2.2-2.5x the float
-    // kernel at 12+) and from the float threshold on for Q8_0 (whose repacking costs more than
-    // its few-row kernel below ~12 rows); BENCHMARKS section 23
+    // many-row kernel (AVX2 code, which AVX-512 CPUs run too; 2.2-2.5x the float kernel at 12+
+    // rows) from g_q8_many_rows on for nibble weights and from the float threshold on for Q8_0
+    // (whose repacking costs more than its few-row kernel below ~12 rows); BENCHMARKS section 23
     const int64_t nb = K / 32;
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> xd, xs;
@@ -327,7 +336,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
     quantize_q8(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
     GemmQ8Args g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, xq.data(), xd.data(), xs.data(),
                  out.data_ptr<float>() + col0};
-    const int64_t many_from = type == T_Q8_0 ? g_prefill_rows : std::min<int64_t>(2, g_prefill_rows);
+    const int64_t many_from = type == T_Q8_0 ? g_prefill_rows : g_q8_many_rows;
     if (QK_X86 && current_isa() >= ISA_AVX2 && M >= many_from) {
       at::parallel_for(0, (N + 15) / 16, 1,  // tasks of two groups of 8 columns
                        [&](int64_t a, int64_t b) { isa_gemm_q8_many(g, a * 16, std::min(N, b * 16)); });
@@ -418,4 +427,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_available", &isa_available);
   m.def("has_many_rows_kernel", &many_rows_kernel, "whether many-row products use the blocked kernel (ISA now set)");
   m.def("set_prefill_rows", &set_prefill_rows);
+  m.def("set_q8_many_rows", &set_q8_many_rows);
 }
