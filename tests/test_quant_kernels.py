@@ -122,13 +122,14 @@ def quantize_q8_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 5, 9, 13, 40, 64, 100])
+@pytest.mark.parametrize("m", [1, 3, 5, 9, 13, 14, 40, 64, 100])
 def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
     """act_q8 ("gguf_q8"): the integer paths (few rows; many rows over column-interleaved int8
     weights) equal (q8-quantized x) @ dequantized w up to float rounding, and stay near the
     float product. Odd N: whole groups of 8 columns, a pair and a single one, a partial last
-    group; K of 3 and 48 blocks; rows in tiles of 3 with 1- and 2-row tails. Each row count
-    through both nibble kernels (the many-row one forced from 1 row, then never)."""
+    group; K of 3 and 48 blocks; rows in tiles of 3 with 1- and 2-row tails (Q8_0 takes the
+    many-row kernel from 12 rows: 13 and 14 give its tails). Each row count through both nibble
+    kernels (the many-row one forced from 1 row, then never)."""
     for (n, k), many_from in zip(((37, 576), (21, 96), (13, 1536), (37, 576)), (1, 1, 1, 10**9)):
         raw = random_packed(qtype, n, k, seed=m)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
@@ -151,14 +152,15 @@ def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
 
 def test_q8_many_rows_sums_stay_in_range():
     """The many-row integer kernel sums a block's nibble products in 16 bits: the largest
-    quants (15 against +-127 everywhere) must not overflow, for any sign pattern."""
+    quants (15 against +-127 everywhere) must not overflow, for any sign pattern; Q8_0's
+    extremes (-127, and -128, which a file may hold) neither."""
     n, k, m = 16, 256, 24
-    for qtype in (Q.Q4_1, Q.Q4_0, Q.Q8_0):
+    for qtype, byte in ((Q.Q4_1, 0xFF), (Q.Q4_0, 0xFF), (Q.Q8_0, 0x81), (Q.Q8_0, 0x80)):
         raw = random_packed(qtype, n, k, seed=1)
         be, bb = gguf.GGML_QUANT_SIZES[qtype]
         blocks = raw.reshape(n, k // be, bb)
         first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2}[qtype]
-        blocks[..., first:] = 0xFF if qtype != Q.Q8_0 else np.uint8(0x81)  # nibbles 15 / int8 -127
+        blocks[..., first:] = np.uint8(byte)  # nibbles 15 / int8 -127 / int8 -128
         raw = blocks.reshape(n, -1)
         x = torch.ones(m, k)
         x[1::2] = -1.0
@@ -179,3 +181,51 @@ def test_isa_names_are_checked():
                 kernels._set(mod, name)
     assert "scalar" in kernels.available_isas() and kernels.current_isa() in kernels.available_isas()
 
+
+
+def test_q8_many_rows_over_row_blocks():
+    """More rows than one L2 block of activations (48 rows at K = 8192): every block of rows
+    meets every chunk of columns."""
+    n, k, m = 13, 8192, 50
+    raw = random_packed(Q.Q4_1, n, k, seed=3)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    ref, mag = reference(quantize_q8_reference(x), raw, Q.Q4_1, k)
+    out = torch.zeros(m, n)
+    kernels.gemm(x, torch.from_numpy(raw), int(Q.Q4_1), out, 0, act_q8=True)
+    assert np.all(np.abs(out.numpy() - ref) <= 2e-6 * mag + 1e-4), np.abs(out.numpy() - ref).max()
+
+
+def test_activation_quantizer_same_bits_on_every_isa():
+    """The q8 activation quantizer: round half to even (exact ties included) as the reference,
+    and the same bits from the scalar and the vector code for every input, non-finite and
+    tiny blocks too (bounded quants, never -128)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g)
+    x[1, :32] = torch.arange(32) - 15.5  # amax 16.5: scale ties at +-0.5 steps
+    x[2, :32] = torch.tensor([127.0, -127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5] * 4)  # exact ties
+    x[3, :32] = 0.0
+    x[3, 32:64] = -0.0
+    x[4, :32] = 1e-39  # denormal: scale below FLT_MIN
+    x[4, 32:64] = 2e-37
+    x[5, :8] = float("nan")
+    x[5, 40] = float("inf")
+    x[5, 70] = -float("inf")
+    x[6, :32] = 3e38
+    results = {}
+    for isa in kernels.available_isas():
+        prev = kernels.set_isa(isa)
+        try:
+            results[isa] = kernels.load().quantize_act_q8(x)
+        finally:
+            kernels.set_isa(prev)
+    q, d, s = results["scalar"]
+    assert int(q.min()) >= -127 and int(q.max()) <= 127
+    normal = torch.ones(64, 8, dtype=torch.bool)
+    normal[4] = normal[5] = False
+    xq = quantize_q8_reference(x).reshape(64, 8, 32)
+    deq = q.reshape(64, 8, 32).float() * d[..., None]
+    assert torch.equal(deq[normal], xq[normal])
+    assert torch.equal(s[normal], (d * q.reshape(64, 8, 32).sum(-1).float())[normal])
+    for isa, (q2, d2, s2) in results.items():
+        assert torch.equal(q2, q) and torch.equal(d2.view(torch.int32), d.view(torch.int32)), isa
+        assert torch.equal(s2.view(torch.int32), s.view(torch.int32)), isa

@@ -592,8 +592,11 @@ static void gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 }
 
 // ---- activation-quantized products (the named option "gguf_q8", as llama.cpp's q8 dot products) ----
-// Blocks [b0, b1) of 32 floats -> int8 quants round-half-even(x / d), d = max|x| / 127 (0 for
-// an all-zero block), s = d * sum(quants). The vector and scalar code give the same bits.
+// Blocks [b0, b1) of 32 floats -> int8 quants round-half-even(x / d) in [-127, 127], d =
+// max|x| / 127 (0 for an all-zero block), s = d * sum(quants). x * (1 / d) is clamped to
+// +-127 and a NaN product becomes 0, so non-finite or tiny (d below FLT_MIN: 1 / d = inf)
+// blocks give bounded quants, never -128 (the sign trick's blind spot); such inputs give
+// finite garbage, not NaN. The vector and scalar code give the same bits for every input.
 static void quantize_q8_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s) {
   for (int64_t b = b0; b < b1; ++b) {
     const float* v = x + b * 32;
@@ -614,9 +617,14 @@ static void quantize_q8_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q
 #endif
     const float dd = amax / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
 #if QK_ISA >= 1
-    const __m256 iv = _mm256_set1_ps(id);
+    const __m256 iv = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
     __m256i i[4];
-    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], iv));  // MXCSR: round half to even
+    for (int j = 0; j < 4; ++j) {
+      __m256 y = _mm256_mul_ps(f[j], iv);
+      y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q));          // NaN -> 0
+      y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);                     // +-inf -> +-127
+      i[j] = _mm256_cvtps_epi32(y);                                    // MXCSR: round half to even
+    }
     // 32 x int32 -> 32 x int8 in order (packs interleave 128-bit lanes; the permute undoes it)
     const __m256i p16 = _mm256_packs_epi32(i[0], i[1]), p16b = _mm256_packs_epi32(i[2], i[3]);
     const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b),
@@ -630,7 +638,9 @@ static void quantize_q8_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q
 #else
     int32_t sum = 0;
     for (int j = 0; j < 32; ++j) {
-      const int8_t qq = (int8_t)std::nearbyint(v[j] * id);
+      float y = v[j] * id;
+      y = y == y ? std::min(std::max(y, -127.f), 127.f) : 0.f;
+      const int8_t qq = (int8_t)std::nearbyint(y);
       q[b * 32 + j] = qq;
       sum += qq;
     }
@@ -733,7 +743,8 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 // then one vpmaddubsw per (activation row, group) against 4 activation bytes broadcast to all
 // lanes: no horizontal sums, and each lane is an output column. Nibble products (|q x| <= 15 *
 // 127) are summed over a block's 8 steps in 16 bits (at most 16 * 1905 = 30480, no overflow);
-// Q8_0's (up to 2 * 127 * 127 a step) are widened to 32 bits every step. Per block and row:
+// Q8_0's (up to 2 * 128 * 127 = 32512 a step: a file may hold -128, whose magnitude vpmaddubsw
+// reads as unsigned 128) are widened to 32 bits every step. Per block and row:
 // acc += float(sum) * (d_w * d_x) + m_w * (d_x * sum(x quants)).
 template <int TYPE>
 static void q8_repack8(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint8_t* Q, float* D, float* Mn) {
@@ -870,7 +881,8 @@ template <int TYPE>
 static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   constexpr int64_t NC = 32;  // columns repacked at a time: 4 groups, nb * 1.3 KB (in L1/L2)
   const int64_t nb = g.K / 32, gs = nb * 256, gf = nb * 8;
-  // blocks of activation rows that stay in L2 (~384 KB of int8) while every chunk passes over them
+  // blocks of activation rows that stay in L2 (~384 KB of int8; at least 48 rows, so more for
+  // K > 8192) while every chunk passes over them
   const int64_t MB = std::max<int64_t>(48, ((int64_t(384) << 10) / g.K) / 3 * 3);
   thread_local std::vector<uint8_t> qbuf;
   thread_local std::vector<float> dbuf, mbuf;

@@ -237,7 +237,7 @@ static void isa_gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 }
 
 // x [M, K] -> per 32-block int8 quants, scale max|x| / 127 and scale * sum(quants) (llama.cpp's
-// q8_1), on OpenMP's team; every ISA computes the same bits (round half to even, IEEE ops)
+// q8_1), on OpenMP's team; the vector and scalar code compute the same bits (quantize_q8_blocks)
 static void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t nb = K / 32;
   const bool vec = current_isa() >= ISA_AVX2;
@@ -247,6 +247,18 @@ static void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* 
 #endif
     scalar::quantize_q8_blocks(x, b0, b1, q, d, s);
   });
+}
+
+// x [M, K] float32 -> (int8 quants [M, K], scales [M, K/32], scale * sum(quants) [M, K/32]):
+// the activations as act_q8 products see them (tests compare the ISAs' bits)
+std::vector<torch::Tensor> quantize_act_q8(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0,
+              "x: contiguous float32 [M, K], K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, torch::kChar);
+  auto d = torch::empty({M, K / 32}, torch::kFloat), s = torch::empty({M, K / 32}, torch::kFloat);
+  quantize_q8(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  return {q, d, s};
 }
 
 static void isa_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, const int64_t* rows, int64_t r0,
@@ -288,7 +300,7 @@ static int64_t block_bytes(int type) {
 static void check_packed(const torch::Tensor& w, int64_t type, int64_t K) {
   const int64_t be = block_elems((int)type);
   TORCH_CHECK(be > 0, "unsupported packed type ", type);
-  TORCH_CHECK(K % be == 0, "K=", K, " is not a multiple of the block size ", be);
+  TORCH_CHECK(K > 0 && K % be == 0, "K=", K, " is not a positive multiple of the block size ", be);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "w: contiguous uint8 [N, row_bytes]");
   TORCH_CHECK(w.size(1) == K / be * block_bytes((int)type), "row bytes ", w.size(1), " do not match K=", K);
 }
@@ -428,4 +440,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_many_rows_kernel", &many_rows_kernel, "whether many-row products use the blocked kernel (ISA now set)");
   m.def("set_prefill_rows", &set_prefill_rows);
   m.def("set_q8_many_rows", &set_q8_many_rows);
+  m.def("quantize_act_q8", &quantize_act_q8, "x -> (int8 quants, block scales, scale * sum(quants))");
 }
