@@ -62,7 +62,8 @@ class EngineArgs:
     quantization: str | None = _arg(
         None,
         "None: the checkpoint's own (GGUF types run packed); gguf_q8: packed, activations quantized "
-        "to int8 for decode (as llama.cpp; not float-exact); int8 | int4 weight-only; none: dequantize",
+        "to int8 blocks for integer products (as llama.cpp; not float-exact; the fastest under load); "
+        "int8 | int4 weight-only; none: dequantize",
     )
     enforce_eager: bool = _arg(False, "GPU: no CUDA graphs")
     # -- KV cache ---------------------------------------------------------------------
