@@ -58,7 +58,8 @@ def main() -> None:
     def kwargs(config: str) -> dict:
         if config == "default":
             return {}
-        return dict(kv.split("=", 1) for kv in config.split(","))
+        pairs = (kv.split("=", 1) for kv in config.split(","))
+        return {k: int(v) if v.isdigit() else v for k, v in pairs}
 
     llms = {c: LLM("default", **kwargs(c)) for c in a.configs}
     for llm in llms.values():  # warm-up

@@ -44,7 +44,7 @@ def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     MADV_NOHUGEPAGE (non-Linux): numpy's calloc, also lazily committed."""
     import mmap
 
-    nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+    nbytes = int(np.prod(shape)) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     if not hasattr(mmap, "MADV_NOHUGEPAGE"):
@@ -177,7 +177,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        elem = self.kv_dtype.itemsize
         draft = self.drafter.kv_bytes_per_block(block_size, elem) if self.drafter is not None else 0
         return 2 * c.num_hidden_layers * block_size * self.num_kv_heads * c.head_dim * elem + draft
 

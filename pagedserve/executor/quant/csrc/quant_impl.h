@@ -650,6 +650,20 @@ static void quantize_q8_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q
   }
 }
 
+#if QK_ISA >= 1
+// A Q4_0 / Q4_1 / Q8_0 block's 32 quants as bytes in element order, for the integer kernels:
+// Q8_0's signed bytes as stored; nibbles as unsigned 0..15 (Q4_0's not centred)
+template <int TYPE>
+static inline __m256i quant_bytes32(const uint8_t* blk) {
+  if (TYPE == T_Q8_0)
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const bq8_0*>(blk)->qs));
+  const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
+                          _mm256_set1_epi8(15));
+}
+#endif
+
 // The activations were quantized per 32-element block to int8 (Q8A: scale xd = max|x| / 127,
 // quants xq, and xs = xd * sum(xq) for Q4_1's min term); each weight block's quants meet them in
 // integer multiply-adds, then acc += (d_w * xd) * dot + m_w * xs. Q4_0, Q4_1, Q8_0 only.
@@ -669,16 +683,8 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* blk = row + i * BB;
     const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
-    __m256i w;  // the block's 32 quants as bytes, element order
-    if (TYPE == T_Q8_0) {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const bq8_0*>(blk)->qs));
-    } else {
-      const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-      w = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
-                           _mm256_set1_epi8(15));
-      if (TYPE == T_Q4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
-    }
+    __m256i w = quant_bytes32<TYPE>(blk);
+    if (TYPE == T_Q4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
     // maddubs multiplies unsigned by signed bytes: signed weights lend their sign to x
     const __m256i wu = TYPE == T_Q4_1 ? w : _mm256_sign_epi8(w, w);
     const float dw = h2f(hdr[0]);
@@ -759,14 +765,7 @@ static void q8_repack8(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint
       }
       const uint8_t* blk = W + c * rb + b * BB;
       const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
-      if (TYPE == T_Q8_0) {
-        e[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const bq8_0*>(blk)->qs));
-      } else {
-        const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-        e[c] = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
-                                _mm256_set1_epi8(15));
-      }
+      e[c] = quant_bytes32<TYPE>(blk);
       const float d = h2f(hdr[0]);
       D[b * 8 + c] = d;
       Mn[b * 8 + c] = TYPE == T_Q4_1 ? h2f(hdr[1]) : TYPE == T_Q4_0 ? -8.f * d : 0.f;
