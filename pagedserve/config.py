@@ -59,7 +59,8 @@ class SchedulerConfig:
         return replace(self, max_model_len=max_len, max_num_batched_tokens=budget)
 
 
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+# vLLM's names; "fp8" is "fp8_e4m3" (float8 e4m3fn), as in vLLM
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -72,7 +73,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights + activations + KV
     # "auto": the model's dtype; "float16" / "bfloat16" (CPU): K/V stored in 16 bits, half the
-    # bytes a float32 model's attention reads (llama.cpp's default is float16)
+    # bytes a float32 model's attention reads (llama.cpp's default is float16); "fp8" /
+    # "fp8_e4m3" / "fp8_e5m2" (CPU): 8 bits, unscaled (vLLM's default k/v scale of 1.0), lossy
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from pagedserve.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     ModelLoadConfig,
@@ -76,7 +77,9 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(0.9, "GPU: fraction of device memory for weights + activations + KV")
     enable_prefix_caching: bool = _arg(True, "share KV blocks of identical prefixes")
     kv_cache_dtype: str = _arg(
-        "auto", "K/V storage: auto (the model's dtype) | float16 | bfloat16 (CPU)", ["auto", "float16", "bfloat16"]
+        "auto",
+        "K/V storage: auto (the model's dtype) | float16 | bfloat16 | fp8 (= fp8_e4m3) | fp8_e5m2 (CPU; fp8 is lossy)",
+        list(KV_CACHE_DTYPES),
     )
     # -- scheduler --------------------------------------------------------------------
     max_model_len: int | None = _arg(None, "context length (default: the model's)")

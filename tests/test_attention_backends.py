@@ -32,18 +32,19 @@ def test_cpp_decode_matches_reference(dtype, tol, bs, heads, kv_heads, d):
 
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("q_dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("lens", [[1, 17, 3 * 16 + 5, 160], [9 * 16 + 3]])  # many rows; one split context
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 2, 40), (2, 1, 12)])
 def test_cpp_decode_narrow_kv_cache(kv_dtype, q_dtype, tol, lens, heads, kv_heads, d):
-    """kv_cache_dtype float16 / bfloat16: the kernel converts K/V as it reads them (AVX2 +
-    F16C path for float32 q, the portable one otherwise) and matches the reference over the
-    same stored values (gathered, converted to q's dtype, SDPA)."""
+    """kv_cache_dtype float16 / bfloat16 / fp8: the kernel converts K/V as it reads them
+    (AVX2 + F16C path for float32 q, the portable one otherwise) and matches the reference
+    over the same stored values (gathered, converted to q's dtype, SDPA). V at a small scale
+    puts float8 subnormals among the values."""
     g = torch.Generator().manual_seed(len(lens) + heads + d)
     bs, nb, n = 16, 64, len(lens)
-    kc = torch.randn(nb, bs, kv_heads, d, generator=g).to(kv_dtype)
-    vc = torch.randn(nb, bs, kv_heads, d, generator=g).to(kv_dtype)
+    kc = (torch.randn(nb, bs, kv_heads, d, generator=g) * 3).to(kv_dtype)
+    vc = (torch.randn(nb, bs, kv_heads, d, generator=g) * 0.05).to(kv_dtype)
     lens_t = torch.tensor(lens)
     nblk = int((lens_t.max() + bs - 1) // bs)
     bt = torch.stack([torch.randperm(nb - 1, generator=g)[:nblk] + 1 for _ in range(n)])
@@ -53,6 +54,26 @@ def test_cpp_decode_narrow_kv_cache(kv_dtype, q_dtype, tol, lens, heads, kv_head
     out = kernels.paged_decode(q, kc, vc, bt, lens_t, d**-0.5)
     assert out.dtype == q_dtype
     assert (out.float() - ref.float()).abs().max().item() < tol
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])  # AVX2 conversion; portable
+def test_cpp_decode_reads_every_float8_value_exactly(kv_dtype, q_dtype):
+    """One token of context: the output is its V row, so it must equal torch's conversion of
+    every float8 byte (subnormals, zeros of both signs, the largest values) to the bit. NaN
+    bytes are left out: a write saturates (e4m3fn) and never stores them."""
+    values = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(kv_dtype)
+    values = values[~values.float().isnan()]
+    d, n = 64, -(-values.numel() // 64)
+    vrows = torch.cat([values, torch.zeros(n * d - values.numel(), dtype=torch.uint8).view(kv_dtype)])
+    kc = torch.zeros(n + 1, 16, 1, d, dtype=kv_dtype)
+    vc = torch.zeros(n + 1, 16, 1, d, dtype=kv_dtype)
+    vc[1:, 0, 0] = vrows.view(n, d)
+    bt = torch.arange(1, n + 1).view(n, 1)
+    out = kernels.paged_decode(torch.randn(n, 2, d).to(q_dtype), kc, vc, bt, torch.ones(n, dtype=torch.int64), 0.125)
+    want = vrows.view(n, 1, d).float().expand(n, 2, d).to(q_dtype)
+    assert torch.equal(out, want)
 
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")

@@ -100,5 +100,6 @@ def test_kv_cache_dtype_argument():
     from pagedserve.engine_args import EngineArgs
 
     assert EngineArgs(kv_cache_dtype="float16").create_engine_config().cache.kv_cache_dtype == "float16"
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16, got 'fp8'"):
-        EngineArgs(kv_cache_dtype="fp8").create_engine_config()
+    assert EngineArgs(kv_cache_dtype="fp8").create_engine_config().cache.kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
+        EngineArgs(kv_cache_dtype="int8").create_engine_config()

@@ -135,17 +135,22 @@ def test_bfloat16_greedy_matches_transformers_bf16(checkpoint):
         assert (ours - ref[p]).abs().max().item() < 0.1  # bf16: a looser, stated tolerance
 
 
-@pytest.mark.parametrize("kv_cache_dtype,tol", [("float16", 2e-3), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize(
+    "kv_cache_dtype,tol", [("float16", 2e-3), ("bfloat16", 2e-2), ("fp8_e4m3", 0.25), ("fp8_e5m2", 0.8)]
+)
 def test_narrow_kv_cache_stays_close_to_transformers(checkpoint, kv_cache_dtype, tol):
     """kv_cache_dtype float16 / bfloat16 with a float32 model: K/V rounded once as written,
     read back through every attention path (decode kernel, chunked prefill and prefix hits
     over the gathered cache); logits within a stated tolerance of transformers' float32
-    (float16's 11-bit mantissa: ~1e-3; bfloat16's 8: ~1e-2), half the bytes per block."""
+    (float16's 11-bit mantissa: ~1e-3; bfloat16's 8: ~1e-2; float8 e4m3fn's 4: ~0.1, e5m2's
+    3: ~0.4, measured 0.11 and 0.39 here), half (a quarter) of the bytes per block."""
     path = checkpoint("llama")
     hf = load_hf(path)
     runner = make_runner(path, 16, kv_cache_dtype=kv_cache_dtype)
-    assert runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
-    assert runner.kv_bytes_per_block(16) * 2 == make_runner(path, 16).kv_bytes_per_block(16)
+    kv_dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(kv_cache_dtype)
+    kv_dtype = kv_dtype or getattr(torch, kv_cache_dtype)
+    assert runner.kv_caches[0][0].dtype == kv_dtype
+    assert runner.kv_bytes_per_block(16) * (4 // kv_dtype.itemsize) == make_runner(path, 16).kv_bytes_per_block(16)
     shared = [(11 * i + 5) % 1000 for i in range(40)]
     prompts = [shared + [1, 2, 3], [9] * 3, list(range(100, 171))]
     late = {3: [("late0", shared + [6, 7, 8, 9], 6)]}

@@ -87,12 +87,16 @@ def test_rotary_bit_exact(dtype, t):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kv_dtype", [None, torch.float16, torch.bfloat16])  # None: the model's
+@pytest.mark.parametrize(
+    "kv_dtype", [None, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+)  # None: the model's
 def test_rotary_cache_writes_kv(dtype, kv_dtype):
     torch.manual_seed(1)
     t, h, k, d, nb, bs = 5, 4, 2, 32, 6, 4
     kv_dtype = kv_dtype or dtype
     qkv, cos, sin = _rope_inputs(t, h, k, d, dtype)
+    qkv[0] *= 1000  # float8: past e4m3fn's 448 (saturates) and into e5m2's coarse range
+    qkv[1] *= 1e-3  # float8 subnormals
     ref = qkv.clone()
     K.rotary_(ref, cos, sin, h, k, d)
     kc, vc = torch.zeros(nb, bs, k, d, dtype=kv_dtype), torch.zeros(nb, bs, k, d, dtype=kv_dtype)
@@ -101,11 +105,14 @@ def test_rotary_cache_writes_kv(dtype, kv_dtype):
     assert torch.equal(qkv, ref)
     _, rk, rv = ref.split([h * d, k * d, k * d], -1)
     # a narrower cache holds what torch's rounding (.to) gives
-    assert torch.equal(kc.view(-1, k, d)[slots], rk.reshape(t, k, d).to(kv_dtype))
-    assert torch.equal(vc.view(-1, k, d)[slots], rv.reshape(t, k, d).to(kv_dtype))
+    def bits(x):  # compared as stored (float8 has no equality kernels)
+        return x.view(torch.uint8) if x.dtype.itemsize == 1 else x
+
+    assert torch.equal(bits(kc.view(-1, k, d)[slots]), bits(rk.reshape(t, k, d).to(kv_dtype)))
+    assert torch.equal(bits(vc.view(-1, k, d)[slots]), bits(rv.reshape(t, k, d).to(kv_dtype)))
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[slots] = False
-    assert not kc.view(-1, k, d)[untouched].any()
+    assert not bits(kc.view(-1, k, d)[untouched]).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

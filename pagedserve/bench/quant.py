@@ -7,7 +7,7 @@ python -m pagedserve.bench.quant kernels [--rounds 20]
       torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu
 python -m pagedserve.bench.quant rss     [--model default] [--quantization ...]
       resident memory of an engine after start and one generation
-python -m pagedserve.bench.quant ppl     [--variants default,gguf_q8,none]
+python -m pagedserve.bench.quant ppl     [--variants default,gguf_q8,none] [--kv-cache-dtypes auto,fp8]
       perplexity of the default GGUF on a public-domain text (the Gettysburg Address and the
       opening of the Declaration of Independence), each quantization mode beside transformers
       loading the same GGUF (the numerics contract: within 1%)
@@ -234,13 +234,21 @@ def cmd_ppl(args) -> dict:
     out: dict = {"bench": "quant_ppl", "model": os.path.basename(path), "text": "gettysburg+declaration"}
     ids = None
     for v in [q.strip() for q in args.variants.split(",")]:
-        llm = LLM(path, dtype="float32", quantization=None if v == "default" else v, enable_prefix_caching=False)
-        if ids is None:
-            ids = llm.get_tokenizer().encode(PUBLIC_DOMAIN_TEXT)
-        (o,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        lps = [d[t].logprob for t, d in zip(ids[1:], o.prompt_logprobs[1:])]
-        out[f"ppl_{v}"] = round(math.exp(-sum(lps) / len(lps)), 4)
-        del llm
+        for kv in [k.strip() for k in args.kv_cache_dtypes.split(",")]:
+            llm = LLM(
+                path,
+                dtype="float32",
+                quantization=None if v == "default" else v,
+                enable_prefix_caching=False,
+                kv_cache_dtype=kv,
+            )
+            if ids is None:
+                ids = llm.get_tokenizer().encode(PUBLIC_DOMAIN_TEXT)
+            params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+            (o,) = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+            lps = [d[t].logprob for t, d in zip(ids[1:], o.prompt_logprobs[1:])]
+            out[f"ppl_{v}" + ("" if kv == "auto" else f"_kv_{kv}")] = round(math.exp(-sum(lps) / len(lps)), 4)
+            del llm
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )
@@ -278,6 +286,7 @@ def main(argv=None) -> None:
     q = sub.add_parser("ppl")
     q.add_argument("--model", default="default", help="a GGUF file (transformers loads the same one)")
     q.add_argument("--variants", default="default,gguf_q8,none")
+    q.add_argument("--kv-cache-dtypes", default="auto", help="e.g. auto,float16,fp8_e4m3: each with every variant")
     args = p.parse_args(argv)
     cmds = {"tpot": cmd_tpot, "kernels": cmd_kernels, "rss": cmd_rss, "demo": cmd_demo, "ppl": cmd_ppl}
     out = cmds[args.cmd](args)

@@ -55,6 +55,8 @@ def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV cache element types beyond the model dtypes (config.KV_CACHE_DTYPES' names)
+_KV_DTYPES = _DTYPES | {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -119,12 +121,15 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torc
     (written rounded from the model's K/V, read back as the model's dtype by the attention
     paths: the C++ decode kernel converts in registers, the SDPA paths after gathering).
     float16 holds |K/V| up to 65504 (larger values become inf, as in llama.cpp's default
-    float16 cache); bfloat16 keeps float32's range with 8 mantissa bits."""
+    float16 cache); bfloat16 keeps float32's range with 8 mantissa bits. The float8 types
+    (vLLM's fp8 KV cache with its default scale of 1.0: values stored as they are) take a
+    quarter of float32's bytes and lose precision: e4m3fn keeps 3 mantissa bits and saturates
+    at +-448 (its smallest step is 2^-9), e5m2 keeps 2 bits and float16's range."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}.")
     if kv_cache_dtype == "auto":
         return model_dtype
-    kv = _DTYPES[kv_cache_dtype]
+    kv = _KV_DTYPES[kv_cache_dtype]
     if device.type != "cpu" and kv != model_dtype:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} differs from the model's {str(model_dtype).removeprefix('torch.')}: "

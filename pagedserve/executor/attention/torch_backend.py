@@ -25,10 +25,14 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ):
     """Scatter the step's K/V [T, kvh, d] into their slots of the paged cache (rounded to
-    the cache's dtype where it is narrower: kv_cache_dtype)."""
+    the cache's dtype where it is narrower: kv_cache_dtype). float8 caches are written
+    through byte views (index_copy_ has no float8 kernels)."""
     nb, bs, kvh, d = k_cache.shape
-    k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        src = src.to(cache.dtype)
+        if cache.dtype.itemsize == 1:
+            cache, src = cache.view(torch.uint8), src.view(torch.uint8)
+        cache.view(nb * bs, kvh, d).index_copy_(0, slots, src)
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -4,13 +4,16 @@
 // below: over sequences and KV heads).
 //
 //   q        [n, h, d]                  (float32 or bfloat16)
-//   k_cache  [num_blocks, bs, kvh, d]   (q's dtype, or float16 / bfloat16: kv_cache_dtype;
-//                                        converted to float as it is read)
+//   k_cache  [num_blocks, bs, kvh, d]   (q's dtype, or float16 / bfloat16 / float8 e4m3fn /
+//                                        float8 e5m2: kv_cache_dtype; converted to float as it
+//                                        is read)
 //   v_cache  [num_blocks, bs, kvh, d]
 //   block_tables [n, max_blocks] int64, seq_lens [n] int64
 //   returns  [n, h, d]
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cmath>
@@ -113,7 +116,13 @@ template <typename KV>
 static inline void prefetch_row(const KV* p, int64_t n) {  // the cache lines of p[0:n]
   for (int64_t c = 0; c < n * (int64_t)sizeof(KV); c += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + c, _MM_HINT_T0);
 }
-// 8 K/V elements as floats: float32 as is; float16 through F16C; bfloat16 by a shift (exact)
+// 8 K/V elements as floats: float32 as is; float16 through F16C; bfloat16 by a shift (exact).
+// float8 (exact too): e5m2 is the top byte of a float16, so a byte shift makes the float16;
+// e4m3fn's sign, exponent and mantissa go to the float16 fields one bit lower (an arithmetic
+// shift copies the sign into the exponent's top bit, which is then cleared), which reads as
+// the value / 256 (the exponent bias 15 against 7), subnormals included: kv_unit<KV> below
+// is that 1 / 256, folded into the scaled query (scores) and into the output (P.V). Its NaN
+// bytes (0x7f / 0xff, never written: a write saturates at +-448) would read as +-480.
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -121,7 +130,17 @@ static inline __m256 load8(const at::BFloat16* p) {
 }
 #if defined(__F16C__)
 static inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline __m256 load8(const c10::Float8_e5m2* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
+}
+static inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i b = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(b, 1), _mm_set1_epi16((short)0xBFFF)));
+}
 #endif
+template <typename KV>
+constexpr float kv_unit = std::is_same_v<KV, c10::Float8_e4m3fn> ? 256.f : 1.f;  // value = load8 * kv_unit
 
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {  // [sum a, sum b, sum c, sum d]
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -184,6 +203,7 @@ static void attend_avx2(const float* qf, const KV* const* krows, const KV* const
     if (part_m == nullptr) softmax_inplace(sc, L);
     else part_l[gi] = exp_scores(sc, L, &part_m[gi]);
   }
+  const __m256 unit = _mm256_set1_ps(kv_unit<KV>);
   for (int64_t gi = 0; gi < g; ++gi) {  // out[head] = sum_t p[t] v[t], d in chunks of 64
     const float* sc = scores + gi * L;
     float* o = out + gi * ostride;
@@ -197,12 +217,12 @@ static void attend_avx2(const float* qf, const KV* const* krows, const KV* const
         const KV* v = vrows[t] + c0;
         for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
       }
-      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + c0 + 8 * c, acc[c]);
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + c0 + 8 * c, _mm256_mul_ps(acc[c], unit));
     }
     for (; c0 < d; c0 += 8) {  // head sizes that are not a multiple of 64
       __m256 acc = _mm256_setzero_ps();
       for (int64_t t = 0; t < L; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[t]), load8(vrows[t] + c0), acc);
-      _mm256_storeu_ps(o + c0, acc);
+      _mm256_storeu_ps(o + c0, _mm256_mul_ps(acc, unit));
     }
   }
 }
@@ -237,7 +257,7 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
       const int64_t nblk = (L + bs - 1) / bs, b0 = nblk * s / S, b1 = nblk * (s + 1) / S;
       const int64_t t0 = b0 * bs, t1 = std::min(L, b1 * bs), Lp = t1 - t0;
       const float* qrow = q + i * qs + kh * g * d;
-      for (int64_t x = 0; x < g * d; ++x) qf[x] = qrow[x] * scale;
+      for (int64_t x = 0; x < g * d; ++x) qf[x] = qrow[x] * (scale * kv_unit<KV>);
       krows.resize(Lp);
       vrows.resize(Lp);
       for (int64_t b = b0, t = 0; t < Lp; ++b) {  // block by block: no division per token
@@ -291,8 +311,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const auto kt = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == kt, "k_cache and v_cache: one dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged_decode: float32 or bfloat16 q");
-  TORCH_CHECK(kt == q.scalar_type() || kt == at::kHalf || kt == at::kBFloat16,
-              "paged_decode: the KV cache in q's dtype, float16 or bfloat16");
+  TORCH_CHECK(kt == q.scalar_type() || kt == at::kHalf || kt == at::kBFloat16 || kt == at::kFloat8_e4m3fn ||
+                  kt == at::kFloat8_e5m2,
+              "paged_decode: the KV cache in q's dtype, float16, bfloat16, float8_e4m3fn or float8_e5m2");
   auto run = [&](auto* q_type, auto* kv_type) {
     using T = std::remove_pointer_t<decltype(q_type)>;
     using KV = std::remove_pointer_t<decltype(kv_type)>;
@@ -300,7 +321,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 #if defined(__F16C__)
     constexpr bool kv_ok = true;
 #else
-    constexpr bool kv_ok = !std::is_same_v<KV, at::Half>;  // float16 K/V need F16C's conversion
+    // float16 and float8 K/V need F16C's conversion
+    constexpr bool kv_ok = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16>;
 #endif
     if constexpr (std::is_same_v<T, float> && kv_ok) {
       if (d % 8 == 0 && q.stride(2) == 1 && q.stride(1) == d) {  // rows may be strided
@@ -319,6 +341,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     using T = std::remove_pointer_t<decltype(q_type)>;
     if (kt == q.scalar_type()) run(q_type, static_cast<T*>(nullptr));
     else if (kt == at::kHalf) run(q_type, static_cast<at::Half*>(nullptr));
+    else if (kt == at::kFloat8_e4m3fn) run(q_type, static_cast<c10::Float8_e4m3fn*>(nullptr));
+    else if (kt == at::kFloat8_e5m2) run(q_type, static_cast<c10::Float8_e5m2*>(nullptr));
     else run(q_type, static_cast<at::BFloat16*>(nullptr));
   };
   if (q.scalar_type() == at::kFloat) with_q(static_cast<float*>(nullptr));

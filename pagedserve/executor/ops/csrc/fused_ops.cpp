@@ -95,7 +95,8 @@ inline void rope_head(T* x, const T* c, const T* s, int64_t half) {
 }
 
 // n K/V values into a cache row: copied, or rounded to a narrower cache dtype (kv_cache_dtype
-// float16 / bfloat16: round to nearest even, as torch's .to()).
+// float16 / bfloat16 / float8: round to nearest even through c10's conversions, as torch's
+// .to(); float8 e4m3fn saturates at +-448, e5m2 overflows to inf).
 template <typename T, typename C>
 inline void store_kv(C* dst, const T* src, int64_t n) {
   if constexpr (std::is_same_v<T, C>) {
@@ -356,9 +357,10 @@ static void rotary_impl(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
     TORCH_CHECK(kc->is_contiguous() && vc->is_contiguous() && kc->dim() == 4 && kc->size(2) == nkv && kc->size(3) == d,
                 "kv cache [blocks, block_size, kv_heads, head_dim], contiguous");
     const auto kt = kc->scalar_type();
-    TORCH_CHECK((kt == qkv.scalar_type() || kt == at::kHalf || kt == at::kBFloat16) && vc->scalar_type() == kt &&
-                    vc->sizes() == kc->sizes(),
-                "kv cache dtype (the model's, float16 or bfloat16) / shape");
+    TORCH_CHECK((kt == qkv.scalar_type() || kt == at::kHalf || kt == at::kBFloat16 || kt == at::kFloat8_e4m3fn ||
+                 kt == at::kFloat8_e5m2) &&
+                    vc->scalar_type() == kt && vc->sizes() == kc->sizes(),
+                "kv cache dtype (the model's, float16, bfloat16, float8_e4m3fn or float8_e5m2) / shape");
     TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->numel() == qkv.size(0), "slots");
   }
   DISPATCH(qkv.scalar_type(), [&] {
@@ -371,6 +373,8 @@ static void rotary_impl(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
     const auto kt = kc ? kc->scalar_type() : qkv.scalar_type();
     if (kt == qkv.scalar_type()) run(static_cast<T*>(nullptr));
     else if (kt == at::kHalf) run(static_cast<at::Half*>(nullptr));
+    else if (kt == at::kFloat8_e4m3fn) run(static_cast<c10::Float8_e4m3fn*>(nullptr));
+    else if (kt == at::kFloat8_e5m2) run(static_cast<c10::Float8_e5m2*>(nullptr));
     else run(static_cast<at::BFloat16*>(nullptr));
   });
 }
