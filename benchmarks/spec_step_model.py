@@ -4,8 +4,8 @@
 
 Greedy outputs do not depend on speculation, so one plain run of `pagedserve bench spec`'s
 prompts (input-grounded chat prompts on the default model) fixes every token; the n-gram
-proposer (engine/ngram_proposer.py, prompt_lookup_min 2, max 4) and the scheduler's
-adaptive k (engine/spec_decode.py: halve after a miss, pause after misses at k = 1, double
+proposer (core/ngram_proposer.py, prompt_lookup_min 2, max 4) and the scheduler's
+adaptive k (core/spec_decode.py: halve after a miss, pause after misses at k = 1, double
 after a full accept) are then replayed on those tokens without the model. A step that
 verifies r rows costs 1 + c * (r - 1) plain steps; the printed speedup is tokens / sum of
 step costs, i.e. the bench's ratio if every step cost exactly that. `c` is measured as
@@ -22,8 +22,8 @@ import json
 
 
 def replay(prompts, outputs, k_max: int, c: float, min_n: int = 2, max_n: int = 4) -> dict:
-    from pagedserve.engine.ngram_proposer import NgramProposer
-    from pagedserve.engine.spec_decode import PAUSE_STEPS
+    from pagedserve.core.ngram_proposer import NgramProposer
+    from pagedserve.core.spec_decode import PAUSE_STEPS
 
     prop = NgramProposer(k_max, min_n, max_n)
     cost = 0.0

@@ -23,7 +23,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
-    scheduler_cls: str = "pagedserve.engine.scheduler.Scheduler"
+    scheduler_cls: str = "pagedserve.core.scheduler.Scheduler"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -88,7 +88,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(True, "cut long prompts into chunks under the token budget")
     long_prefill_token_threshold: int = _arg(0, "cap on one request's prefill chunk per step (0: none)")
     scheduling_policy: str = _arg("fcfs", "waiting-queue order", ["fcfs", "priority"])
-    scheduler_cls: str = _arg("pagedserve.engine.scheduler.Scheduler", "dotted path of the scheduler class")
+    scheduler_cls: str = _arg("pagedserve.core.scheduler.Scheduler", "dotted path of the scheduler class")
     # -- processes --------------------------------------------------------------------
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks: worker processes, one model shard each")
     data_parallel_size: int = _arg(1, "engine cores (replicas, each with its own KV cache) behind one front end")

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from hypothesis import HealthCheck, given, seed, settings
 
     from tests.checkpoints import build_checkpoint
-    from tests.test_server import Server
+    from tests.server.test_server import Server
 
     model_dir = build_checkpoint(tempfile.mkdtemp(prefix="fuzz-"), "llama")
     srv = Server(model_dir, engine_kw={"max_model_len": a.max_model_len})

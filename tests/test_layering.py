@@ -1,4 +1,5 @@
-"""Imports run downward only: front end / server -> engine -> executor -> neutral modules.
+"""Imports run downward only: front end / server -> engine (the front-end half) -> core
+(the scheduler layer) -> executor -> neutral modules.
 
 Every `import pagedserve...` in the package, lazy ones included, is checked against the
 layer table below, so an upward import (executor -> engine, engine -> front end) or an
@@ -20,10 +21,11 @@ ALLOWED = {
     "neutral": set(),
     "structured_outputs": set(),
     "executor": {"structured_outputs"},
-    "engine": {"executor", "structured_outputs"},
+    "core": {"executor", "structured_outputs"},
+    "engine": {"core", "structured_outputs"},
     "frontend": {"engine", "structured_outputs"},
     "server": {"engine", "structured_outputs"},
-    "bench": {"engine", "executor", "frontend", "server", "structured_outputs"},
+    "bench": {"core", "engine", "executor", "frontend", "server", "structured_outputs"},
     "__init__": {"engine", "frontend"},
 }
 

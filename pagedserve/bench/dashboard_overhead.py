@@ -23,10 +23,11 @@ import time
 from collections import deque
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.engine.core import EngineCore, freeze_startup_objects
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.snapshot import build_snapshot, state_view
+from pagedserve.core.engine_core import EngineCore, freeze_startup_objects
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.snapshot import build_snapshot
+from pagedserve.engine.live_view import state_view
 from pagedserve.messages import EngineCoreOutputs, ModelRunnerOutput
 from pagedserve.sampling_params import SamplingParams
 

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
 
-    from pagedserve.engine.core import resolve_config
+    from pagedserve.core.engine_core import resolve_config
     from pagedserve.engine_args import EngineArgs
 
     vocab = resolve_config(EngineArgs(model=a.model).create_engine_config()).model_config.vocab_size

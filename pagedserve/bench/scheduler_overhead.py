@@ -14,9 +14,9 @@ import json
 import time
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.engine.core import freeze_startup_objects
-from pagedserve.engine.request import Request
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.core.engine_core import freeze_startup_objects
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler import Scheduler
 from pagedserve.messages import ModelRunnerOutput
 from pagedserve.sampling_params import SamplingParams
 

@@ -31,7 +31,7 @@ by the clients that left, the probes' usage).
 The JSON report carries one record per round and a verdict against the issue's goals: no
 5xx, only OpenAI error bodies, every bad input a 4xx and every probe answered, every
 completed stream whole, 0 leaked blocks, RSS growth after round 2 under 2%, no stream
-slower than 3x its round's p99. `run_soak()` is the same in-process (tests/test_soak.py).
+slower than 3x its round's p99. `run_soak()` is the same in-process (tests/e2e/test_soak.py).
 """
 
 from __future__ import annotations

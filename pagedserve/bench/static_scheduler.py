@@ -9,8 +9,8 @@ Select it with `--scheduler-cls pagedserve.bench.static_scheduler.StaticSchedule
 
 from __future__ import annotations
 
-from pagedserve.engine.request import Request
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler import Scheduler
 from pagedserve.messages import ScheduledRequest
 
 STATIC_SCHEDULER_CLS = f"{__name__}.StaticScheduler"

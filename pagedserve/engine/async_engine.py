@@ -4,7 +4,7 @@ Front end (this process, the event loop): input processor (tokenize, validate, n
 output processor (detokenize, stop strings) in one task that reads the core's per-step
 outputs from ZMQ and hands each request's RequestOutputs to its stream. Engine core (a
 child process by default, or a thread with `engine_core_process=False`): the scheduler,
-the executor and the step loop (`engine/core_proc.py`), so HTTP, JSON and
+the executor and the step loop (`core/core_proc.py`), so HTTP, JSON and
 detokenization never hold the GIL the step needs.
 
 Data parallelism (`data_parallel_size` M > 1): M engine cores, each with its own KV
@@ -36,13 +36,12 @@ import zmq
 import zmq.asyncio
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core_proc import CoreHandle
+from pagedserve.engine.core_handle import CoreHandle
 from pagedserve.engine.dp_client import EngineReplicas
 from pagedserve.engine.llm_engine import FrontEnd
-from pagedserve.engine.stats import EngineStats
 from pagedserve.engine_args import EngineArgs
 from pagedserve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from pagedserve.messages import CoreRequestType, EngineCoreOutputs
+from pagedserve.messages import CoreRequestType, EngineCoreOutputs, EngineStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -63,7 +62,7 @@ class AsyncLLM(FrontEnd):
         self.output = self.replicas.output
         self.num_blocks = min(info.num_kv_blocks for info in self.replicas.infos)  # per replica
         self.core_ready(self.num_blocks)
-        self.snapshot: dict | None = None  # replica 0's latest live-view snapshot (engine/snapshot.py)
+        self.snapshot: dict | None = None  # replica 0's latest live-view snapshot (core/snapshot.py)
         self._streams: dict[str, asyncio.Queue] = {}
         self._dead: str | None = None
         self._output_task: asyncio.Task | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pickle
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineCore
+from pagedserve.core.engine_core import EngineCore
 from pagedserve.errors import EngineDeadError
 from pagedserve.messages import CoreRequestType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
@@ -56,7 +56,7 @@ class SyncMPClient:
     def __init__(self, config: EngineConfig) -> None:
         import zmq  # only this path needs pyzmq
 
-        from pagedserve.engine.core_proc import CoreHandle
+        from pagedserve.engine.core_handle import CoreHandle
 
         self._zmq = zmq
         self.ctx = zmq.Context()

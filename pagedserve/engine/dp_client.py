@@ -28,12 +28,17 @@ from dataclasses import fields
 import zmq
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import CoreInfo
-from pagedserve.engine.core_proc import CoreHandle
+from pagedserve.core.engine_core import CoreInfo
+from pagedserve.engine.core_handle import CoreHandle
 from pagedserve.engine.dp_router import DPRouter
-from pagedserve.engine.stats import EngineStats
 from pagedserve.errors import EngineDeadError
-from pagedserve.messages import CoreRequestType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagedserve.messages import (
+    CoreRequestType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+)
 
 logger = logging.getLogger(__name__)
 

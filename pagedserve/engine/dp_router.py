@@ -16,14 +16,14 @@ request of an application) to one replica.
 
 Invariants: `route` returns an index in [0, M); the map never holds more than
 `max_entries` hashes; the hashes equal `Request.block_hashes` for the same tokens and
-salt (tests/test_data_parallel.py checks it against the KV cache manager).
+salt (tests/engine/test_data_parallel.py checks it against the KV cache manager).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from pagedserve.engine.block_pool import extend_block_hashes
+from pagedserve.core.block_pool import extend_block_hashes
 
 PREFIX, LOAD, ROUND_ROBIN = "prefix", "load", "round_robin"  # why a request went where it went
 

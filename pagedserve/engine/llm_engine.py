@@ -14,13 +14,12 @@ import itertools
 import logging
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import resolve_config
+from pagedserve.core.engine_core import resolve_config
 from pagedserve.engine.core_client import InprocClient, SyncMPClient
 from pagedserve.engine.dp_client import SyncDPClient
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.stats import EngineStats
-from pagedserve.executor.loader import resolve_model_path
+from pagedserve.messages import EngineStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import eos_token_ids, load_tokenizer
@@ -38,8 +37,7 @@ class FrontEnd:
         self.model_path = info.model_path
         self.model_config = info.model_config
         mc = config.model
-        tok_path = resolve_model_path(mc.tokenizer) if mc.tokenizer else info.model_path
-        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(tok_path)
+        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(info.tokenizer_path)
         eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos = eos_token_ids(self.tokenizer, info.model_path, self.model_config.eos_token_ids)

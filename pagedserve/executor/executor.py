@@ -1,6 +1,6 @@
 """The executor seam: the engine core talks to the model only through this interface.
 
-Life cycle, driven by the engine core (`engine/core.py`), which never reaches past it:
+Life cycle, driven by the engine core (`core/engine_core.py`), which never reaches past it:
   1. construction loads the model;
   2. `kv_bytes_per_block()` and `determine_available_kv_memory()` size the KV cache
      (the core turns bytes into blocks, in one place for CPU and GPU);

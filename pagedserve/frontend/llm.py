@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.stats import EngineStats
 from pagedserve.engine_args import EngineArgs, signature
+from pagedserve.messages import EngineStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.tokenizer import apply_chat_template

@@ -3,7 +3,7 @@ documented in docs/dashboard.md) and `/dashboard/stream` (the same document as
 server-sent events, one per new engine snapshot).
 
 The engine core publishes a raw snapshot at most every `snapshot_interval_ms`
-(engine/core_proc.py); `AsyncLLM.snapshot` holds the latest. The document is built from
+(core/core_proc.py); `AsyncLLM.snapshot` holds the latest. The document is built from
 it here, once per snapshot whatever the number of viewers, in the server's process.
 
 Auth: the data paths go through the server's RequestGuard like the API (`--api-key`);
@@ -26,7 +26,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 
-from pagedserve.engine.snapshot import percentiles, state_view
+from pagedserve.engine.live_view import percentiles, state_view
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Kernels:
     chunk's own K/V were written first), with the causal mask offset by the context length.
 Keys are addressed per token (block_table[pos // bs] * bs + pos % bs), so any block size
 works with any tile size. Checked on the CPU under TRITON_INTERPRET=1 against the
-PyTorch backend (tests/test_triton_backend.py).
+PyTorch backend (tests/executor/test_triton_backend.py).
 """
 
 from __future__ import annotations

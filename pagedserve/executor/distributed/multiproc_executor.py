@@ -59,7 +59,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _children_allowed():
     """multiprocessing refuses children to a daemon process, and the engine core's own
-    process is one (engine/core_proc.py). Our workers are daemons themselves and die with
+    process is one (core/core_proc.py). Our workers are daemons themselves and die with
     their parent (PR_SET_PDEATHSIG), so the refusal is lifted while they start."""
     cfg = multiprocessing.current_process()._config  # noqa: SLF001
     was = cfg.get("daemon", False)

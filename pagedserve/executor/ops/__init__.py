@@ -4,7 +4,7 @@ The C++ kernels (csrc/fused_ops.cpp) are compiled once per machine with torch's
 cpp_extension, like the attention kernel (build keyed by the CPU's flags, -march=native so
 the compiler vectorizes for the ISA this CPU has); without a compiler, on a GPU tensor, or
 with PAGEDSERVE_NO_CPP_KERNELS=1 each op runs its PyTorch reference, which is what the
-model ran before (transformers' numerics). tests/test_ops.py checks each kernel against
+model ran before (transformers' numerics). tests/executor/test_ops.py checks each kernel against
 its reference.
 
 All ops take and return tensors of the model dtype (float32 or bfloat16 for the kernels).

@@ -66,7 +66,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.stop_token_set: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
         self.in_executor = False  # the executor holds state for it (set at its first scheduling)
-        # speculative decoding (engine/spec_decode.py): guesses per step (0: undecided,
+        # speculative decoding (core/spec_decode.py): guesses per step (0: undecided,
         # -1: never), and steps left without guesses
         self.spec_k = 0
         self.spec_pause = 0

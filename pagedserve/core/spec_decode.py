@@ -15,8 +15,8 @@ slots it allocates); the executor's draft model fills them in during the step.
 from __future__ import annotations
 
 from pagedserve.config import SpeculativeConfig
-from pagedserve.engine.ngram_proposer import NgramProposer
-from pagedserve.engine.request import Request
+from pagedserve.core.ngram_proposer import NgramProposer
+from pagedserve.core.request import Request
 from pagedserve.messages import DRAFT_PLACEHOLDER
 
 PAUSE_STEPS = 8  # steps without guesses after repeated misses at k = 1

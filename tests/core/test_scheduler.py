@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import Scheduler
 from pagedserve.sampling_params import SamplingParams
 from tests.fake_model import FakeRunner, reference_output
 

@@ -1,6 +1,6 @@
 import pytest
 
-from pagedserve.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
+from pagedserve.core.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
 
 
 def test_free_queue_order_and_remove():

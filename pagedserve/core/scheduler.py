@@ -17,11 +17,16 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from pagedserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.spec_decode import SpecDecodeState
-from pagedserve.engine.stats import EngineStats
-from pagedserve.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.spec_decode import SpecDecodeState
+from pagedserve.messages import (
+    EngineCoreOutput,
+    EngineStats,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 # -- waiting-queue policies -----------------------------------------------------

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.engine.request import Request
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler import Scheduler
 from pagedserve.executor.loader import load_hf_config_dict
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.executor.model_runner import ModelRunner

@@ -21,8 +21,8 @@ pytest.importorskip("xgrammar")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from tests.test_server import MODEL, Server  # noqa: E402
-from tests.test_structured_outputs import SCHEMAS  # noqa: E402
+from tests.server.test_server import MODEL, Server  # noqa: E402
+from tests.structured_outputs.test_structured_outputs import SCHEMAS  # noqa: E402
 
 WEATHER_PARAMS = {
     "type": "object",

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.ngram_proposer import NgramProposer
+from pagedserve.core.ngram_proposer import NgramProposer
 from pagedserve.executor.rejection_sampler import verify
 
 # chi-square critical values at alpha = 0.001, by degrees of freedom
@@ -255,7 +255,7 @@ def test_sampled_tokens_keep_their_distribution_with_speculation(tmp_path, monke
     model's samples rarely repeat the prompt, so the proposer is made to guess every step
     (any guesses must leave the distribution unchanged); the draft model is another random
     model, so its greedy guesses are often rejected and the residual draws matter."""
-    from pagedserve.engine.ngram_proposer import NgramProposer
+    from pagedserve.core.ngram_proposer import NgramProposer
     from tests.checkpoints import build_checkpoint
 
     monkeypatch.setattr(NgramProposer, "propose", lambda self, toks, k=None: list(toks[-1 : -(k or self.k) - 1 : -1]))
@@ -293,7 +293,7 @@ def test_sampled_tokens_keep_their_distribution_with_speculation(tmp_path, monke
 
 def test_spec_counters_in_prometheus_metrics():
     pytest.importorskip("prometheus_client")
-    from pagedserve.engine.stats import EngineStats
+    from pagedserve.messages import EngineStats
     from pagedserve.server.metrics import ServerMetrics
 
     stats = EngineStats(*([0] * 16), spec_num_drafts=5, spec_num_draft_tokens=12, spec_num_accepted_tokens=9,
@@ -310,7 +310,7 @@ def test_step_model_replays_proposer_and_costs():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_step_model.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "spec_step_model.py"
     spec = importlib.util.spec_from_file_location("spec_step_model", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -289,7 +289,7 @@ def test_packed_gguf_shards(tmp_path, monkeypatch):
     boundaries, the vocabulary padded with zero blocks): same tokens as one process."""
     gguf = pytest.importorskip("gguf")
     from tests.checkpoints import build_checkpoint
-    from tests.test_gguf import write_gguf
+    from tests.executor.test_gguf import write_gguf
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf_dir = build_checkpoint(str(tmp_path / "hf"), "llama_tp", intermediate_size=256)  # K shards of 128

@@ -15,13 +15,13 @@ import pytest
 pytest.importorskip("fastapi")
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from pagedserve.core.request import Request  # noqa: E402
 from pagedserve.engine.dp_client import merge_stats  # noqa: E402
 from pagedserve.engine.dp_router import LOAD, PREFIX, ROUND_ROBIN, DPRouter  # noqa: E402
-from pagedserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from pagedserve.engine.request import Request  # noqa: E402
-from pagedserve.engine.stats import EngineStats  # noqa: E402
 from pagedserve.errors import EngineDeadError  # noqa: E402
-from tests.test_server import MODEL, Server  # noqa: E402
+from pagedserve.messages import EngineStats  # noqa: E402
+from tests.server.test_server import MODEL, Server  # noqa: E402
 
 ENGINE_KW = dict(dtype="float32", num_kv_blocks=300, max_model_len=512)
 BS = 16

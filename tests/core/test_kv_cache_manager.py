@@ -1,5 +1,5 @@
-from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.request import Request
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request
 from pagedserve.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ One step: `Scheduler.schedule()` -> `Executor.execute_model()` ->
 `Scheduler.update_from_output()` -> per-request `EngineCoreOutput`s (new token ids,
 logprobs, finish reasons). Tokens and text belong to the front end (input and output
 processors); the core sees token ids only, so it can run in its own process
-(`engine/core_proc.py`) as well as in the caller's.
+(`core/core_proc.py`) as well as in the caller's.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.kv_cache_manager import cdiv
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.stats import EngineStats
+from pagedserve.core.kv_cache_manager import cdiv
+from pagedserve.core.request import Request, RequestStatus
 from pagedserve.executor.executor import Executor, UniProcExecutor
 from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
 from pagedserve.executor.model_config import ModelConfig
-from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput
+from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, ModelRunnerOutput
 from pagedserve.structured_outputs import StructuredOutputManager
 from pagedserve.tokenizer import load_tokenizer
 
@@ -62,6 +61,7 @@ class ModelInfo:
 
     model_path: str  # a local HF directory (a GGUF's cached conversion)
     model_config: ModelConfig
+    tokenizer_path: str  # the tokenizer's files: `tokenizer` if given, else the model's
 
 
 def resolve_config(config: EngineConfig) -> ModelInfo:
@@ -73,7 +73,8 @@ def resolve_config(config: EngineConfig) -> ModelInfo:
     if mc.sliding_window:  # full attention is exact up to the window
         limit = min(limit, mc.sliding_window)
     config.scheduler = config.scheduler.resolved(limit)
-    return ModelInfo(path, mc)
+    tok = config.model.tokenizer
+    return ModelInfo(path, mc, resolve_model_path(tok) if tok else path)
 
 
 @dataclass
@@ -108,6 +109,7 @@ class EngineCore:
         self.config = config
         self.model_config = info.model_config
         self.model_path = info.model_path
+        self.tokenizer_path = info.tokenizer_path
         self.structured_outputs: StructuredOutputManager | None = None  # at the first constrained request
         sc, cc = config.scheduler, config.cache
         t0 = time.perf_counter()
@@ -118,7 +120,7 @@ class EngineCore:
         self.executor.compile_or_warm_up(sc.max_num_seqs, sc.max_model_len)
         spec = {"speculative": config.speculative} if config.speculative is not None else {}
         self.scheduler = _import_class(sc.scheduler_cls)(sc, cc, self.num_blocks, **spec)
-        # The live view's step records (engine/snapshot.py STEP_FIELDS), kept only when
+        # The live view's step records (core/snapshot.py STEP_FIELDS), kept only when
         # snapshots are on: None costs the step one attribute test.
         self.step_records: deque | None = None
         self._finished_in_last_step = 0
@@ -179,7 +181,7 @@ class EngineCore:
     def _structured_output_manager(self) -> StructuredOutputManager:
         if self.structured_outputs is None:
             mc = self.config.model
-            path = resolve_model_path(mc.tokenizer) if mc.tokenizer else self.model_path
+            path = self.tokenizer_path
             self.structured_outputs = StructuredOutputManager(
                 lambda: load_tokenizer(path), self.model_config.vocab_size, mc.structured_outputs_backend
             )
@@ -213,7 +215,7 @@ class EngineCore:
         return outputs
 
     def enable_step_records(self, maxlen: int = 512) -> None:
-        """Keep the last `maxlen` steps' records for the live view (engine/snapshot.py)."""
+        """Keep the last `maxlen` steps' records for the live view (core/snapshot.py)."""
         if self.step_records is None or self.step_records.maxlen != maxlen:
             self.step_records = deque(self.step_records or (), maxlen=maxlen)
 
@@ -251,8 +253,8 @@ class EngineCore:
         )
 
     def snapshot(self) -> dict:
-        """The live view's raw state (engine/snapshot.py `build_snapshot`)."""
-        from pagedserve.engine.snapshot import build_snapshot
+        """The live view's raw state (core/snapshot.py `build_snapshot`)."""
+        from pagedserve.core.snapshot import build_snapshot
 
         return build_snapshot(self)
 

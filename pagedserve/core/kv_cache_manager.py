@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedserve.engine.block_pool import BlockPool, KVBlock, extend_block_hashes
-from pagedserve.engine.request import Request
+from pagedserve.core.block_pool import BlockPool, KVBlock, extend_block_hashes
+from pagedserve.core.request import Request
 
 _NO_BLOCKS: tuple[KVBlock, ...] = ()
 

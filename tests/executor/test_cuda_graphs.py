@@ -4,8 +4,8 @@ benchmarks/gpu_check.sh)."""
 import torch
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.engine.request import Request
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler import Scheduler
 from pagedserve.executor.cuda_graphs import DecodeBuffers, capture_sizes, padded_size
 from pagedserve.executor.loader import load_hf_config_dict
 from pagedserve.executor.model_config import ModelConfig

@@ -18,7 +18,7 @@ from pagedserve.executor.model_runner import ModelRunner  # noqa: E402
 from pagedserve.executor.quant import kernels  # noqa: E402
 from pagedserve.executor.quant.layers import QuantEmbedding, QuantLinear  # noqa: E402
 from tests.checkpoints import build_checkpoint  # noqa: E402
-from tests.test_gguf import write_gguf  # noqa: E402
+from tests.executor.test_gguf import write_gguf  # noqa: E402
 
 try:
     kernels.load()
@@ -64,7 +64,7 @@ def kquant_checkpoint(tmp_path_factory):
 
 def run(path, quantization):
     """Greedy decoding of PROMPTS through the real scheduler and runner: (tokens, logits)."""
-    from tests.test_model_parity import drive
+    from tests.executor.test_model_parity import drive
 
     model_dir = resolve_model_path(path)
     cfg = ModelConfig.from_hf_dict(load_hf_config_dict(model_dir))

@@ -16,10 +16,11 @@ import pytest
 pytest.importorskip("fastapi")
 
 from pagedserve import SamplingParams  # noqa: E402
-from pagedserve.engine.snapshot import STEP_FIELDS, block_view, state_view  # noqa: E402
-from tests.test_server import Server  # noqa: E402
+from pagedserve.core.snapshot import STEP_FIELDS  # noqa: E402
+from pagedserve.engine.live_view import block_view, state_view  # noqa: E402
+from tests.server.test_server import Server  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "dashboard-state.schema.json").read_text())
 KEY = "dash-secret"
 BS = 64  # big blocks: the page map changes only every 64 tokens, so it can be compared with /metrics
@@ -92,7 +93,7 @@ class FakeExecutor:
 
 
 def test_snapshot_blocks_match_the_pool_and_schema(checkpoint):
-    from pagedserve.engine.core import EngineCore
+    from pagedserve.core.engine_core import EngineCore
     from pagedserve.engine_args import EngineArgs
     from pagedserve.messages import EngineCoreRequest
 
@@ -213,7 +214,7 @@ def test_page_in_headless_chromium(dash_server, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
-    from tests.test_server import metric
+    from tests.server.test_server import metric
 
     chrome, driver_path = found
     opts = webdriver.ChromeOptions()
@@ -309,7 +310,7 @@ def test_page_in_headless_chromium(dash_server, tmp_path):
 
 
 def test_grafana_dashboard_uses_only_exported_metrics():
-    from pagedserve.engine.stats import EngineStats
+    from pagedserve.messages import EngineStats
     from pagedserve.server.metrics import ServerMetrics
 
     m = ServerMetrics(lambda: EngineStats(*([0] * 16)), "m", lambda: (0, 1))

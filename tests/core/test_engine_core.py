@@ -194,7 +194,7 @@ async def _admission_fault(llm: AsyncLLM):
 def test_core_admission_fault_fails_one_request(model_dir, monkeypatch):
     """An internal error while the core admits one request (e.g. a grammar backend that
     raises) refuses that request with a RequestFailedError; the core goes on."""
-    from pagedserve.engine.core import EngineCore
+    from pagedserve.core.engine_core import EngineCore
 
     real = EngineCore.add_request
 

@@ -12,7 +12,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.errors import InvalidRequestError
-from tests.test_structured_outputs import SCHEMAS
+from tests.structured_outputs.test_structured_outputs import SCHEMAS
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -163,8 +163,8 @@ class FakeGrammar:
 
 def test_scheduler_waits_for_grammar_without_blocking_others():
     from pagedserve.config import CacheConfig, SchedulerConfig
-    from pagedserve.engine.request import Request, RequestStatus
-    from pagedserve.engine.scheduler import Scheduler
+    from pagedserve.core.request import Request, RequestStatus
+    from pagedserve.core.scheduler import Scheduler
     from pagedserve.messages import ModelRunnerOutput
 
     s = Scheduler(SchedulerConfig(max_model_len=256), CacheConfig(block_size=16), 64)

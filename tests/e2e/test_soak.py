@@ -10,7 +10,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("psutil")
 
 from pagedserve.bench.soak import SoakConfig, run_soak, verdict  # noqa: E402
-from tests.test_server import MODEL, Server  # noqa: E402
+from tests.server.test_server import MODEL, Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from pagedserve.server.serving_base import AdmissionLimiter  # noqa: E402
-from tests.test_server import MODEL, Server, free_port, metric, wait_idle  # noqa: E402
+from tests.server.test_server import MODEL, Server, free_port, metric, wait_idle  # noqa: E402
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

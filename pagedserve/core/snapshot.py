@@ -1,0 +1,122 @@
+"""The live view's raw data: a cheap snapshot taken in the engine core's loop (the
+per-block view is built from it off the loop, in the front end: engine/live_view.py).
+
+`build_snapshot(core)` runs between two steps, in the core's process, at most every
+`snapshot_interval_ms` (core/core_proc.py): O(blocks held + cached) attribute reads,
+no per-block dicts. It records, per request in the running batch and the head of the
+waiting queue, its block ids and progress; the ids of the cached-but-free blocks; the
+stats; the recent step records. Everything else (each block's owner, reference count,
+tokens, state) follows from those and is derived by `block_view()` / `state_view()`
+where the `/dashboard/state` document is built (the server's process), so the step loop
+pays only for the copy. Measured in BENCHMARKS.md ("Dashboard").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from itertools import islice
+from operator import attrgetter
+
+from pagedserve.core.request import RequestStatus
+
+SNAPSHOT_VERSION = 1
+# one step record: see EngineCore._record_step
+STEP_FIELDS = ("time", "prefill_tokens", "decode_tokens", "num_reqs", "joined", "finished", "preempted", "seconds")
+MAX_WAITING_LISTED = 256  # waiting requests listed by id (all are counted)
+MAX_STEPS = 300  # step records per snapshot (the timeline)
+
+
+_STATUS = {
+    RequestStatus.WAITING: "waiting",
+    RequestStatus.RUNNING: "running",
+    RequestStatus.PREEMPTED: "preempted",
+}
+
+
+def build_snapshot(core) -> dict:
+    """The raw state of an EngineCore (call between steps, from the core's thread).
+
+    requests: [id, status, prompt tokens, output tokens, computed tokens, prefix-cache hit
+    tokens, preemptions, arrival time, [block ids in order]] for every running request
+    and the first MAX_WAITING_LISTED waiting ones (waiting requests hold no block)."""
+    sched = core.scheduler
+    kv = sched.kv
+    pool = kv.pool
+    req_to_blocks = kv.req_to_blocks
+    no_blocks = ()
+    block_id = attrgetter("block_id")
+    reqs = []
+    for r in sched.running:
+        reqs.append(
+            [
+                r.request_id,
+                "running",
+                len(r.prompt_token_ids),
+                len(r.output_token_ids),
+                r.num_computed_tokens,
+                max(r.num_cached_tokens, 0),
+                r.num_preemptions,
+                r.arrival_time,
+                list(map(block_id, req_to_blocks.get(r.request_id, no_blocks))),
+            ]
+        )
+    waiting = sched.waiting
+    num_preempted = 0
+    for r in _iter_queue(waiting):
+        if r.status is RequestStatus.PREEMPTED:
+            num_preempted += 1
+    for r in islice(_iter_queue(waiting), MAX_WAITING_LISTED):
+        reqs.append(
+            [
+                r.request_id,
+                _STATUS.get(r.status, "waiting"),
+                len(r.prompt_token_ids),
+                len(r.output_token_ids),
+                r.num_computed_tokens,
+                max(r.num_cached_tokens, 0),
+                r.num_preemptions,
+                r.arrival_time,
+                list(map(block_id, req_to_blocks.get(r.request_id, no_blocks))),
+            ]
+        )
+    cached_free = _cached_free_ids(pool)
+    records = core.step_records
+    steps = list(islice(records, max(len(records) - MAX_STEPS, 0), None)) if records else []
+    return {
+        "version": SNAPSHOT_VERSION,
+        "time": time.time(),
+        "block_size": kv.block_size,
+        "num_blocks": pool.num_blocks,  # block ids 0..num_blocks-1; 0 is the null block
+        "requests": reqs,
+        "num_running": len(sched.running),
+        "num_waiting": len(waiting),
+        "num_preempted": num_preempted,
+        "cached_free": cached_free,
+        "stats": dataclasses.asdict(core.get_stats()),
+        "steps": steps,
+        "cost_s": 0.0,  # filled in by the publisher (the time this call took)
+    }
+
+
+def _cached_free_ids(pool) -> list[int]:
+    """Ids of the free blocks that still hold a cached prefix: from whichever is shorter,
+    the free queue or the prefix-cache map."""
+    fq = pool.free_queue
+    if fq.num_free < len(pool.cached_blocks):
+        out, b, tail = [], fq._head.next_free, fq._tail  # the queue's own links (O(free))
+        while b is not tail:
+            if b.block_hash is not None:
+                out.append(b.block_id)
+            b = b.next_free
+        return out
+    return [b.block_id for b in pool.cached_blocks.values() if b.ref_cnt == 0]
+
+
+def _iter_queue(waiting):
+    """The waiting queue in order, without sorting a priority heap (its order is the
+    heap's; good enough for a view)."""
+    heap = getattr(waiting, "_heap", None)
+    if heap is not None:
+        return (e[3] for e in heap)
+    return iter(waiting)
