@@ -32,7 +32,10 @@ browser:
 	  echo "note: could not install chromium; the dashboard browser test will be skipped"; \
 	else echo "note: chromium/chromedriver missing (not root): the dashboard browser test will be skipped"; fi
 
+# The C++ kernels are built here, once per machine and source version (a few seconds when
+# they are built already), so no engine start compiles inside a timed run.
 setup: $(STAMP)
+	@$(VPY) -m pagedserve.executor.cpp_build
 
 demo: setup
 	$(VPY) -m pagedserve.frontend.demo $(ARGS)

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import EngineCore
 from pagedserve.messages import CoreRequestType, EngineCoreOutputs
@@ -41,7 +42,7 @@ class EngineCoreProc:
         self.core = core
         self.engine_index = engine_index  # data parallelism: tags every message this core sends
         # tests: "<index>:<seconds>" makes replica <index> sleep that long after each step
-        slow = os.environ.get("PAGEDSERVE_TEST_SLOW_ENGINE", "")
+        slow = envs.PAGEDSERVE_TEST_SLOW_ENGINE
         self.step_delay = float(slow.split(":")[1]) if slow.split(":")[0] == str(engine_index) else 0.0
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
@@ -186,8 +187,8 @@ def _place_replica(config: EngineConfig, engine_index: int) -> None:
     import torch
 
     dp = config.parallel.data_parallel_size
-    threads = os.environ.get("PAGEDSERVE_NUM_THREADS")  # the operator's choice wins
-    torch.set_num_threads(int(threads) if threads else max(1, len(os.sched_getaffinity(0)) // dp))
+    threads = envs.PAGEDSERVE_NUM_THREADS  # the operator's choice wins
+    torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0)) // dp))
     if engine_index > 0:  # the live view shows replica 0: the others keep no step records
         config.observability.snapshot_interval_ms = 0
     mc, cc = config.model, config.cache

@@ -32,6 +32,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.executor.distributed import parallel_state as ps
 from pagedserve.executor.distributed.sharding import check_divisible
@@ -82,7 +83,7 @@ class MultiprocExecutor(Executor):
         mc = config.model
         self.model_config = model_config
         self.world_size = tp
-        self.num_local = int(os.environ.get("PAGEDSERVE_LOCAL_TP_RANKS", tp))
+        self.num_local = envs.PAGEDSERVE_LOCAL_TP_RANKS or tp
         if not 1 <= self.num_local <= tp:
             raise ValueError(f"PAGEDSERVE_LOCAL_TP_RANKS={self.num_local} must be in [1, {tp}]")
         cores = len(os.sched_getaffinity(0))
@@ -91,7 +92,7 @@ class MultiprocExecutor(Executor):
             model_config=model_config,
             world_size=tp,
             num_local=self.num_local,
-            backend=os.environ.get("PAGEDSERVE_TP_BACKEND") or ps.default_backend(device),
+            backend=envs.PAGEDSERVE_TP_BACKEND or ps.default_backend(device),
             device="cuda" if device.startswith("cuda") else device,
             runner_kwargs=dict(
                 dtype=mc.dtype,
@@ -102,7 +103,7 @@ class MultiprocExecutor(Executor):
                 kv_cache_dtype=config.cache.kv_cache_dtype,
             ),
             num_threads=max(1, cores // self.num_local),
-            check_tokens=os.environ.get("PAGEDSERVE_TP_CHECK_TOKENS", "") not in ("", "0"),
+            check_tokens=envs.PAGEDSERVE_TP_CHECK_TOKENS,
         )
         self.failed: str | None = None
         self.ring = ShmRing(self.num_local)

@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pagedserve import envs
 from pagedserve.executor.distributed import parallel_state as ps
 from pagedserve.executor.model_config import ModelConfig
 
@@ -218,7 +219,7 @@ def run_remote_worker() -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    backend = os.environ.get("PAGEDSERVE_TP_BACKEND") or ps.default_backend(
+    backend = envs.PAGEDSERVE_TP_BACKEND or ps.default_backend(
         "cuda" if torch.cuda.is_available() else "cpu"
     )
     ps.init_tensor_parallel(rank, world, backend)

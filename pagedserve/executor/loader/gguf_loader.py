@@ -28,6 +28,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from pagedserve import envs
+
 CONVERTER_VERSION = 2
 
 _NAMES = {
@@ -130,9 +132,7 @@ def iterate_gguf(path: str, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def cache_dir() -> str:
-    return os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "pagedserve"
-    )
+    return envs.PAGEDSERVE_CACHE_DIR
 
 
 def converted_dir(path: str) -> str:

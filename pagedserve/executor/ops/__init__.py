@@ -1,8 +1,8 @@
 """Fused elementwise ops of a decoder step, with PyTorch references.
 
-The C++ kernels (csrc/fused_ops.cpp) are compiled once per machine with torch's
-cpp_extension, like the attention kernel (build keyed by the CPU's flags, -march=native so
-the compiler vectorizes for the ISA this CPU has); without a compiler, on a GPU tensor, or
+The C++ kernels (csrc/fused_ops.cpp) are compiled once per machine by
+executor/cpp_build.py, like the attention kernel (-march=native so the compiler
+vectorizes for the ISA this CPU has); without a compiler, on a GPU tensor, or
 with PAGEDSERVE_NO_CPP_KERNELS=1 each op runs its PyTorch reference, which is what the
 model ran before (transformers' numerics). tests/executor/test_ops.py checks each kernel against
 its reference.
@@ -19,54 +19,26 @@ import os
 import torch
 import torch.nn.functional as F
 
+from pagedserve import envs
+from pagedserve.executor.cpp_build import load_extension
+
 logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "fused_ops.cpp")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 
 
 @functools.cache
 def load():
-    """The compiled module, or None (then the references run).
-
-    The build is keyed by the source, the flags, this torch and the CPU's flags, and compiles
-    a copy of the source inside its own directory: checkouts or venvs that share
-    ~/.cache/torch_extensions never rebuild each other's copy (ninja rebuilds whenever the
-    command line, e.g. the source path, changes)."""
-    if os.environ.get("PAGEDSERVE_NO_CPP_KERNELS"):
+    """The compiled module, or None (then the references run). Built once per machine by
+    executor/cpp_build.py (-march=native: the key includes the CPU's flags)."""
+    if envs.PAGEDSERVE_NO_CPP_KERNELS:
         return None
     try:
-        import hashlib
-
-        from torch.utils.cpp_extension import _get_build_directory
-        from torch.utils.cpp_extension import load as build
-
-        from pagedserve.executor.attention.cpu_kernels import _cpu_tag
-
-        with open(_SRC, "rb") as fh:
-            src = fh.read()
-        key = hashlib.sha1(
-            b"\0".join([src, " ".join(_CFLAGS).encode(), torch.__version__.encode(), torch.__file__.encode()])
-        ).hexdigest()[:10]
-        name = f"pagedserve_fused_ops_{_cpu_tag()}_{key}"
-        build_dir = _get_build_directory(name, verbose=False)
-        copy = os.path.join(build_dir, "fused_ops.cpp")
-        if not os.path.exists(copy):
-            tmp = f"{copy}.{os.getpid()}"
-            with open(tmp, "wb") as fh:
-                fh.write(src)
-            os.replace(tmp, copy)
-        return build(
-            name=name,
-            sources=[copy],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=build_dir,
-            verbose=False,
-        )
+        return load_extension("fused_ops", [_SRC], cflags=_CFLAGS, ldflags=("-fopenmp",), expected_seconds=35)
     except Exception as e:  # noqa: BLE001 (any build failure means: use the references)
         logger.warning("pagedserve: fused C++ ops unavailable (%s); using PyTorch", e)
         return None
@@ -74,7 +46,7 @@ def load():
 
 # PAGEDSERVE_NO_FUSED_OPS=1: these ops run their references (the C++ attention kernel stays;
 # PAGEDSERVE_NO_CPP_KERNELS=1 turns off every C++ kernel). For A/B measurements.
-enabled = not os.environ.get("PAGEDSERVE_NO_FUSED_OPS")
+enabled = not envs.PAGEDSERVE_NO_FUSED_OPS
 
 
 def kernels_for(t: torch.Tensor):

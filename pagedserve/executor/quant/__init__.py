@@ -40,18 +40,6 @@ def resolve_quantization(quantization: str | None, model_dir: str, device, load_
 def _kernels_usable() -> bool:
     """Whether the packed kernels can run here (built, or buildable now); without them a GGUF
     falls back to its dequantized float model, as before. PAGEDSERVE_NO_CPP_KERNELS=1 opts out."""
-    import logging
-    import os
+    from pagedserve.executor.quant import kernels
 
-    if os.environ.get("PAGEDSERVE_NO_CPP_KERNELS"):
-        return False
-    try:
-        from pagedserve.executor.quant import kernels
-
-        kernels.load()
-        return True
-    except Exception as e:  # noqa: BLE001 (no compiler, no headers: run dequantized)
-        logging.getLogger(__name__).warning(
-            "pagedserve: packed-weight kernels unavailable (%s); dequantizing", e
-        )
-        return False
+    return kernels.try_load() is not None

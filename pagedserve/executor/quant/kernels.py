@@ -1,50 +1,54 @@
-"""The packed-weight C++ kernels (csrc/), compiled once per machine with torch's cpp_extension.
+"""The packed-weight C++ kernels (csrc/), compiled once per machine (executor/cpp_build.py).
 
 One module holds a portable scalar path, an AVX2+FMA path and an AVX-512 path; the best one the
 CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (scalar | avx2 | avx512; a path the CPU
 lacks is an error). `set_isa()` switches at run time (tests run every available path).
-The module name carries a hash of the sources, so an edited kernel is never served stale.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
+import logging
 import os
 
 import torch
 
+from pagedserve import envs
+from pagedserve.executor.cpp_build import load_extension
+
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("quant_kernels.cpp", "quant_impl.h")
+_HEADERS = ("quant_impl.h",)  # included by quant_kernels.cpp; part of the build key
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
-
-
-def _source_hash() -> str:
-    h = hashlib.sha1()
-    for name in _SOURCES:
-        with open(os.path.join(_DIR, name), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:12]
 
 
 @functools.cache
 def load():
-    """The compiled module (built on first use: about a minute). Raises if it cannot be built:
-    packed weights have no Python fallback fast enough to be worth running."""
-    from torch.utils.cpp_extension import load as build
-
-    mod = build(
-        name=f"pagedserve_quant_{_source_hash()}",
-        sources=[os.path.join(_DIR, "quant_kernels.cpp")],
-        extra_include_paths=[_DIR],
-        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
+    """The compiled module (built once per machine by executor/cpp_build.py: about a
+    minute). Raises if it cannot be built: packed weights have no Python fallback fast
+    enough to be worth running (`try_load` says None instead)."""
+    mod = load_extension(
+        "quant",
+        [os.path.join(_DIR, "quant_kernels.cpp")],
+        headers=tuple(os.path.join(_DIR, h) for h in _HEADERS),
+        cflags=("-O3", "-fopenmp", "-fno-math-errno"),
+        ldflags=("-fopenmp",),
+        expected_seconds=40,
     )
-    isa = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower()
-    if isa and isa != "auto":
+    isa = (envs.PAGEDSERVE_CPU_ISA or "auto").strip().lower()
+    if isa != "auto":
         _set(mod, isa)
     return mod
+
+
+def try_load():
+    """The module, or None where it cannot be built (or PAGEDSERVE_NO_CPP_KERNELS=1)."""
+    if envs.PAGEDSERVE_NO_CPP_KERNELS:
+        return None
+    try:
+        return load()
+    except Exception as e:  # noqa: BLE001 (no compiler, no headers: the callers fall back)
+        logging.getLogger(__name__).warning("pagedserve: packed-weight kernels unavailable (%s)", e)
+        return None
 
 
 def _set(mod, isa: str) -> None:

@@ -9,11 +9,10 @@ float32 for the kernel and the result back to the model dtype; `act_q8` (quantiz
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from pagedserve import envs
 from pagedserve.executor.quant import kernels
 from pagedserve.executor.quant.formats import F32, NAMES, QUANTIZERS, PackedWeight
 
@@ -137,7 +136,7 @@ def use_float_kernels(model: nn.Module) -> int:
     """Turn the float32 CPU model's nn.Linear layers into FloatLinear where the kernels have
     the many-row path (AVX2); returns how many. Nothing changes elsewhere (other ISAs, no
     compiler: the BLAS path as before)."""
-    if os.environ.get("PAGEDSERVE_NO_CPP_KERNELS"):
+    if envs.PAGEDSERVE_NO_CPP_KERNELS:
         return 0
     try:
         if not kernels.has_many_rows_kernel():  # another ISA (AVX-512, scalar)
