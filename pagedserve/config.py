@@ -1,8 +1,42 @@
-"""Engine configuration, split by the layer that owns each setting."""
+"""Engine configuration, split by the layer that owns each setting.
+
+Every setting is written once, here: its default, its choices, its check and its help
+text (`setting(...)`). `pagedserve.engine_args.EngineArgs` derives the command line and
+`LLM(**kwargs)` from these fields; `check_choices` refuses a value outside a field's
+choices with a ValueError naming it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, replace
+
+
+def setting(default, help: str, *, choices=None, type=None, alias: str | None = None, factory=None):
+    """A config field with its user-facing description. `choices`: the accepted values
+    (checked by `check_choices`); `type`: how the command line parses it (default: the
+    annotation); `alias`: a second flag spelling."""
+    md = {"help": help, "choices": tuple(choices) if choices is not None else None, "type": type, "alias": alias}
+    if factory is not None:
+        return field(default_factory=factory, metadata=md)
+    return field(default=default, metadata=md)
+
+
+def check_choices(cfg) -> None:
+    """ValueError for any field of the dataclass `cfg` whose value is not among its choices."""
+    for f in fields(cfg):
+        choices = f.metadata.get("choices")
+        value = getattr(cfg, f.name)
+        if choices is not None and value not in choices:
+            shown = ", ".join("None" if c is None else str(c) for c in choices)
+            raise ValueError(f"{f.name} must be one of {shown}, got {value!r}.")
+
+
+def default_of(f):
+    """A dataclass field's default value (its factory's product for mutable defaults)."""
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -12,20 +46,23 @@ class SchedulerConfig:
     max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
     max_num_seqs: most requests in one step.
     long_prefill_token_threshold: cap on one request's prefill chunk per step (0: none).
-    policy: "fcfs" or "priority" (lower `priority` first, then arrival).
+    scheduling_policy: "fcfs" or "priority" (lower `priority` first, then arrival).
     scheduler_cls: dotted path of the Scheduler class (the benchmarks' static-batching
     baseline is `pagedserve.bench.static_scheduler.StaticScheduler`).
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len without chunking
-    max_model_len: int | None = None  # None: the model's limit (resolved by the engine)
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    scheduler_cls: str = "pagedserve.core.scheduler.Scheduler"
+    max_num_seqs: int = setting(256, "most requests in one step")
+    max_num_batched_tokens: int | None = setting(
+        None, "token budget of one step (default 2048, or max_model_len without chunked prefill)"
+    )
+    max_model_len: int | None = setting(None, "context length (default: the model's)")
+    enable_chunked_prefill: bool = setting(True, "cut long prompts into chunks under the token budget")
+    long_prefill_token_threshold: int = setting(0, "cap on one request's prefill chunk per step (0: none)")
+    scheduling_policy: str = setting("fcfs", "waiting-queue order", choices=SCHEDULING_POLICIES)
+    scheduler_cls: str = setting("pagedserve.core.scheduler.Scheduler", "dotted path of the scheduler class")
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -36,13 +73,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}."
             )
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
 
     def resolved(self, model_max_len: int | None = None) -> SchedulerConfig:
         """A copy with max_model_len and max_num_batched_tokens filled in and checked."""
-        from dataclasses import replace
-
         max_len = self.max_model_len or model_max_len
         if max_len is None:
             raise ValueError("max_model_len is not set.")
@@ -61,51 +94,91 @@ class SchedulerConfig:
 
 # vLLM's names; "fp8" is "fp8_e4m3" (float8 e4m3fn), as in vLLM
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def parse_bytes(text) -> int:
+    """'2GiB', '512MiB', '1e9' or a plain number of bytes (ValueError otherwise)."""
+    import re
+
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024**2}
+    units |= {"g": 1e9, "gb": 1e9, "gib": 1024**3, "t": 1e12, "tb": 1e12, "tib": 1024**4}
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", str(text), re.I)
+    if m is not None and (m.group(2) or "").lower() in units:
+        return int(float(m.group(1)) * units[(m.group(2) or "").lower()])
+    try:
+        return int(float(text))
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 2GiB, 512MiB)") from None
 
 
 @dataclass
 class CacheConfig:
     """Paged KV cache: `num_kv_blocks` if given, else sized from `kv_cache_memory_bytes`."""
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights + activations + KV
+    block_size: int = setting(16, "tokens per KV block", choices=BLOCK_SIZES)
+    num_kv_blocks: int | None = setting(None, "KV blocks (overrides the memory-based sizing)")
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV cache size, e.g. 2GiB (CPU default 2GiB, committed as it fills)", type=parse_bytes,
+        alias="--kv-cache-memory",
+    )
+    enable_prefix_caching: bool = setting(True, "share KV blocks of identical prefixes")
+    gpu_memory_utilization: float = setting(0.9, "GPU: fraction of device memory for weights + activations + KV")
     # "auto": the model's dtype; "float16" / "bfloat16" (CPU): K/V stored in 16 bits, half the
     # bytes a float32 model's attention reads (llama.cpp's default is float16); "fp8" /
     # "fp8_e4m3" / "fp8_e5m2" (CPU): 8 bits, unscaled (vLLM's default k/v scale of 1.0), lossy
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = setting(
+        "auto",
+        "K/V storage: auto (the model's dtype) | float16 | bfloat16 | fp8 (= fp8_e4m3) | fp8_e5m2 (CPU; fp8 is lossy)",
+        choices=KV_CACHE_DTYPES,
+    )
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}."
-            )
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
+        check_choices(self)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}.")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# None: the checkpoint's own (GGUF types run packed; safetensors float); "none": dequantize
+QUANTIZATION_METHODS = (None, "none", "gguf", "gguf_q8", "int8", "int4")
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
+DP_ROUTINGS = ("prefix", "round_robin")
 
 
 @dataclass
 class ModelLoadConfig:
     """Where the model comes from and how it runs."""
 
-    model: str = "default"
-    tokenizer: str | None = None
-    skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    seed: int = 0
-    load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights, for benchmarks)
-    enforce_eager: bool = False  # GPU: no CUDA graphs
-    # None: the checkpoint's own (GGUF types run packed; safetensors dequantized/float);
-    # "int8" / "int4": weight-only quantization at load; "none": dequantize everything.
-    quantization: str | None = None
-    structured_outputs_backend: str = "xgrammar"  # xgrammar | llguidance
+    model: str = setting("default", "HF directory, GGUF file, or 'default' (the embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = setting(None, "tokenizer directory or GGUF (default: the model's)")
+    skip_tokenizer_init: bool = setting(False, "no tokenizer: prompts are token ids, outputs carry no text")
+    structured_outputs_backend: str = setting(
+        "xgrammar", "grammar engine of structured outputs", choices=STRUCTURED_OUTPUTS_BACKENDS
+    )
+    dtype: str = setting("auto", "weights/activations dtype", choices=DTYPES)
+    device: str = setting("auto", "auto | cpu | cuda[:N]")
+    seed: int = setting(0, "random seed")
+    load_format: str = setting("auto", "auto: the checkpoint; dummy: random weights", choices=("auto", "dummy"))
+    quantization: str | None = setting(
+        None,
+        "None: the checkpoint's own (GGUF types run packed); gguf_q8: packed, activations quantized "
+        "to int8 blocks for integer products (as llama.cpp; not float-exact; the fastest under load); "
+        "int8 | int4 weight-only; none: dequantize",
+        choices=QUANTIZATION_METHODS,
+    )
+    enforce_eager: bool = setting(False, "GPU: no CUDA graphs")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.quantization, str):
+            self.quantization = self.quantization.lower()
+        check_choices(self)
 
 
 @dataclass
@@ -114,17 +187,20 @@ class ParallelConfig:
     front end; dp_routing: how the front end picks a replica per request ("prefix": the
     one holding the longest cached prefix, else the least loaded; "round_robin")."""
 
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    dp_routing: str = "prefix"
+    tensor_parallel_size: int = setting(1, "tensor-parallel ranks: worker processes, one model shard each")
+    data_parallel_size: int = setting(1, "engine cores (replicas, each with its own KV cache) behind one front end")
+    dp_routing: str = setting(
+        "prefix",
+        "data parallel: replica per request (longest cached prefix, else least loaded)",
+        choices=DP_ROUTINGS,
+    )
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}.")
-        if self.dp_routing not in ("prefix", "round_robin"):
-            raise ValueError(f"dp_routing must be 'prefix' or 'round_robin', got {self.dp_routing!r}.")
 
 
 @dataclass
@@ -132,7 +208,9 @@ class ObservabilityConfig:
     """The live view (`/dashboard`): the engine core publishes a snapshot of its state
     (KV page map, queues, recent steps) at most every `snapshot_interval_ms` (0: never)."""
 
-    snapshot_interval_ms: int = 0
+    snapshot_interval_ms: int = setting(
+        0, "publish an engine-state snapshot for /dashboard at most every N ms (0: off; serve: 250)"
+    )
 
     def __post_init__(self) -> None:
         if self.snapshot_interval_ms < 0:
@@ -180,7 +258,7 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
         if d is None:
             return None
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_batch_size", "model", "quantization"}
+        known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {sorted(unknown)}; supported: {sorted(known)}.")

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from pagedserve import LLM
-from pagedserve.engine_args import VLLM_ONLY_ARGS, EngineArgs, parse_bytes
+from pagedserve.config import parse_bytes
+from pagedserve.engine_args import VLLM_ONLY_ARGS, EngineArgs
 
 
 def _non_default(f: dataclasses.Field):
@@ -92,7 +93,7 @@ def test_parse_bytes():
     assert parse_bytes("2GiB") == 2 << 30
     assert parse_bytes("512MB") == 512_000_000
     assert parse_bytes("1e9") == 10**9
-    with pytest.raises(argparse.ArgumentTypeError):
+    with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
 
 
@@ -103,3 +104,47 @@ def test_kv_cache_dtype_argument():
     assert EngineArgs(kv_cache_dtype="fp8").create_engine_config().cache.kv_cache_dtype == "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
         EngineArgs(kv_cache_dtype="int8").create_engine_config()
+
+
+def test_every_setting_is_written_once():
+    """Each EngineArgs field is a config field's (same default, choices, type and help:
+    the same metadata object's contents), or one of the two front-end-only fields; and
+    every user-facing config field is reachable from EngineArgs."""
+    from pagedserve.config import default_of
+    from pagedserve.engine_args import SECTIONS
+
+    own = {"engine_core_process", "speculative_config"}
+    seen = set()
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in own:
+            assert "source" not in f.metadata
+            continue
+        section, name = f.metadata["source"]
+        cfg = {g.name: g for g in dataclasses.fields(SECTIONS[section])}[name]
+        assert f.default == default_of(cfg), f.name
+        assert {k: v for k, v in f.metadata.items() if k != "source"} == dict(cfg.metadata), f.name
+        assert f.type == cfg.type, f"{f.name}: {f.type} vs {cfg.type}"
+        seen.add((section, name))
+    for section, cls in SECTIONS.items():
+        for g in dataclasses.fields(cls):
+            assert (section, g.name) in seen, f"{section}.{g.name} has no engine argument"
+    # no literal default or choice list left in engine_args.py for a sourced field
+    import pathlib
+
+    import pagedserve.engine_args as ea
+
+    text = pathlib.Path(ea.__file__).read_text()
+    assert "choices=" not in text.split("class EngineArgs")[1].split("def __post_init__")[0]
+
+
+def test_a_bad_choice_names_the_engine_argument():
+    for kw, name in [
+        ({"scheduling_policy": "sjf"}, "scheduling_policy"),
+        ({"dp_routing": "random"}, "dp_routing"),
+        ({"quantization": "int3"}, "quantization"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"block_size": 24}, "block_size"),
+        ({"structured_outputs_backend": "outlines"}, "structured_outputs_backend"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name} must be one of"):
+            EngineArgs(**kw).create_engine_config()

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.admission import check_fits
+from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.spec_decode import SpecDecodeState
 from pagedserve.messages import (
@@ -114,7 +115,7 @@ class Scheduler:
         self.spec = SpecDecodeState(speculative) if speculative is not None else None
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.policy = POLICIES[sched_config.policy]
+        self.policy = POLICIES[sched_config.scheduling_policy]
         self.waiting = self.policy.queue_cls()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -135,24 +136,7 @@ class Scheduler:
         """Queue a request, or raise ValueError if it could never run."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use.")
-        n_prompt = req.num_prompt_tokens
-        if n_prompt == 0:
-            raise ValueError("prompt must contain at least one token.")
-        max_len = self.config.max_model_len
-        if n_prompt + req.max_tokens > max_len:
-            raise ValueError(
-                f"This model's maximum context length (max_model_len) is {max_len} tokens, but the request "
-                f"needs {n_prompt + req.max_tokens} ({n_prompt} in the prompt, max_tokens={req.max_tokens})."
-            )
-        # The last sampled token is never written to the cache.
-        need = cdiv(max(n_prompt + req.max_tokens - 1, n_prompt), self.block_size)
-        if need > self.kv.num_total_blocks:
-            raise ValueError(
-                f"The request needs up to {need} KV blocks ({n_prompt} prompt tokens + max_tokens="
-                f"{req.max_tokens}, block_size={self.block_size}) but the whole KV cache has "
-                f"{self.kv.num_total_blocks} blocks ({self.kv.num_total_blocks * self.block_size} tokens); "
-                "lower max_tokens or give the cache more memory."
-            )
+        check_fits(req.num_prompt_tokens, req.max_tokens, self.config.max_model_len, self.block_size, self.kv.num_total_blocks)
         params = req.sampling_params
         req.stop_token_set = frozenset(params.stop_token_ids).union(
             () if params.ignore_eos else req.eos_token_ids

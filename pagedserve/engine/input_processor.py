@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from pagedserve.config import EngineConfig
+from pagedserve.core.admission import check_fits
 from pagedserve.errors import InvalidRequestError
 from pagedserve.messages import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
@@ -102,41 +103,21 @@ class InputProcessor:
         cache_salt: str | None = None,
     ) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt must contain at least one token.", "prompt")
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string.", "cache_salt")
         max_len = self.max_model_len
-        if params.max_tokens is None:  # "up to max_model_len", as vLLM
-            if len(ids) >= max_len:
-                raise InvalidRequestError(
-                    f"This model's maximum context length (max_model_len) is {max_len} tokens, but the "
-                    f"prompt has {len(ids)} tokens, which leaves no room to generate.",
-                    "prompt",
-                )
-            max_tokens = max_len - len(ids)
-        else:
-            max_tokens = params.max_tokens
-            if len(ids) + max_tokens > max_len:
-                raise InvalidRequestError(
-                    f"This model's maximum context length (max_model_len) is {max_len} tokens, but the "
-                    f"request needs {len(ids) + max_tokens} ({len(ids)} in the prompt, max_tokens={max_tokens}).",
-                    "max_tokens",
-                )
+        if params.max_tokens is None and len(ids) >= max_len:  # None: "up to max_model_len", as vLLM
+            raise InvalidRequestError(
+                f"This model's maximum context length (max_model_len) is {max_len} tokens, but the "
+                f"prompt has {len(ids)} tokens, which leaves no room to generate.",
+                "prompt",
+            )
+        max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
+        check_fits(len(ids), max_tokens, max_len, self.block_size, self.num_kv_blocks)
         if max_tokens == 0 and params.prompt_logprobs is None:
             raise InvalidRequestError("max_tokens must be >= 1 unless prompt_logprobs are requested.", "max_tokens")
-        # The last sampled token is never written to the cache.
-        need = -(-max(len(ids) + max_tokens - 1, len(ids)) // self.block_size)
-        if self.num_kv_blocks is not None and need > self.num_kv_blocks:
-            raise InvalidRequestError(
-                f"The request needs up to {need} KV blocks ({len(ids)} prompt tokens + max_tokens="
-                f"{max_tokens}, block_size={self.block_size}) but the whole KV cache has "
-                f"{self.num_kv_blocks} blocks ({self.num_kv_blocks * self.block_size} tokens); "
-                "lower max_tokens or give the cache more memory.",
-                "max_tokens",
-            )
         if params.top_k > self.vocab_size:
             raise InvalidRequestError(
                 f"top_k must be -1, 0 or at most the vocabulary size {self.vocab_size}, got {params.top_k}.", "top_k"

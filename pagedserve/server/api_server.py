@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import signal
 
 import uvicorn
@@ -29,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.config import parse_bytes
 from pagedserve.errors import InvalidRequestError
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import RequestGuard, header_timeout_protocol
@@ -231,18 +231,6 @@ def make_server(
 
 
 # -- command line ----------------------------------------------------------------------------------
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b?)?\s*$", re.I)
-_UNIT = {"k": 1e3, "m": 1e6, "g": 1e9, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
-
-
-def _bytes(text: str) -> int:
-    m = _SIZE.match(text)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16MiB)")
-    unit = (m.group(2) or "").lower().rstrip("b")
-    return int(float(m.group(1)) * _UNIT.get(unit, 1))
-
-
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """The HTTP server's own flags (the engine's come from the engine args)."""
     g = p.add_argument_group("server")
@@ -260,7 +248,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="admit at most max_num_seqs + N requests in flight; beyond that answer 503 with Retry-After",
     )
-    g.add_argument("--max-body-bytes", type=_bytes, default=16 << 20)
+    g.add_argument("--max-body-bytes", type=parse_bytes, default=16 << 20)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--log-level", default="info")
     g.add_argument(
@@ -309,41 +297,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def build_async_llm(args):
     """The served engine from the parsed command line (the one place it is built)."""
     from pagedserve.engine.async_engine import AsyncLLM
+    from pagedserve.engine_args import EngineArgs
 
-    if hasattr(AsyncLLM, "from_engine_args"):  # the engine-args dataclass
-        from pagedserve.engine_args import EngineArgs
-
-        return AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
-    from pagedserve.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
-    from pagedserve.engine.llm_engine import LLMEngine
-
-    def g(name, default=None):
-        return getattr(args, name, default)
-
-    cfg = EngineConfig(
-        model=ModelLoadConfig(
-            model=args.model,
-            tokenizer=g("tokenizer"),
-            dtype=g("dtype", "auto"),
-            device=g("device", "auto"),
-            seed=g("seed", 0),
-        ),
-        cache=CacheConfig(
-            block_size=g("block_size", 16),
-            num_kv_blocks=g("num_kv_blocks"),
-            kv_cache_memory_bytes=g("kv_cache_memory_bytes", g("kv_cache_memory")),
-            enable_prefix_caching=g("enable_prefix_caching", not g("no_prefix_caching", False)),
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=g("max_num_seqs", 256),
-            max_num_batched_tokens=g("max_num_batched_tokens"),
-            max_model_len=g("max_model_len"),
-            enable_chunked_prefill=g("enable_chunked_prefill", not g("no_chunked_prefill", False)),
-            long_prefill_token_threshold=g("long_prefill_token_threshold", 0),
-            policy=g("scheduling_policy", "fcfs"),
-        ),
-    )
-    return AsyncLLM(LLMEngine(cfg))
+    return AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 def serve(args) -> int:

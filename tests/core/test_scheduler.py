@@ -147,7 +147,7 @@ def test_preemption_picks_latest_and_victim_finishes_identically():
 
 
 def test_priority_policy_preempts_lowest_priority():
-    s = make_sched(num_blocks=10, caching=False, policy="priority")
+    s = make_sched(num_blocks=10, caching=False, scheduling_policy="priority")
     s.add_request(req("low", [1] * 40, 60, priority=5))
     s.add_request(req("high", [2] * 40, 60, priority=0))
     s.add_request(req("mid", [3] * 40, 60, priority=1))

@@ -6,7 +6,9 @@ QuantLinear / QuantEmbedding modules. See BENCHMARKS.md ("quant") for the measur
 
 from __future__ import annotations
 
-METHODS = ("none", "gguf", "gguf_q8", "int8", "int4")
+from pagedserve.config import QUANTIZATION_METHODS
+
+METHODS = tuple(m for m in QUANTIZATION_METHODS if m is not None)  # config.py owns the list
 
 
 def resolve_quantization(quantization: str | None, model_dir: str, device, load_format: str = "auto") -> str:
