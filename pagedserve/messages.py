@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -33,27 +34,22 @@ class EngineCoreRequest:
 DRAFT_PLACEHOLDER = -1  # a guess the executor's draft model fills in
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step.
+@dataclass(slots=True, kw_only=True)
+class CachedRequestData:
+    """A running request's share of a step, for an executor that already holds its state.
 
     The executor computes `token_ids` at positions `num_computed_tokens ...
     num_computed_tokens + len(token_ids) - 1`, writing their K/V into the request's
-    blocks, and samples one next token if `sample`.
+    blocks (`block_ids`: only those appended this step), and samples one next token if
+    `sample`.
     """
 
+    is_new: ClassVar[bool] = False
     req_id: str
     token_ids: list[int]
     num_computed_tokens: int
-    # is_new: the whole block table; else only the blocks appended this step.
     block_ids: list[int]
     sample: bool
-    # is_new: first scheduling, or resumption after preemption: the executor (re)creates
-    # its per-request state from the fields below.
-    is_new: bool = False
-    sampling_params: SamplingParams | None = None
-    prompt_token_ids: list[int] | None = None
-    output_token_ids: list[int] | None = None
     # Speculative decoding: the last len(draft_token_ids) of token_ids are guesses to
     # verify; the executor returns the accepted ones plus one more in spec_token_ids.
     # DRAFT_PLACEHOLDER guesses (method "draft_model"): the executor's draft model makes
@@ -61,8 +57,33 @@ class ScheduledRequest:
     draft_token_ids: list[int] | None = None
 
 
+@dataclass(slots=True, kw_only=True)
+class NewRequestData:
+    """A request's first share of a step (first scheduling, or resumption after
+    preemption): as CachedRequestData, with the whole block table in `block_ids` and
+    what the executor (re)creates its per-request state from."""
+
+    is_new: ClassVar[bool] = True
+    req_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    draft_token_ids: None = None  # never speculative on its first step
+
+
+# One request's share of a step, either kind (`is_new` tells which).
+ScheduledRequest = NewRequestData | CachedRequestData
+
+
 @dataclass
 class SchedulerOutput:
+    """One step's work. `scheduled`: every request's share, new and cached, in scheduling
+    order (the executor orders them for the model itself)."""
+
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     # Requests the executor must forget: finished or aborted since the last step.

@@ -162,9 +162,13 @@ def _ecr(rid, prompt, params, max_tokens):
 
 
 def _record_cost(core: EngineCore, batch: int, reps: int = 2000) -> float:
-    from pagedserve.messages import EngineCoreOutput, ScheduledRequest, SchedulerOutput
+    from pagedserve.messages import CachedRequestData, EngineCoreOutput, SchedulerOutput
 
-    so = SchedulerOutput([ScheduledRequest(f"r{i}", [1], 100, [], True) for i in range(batch)], batch)
+    shares = [
+        CachedRequestData(req_id=f"r{i}", token_ids=[1], num_computed_tokens=100, block_ids=[], sample=True)
+        for i in range(batch)
+    ]
+    so = SchedulerOutput(shares, batch)
     outs = [EngineCoreOutput(f"r{i}", [1]) for i in range(batch)]
     core.enable_step_records()
     t0 = time.perf_counter()

@@ -112,17 +112,28 @@ class _DecodeDriver:
     ModelRunner.execute_model (greedy), blocks handed out as a scheduler would."""
 
     def __init__(self, runner, batch: int, context: int, block_size: int) -> None:
-        from pagedserve.messages import ScheduledRequest, SchedulerOutput
+        from pagedserve.messages import CachedRequestData, NewRequestData, SchedulerOutput
         from pagedserve.sampling_params import SamplingParams
 
-        self.runner, self.bs, self.SR, self.SO = runner, block_size, ScheduledRequest, SchedulerOutput
+        self.runner, self.bs, self.SR, self.SO = runner, block_size, CachedRequestData, SchedulerOutput
         vocab = runner.vocab_size
         p = SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0)
         reqs, self.state, nxt = [], {}, 1
         for i in range(batch):
             ids = [(i * 131 + j * 17) % (vocab - 100) + 100 for j in range(context)]
             nb = -(-context // block_size)
-            reqs.append(ScheduledRequest(f"d{i}", ids, 0, list(range(nxt, nxt + nb)), True, True, p, ids, []))
+            reqs.append(
+                NewRequestData(
+                    req_id=f"d{i}",
+                    token_ids=ids,
+                    num_computed_tokens=0,
+                    block_ids=list(range(nxt, nxt + nb)),
+                    sample=True,
+                    sampling_params=p,
+                    prompt_token_ids=ids,
+                    output_token_ids=[],
+                )
+            )
             nxt += nb
             self.state[f"d{i}"] = [context, 0]
         self.next_block = nxt
@@ -138,7 +149,7 @@ class _DecodeDriver:
             new = []
             if st[0] % self.bs == 0:
                 new, self.next_block = [self.next_block], self.next_block + 1
-            reqs.append(self.SR(rid, [st[1]], st[0], new, True))
+            reqs.append(self.SR(req_id=rid, token_ids=[st[1]], num_computed_tokens=st[0], block_ids=new, sample=True))
             st[0] += 1
         self._apply(self.runner.execute_model(self.SO(reqs, len(reqs))))
 

@@ -9,24 +9,18 @@ Select it with `--scheduler-cls pagedserve.bench.static_scheduler.StaticSchedule
 
 from __future__ import annotations
 
-from pagedserve.core.request import Request
-from pagedserve.core.scheduler import Scheduler
-from pagedserve.messages import ScheduledRequest
+from pagedserve.core.scheduler import Scheduler, StepState
 
 STATIC_SCHEDULER_CLS = f"{__name__}.StaticScheduler"
 
 
 class StaticScheduler(Scheduler):
-    def _schedule_waiting(
-        self, budget: int, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]
-    ) -> int:
+    def _schedule_waiting(self, step: StepState) -> None:
         if self.running:
-            return budget
+            return
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_hit, max(budget, 0))
-            if not self._admit(req, hit_blocks, num_hit, num_new, scheduled, scheduled_reqs):
+            num_new = min(req.num_tokens - num_hit, max(step.budget, 0))
+            if not self._admit(req, hit_blocks, num_hit, num_new, step):
                 break
-            budget -= num_new
-        return budget

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 
 class KVBlock:
@@ -74,13 +74,16 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
+    def __iter__(self) -> Iterator[KVBlock]:
+        """The free blocks, front (next evicted) first. O(n)."""
+        b = self._head.next_free
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next_free
+
     def block_ids(self) -> list[int]:
         """Free block ids, front (next evicted) first. O(n): for tests and debugging."""
-        out, b = [], self._head.next_free
-        while b is not None and b is not self._tail:
-            out.append(b.block_id)
-            b = b.next_free
-        return out
+        return [b.block_id for b in self]
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra: str | None = None) -> bytes:

@@ -63,10 +63,10 @@ def build_snapshot(core) -> dict:
         )
     waiting = sched.waiting
     num_preempted = 0
-    for r in _iter_queue(waiting):
+    for r in waiting.unordered():
         if r.status is RequestStatus.PREEMPTED:
             num_preempted += 1
-    for r in islice(_iter_queue(waiting), MAX_WAITING_LISTED):
+    for r in islice(waiting.unordered(), MAX_WAITING_LISTED):
         reqs.append(
             [
                 r.request_id,
@@ -104,19 +104,5 @@ def _cached_free_ids(pool) -> list[int]:
     the free queue or the prefix-cache map."""
     fq = pool.free_queue
     if fq.num_free < len(pool.cached_blocks):
-        out, b, tail = [], fq._head.next_free, fq._tail  # the queue's own links (O(free))
-        while b is not tail:
-            if b.block_hash is not None:
-                out.append(b.block_id)
-            b = b.next_free
-        return out
+        return [b.block_id for b in fq if b.block_hash is not None]
     return [b.block_id for b in pool.cached_blocks.values() if b.ref_cnt == 0]
-
-
-def _iter_queue(waiting):
-    """The waiting queue in order, without sorting a priority heap (its order is the
-    heap's; good enough for a view)."""
-    heap = getattr(waiting, "_heap", None)
-    if heap is not None:
-        return (e[3] for e in heap)
-    return iter(waiting)

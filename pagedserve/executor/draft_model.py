@@ -29,7 +29,12 @@ import torch
 
 from pagedserve.executor.loader import build_model, load_hf_config_dict, resolve_model_path
 from pagedserve.executor.model_config import ModelConfig
-from pagedserve.messages import DRAFT_PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from pagedserve.messages import DRAFT_PLACEHOLDER, CachedRequestData, ScheduledRequest, SchedulerOutput
+
+
+def _share(req_id: str, token_ids: list[int], start: int) -> CachedRequestData:
+    """A draft forward's share: the request's tokens from `start`, sampled at the last."""
+    return CachedRequestData(req_id=req_id, token_ids=token_ids, num_computed_tokens=start, block_ids=[], sample=True)
 
 
 def has_placeholder_drafts(sr: ScheduledRequest) -> bool:
@@ -65,8 +70,14 @@ class DraftModelProposer:
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [(zeros(shape), zeros(shape)) for _ in range(c.num_hidden_layers)]
 
-    def forget(self, req_id: str) -> None:
-        self.computed.pop(req_id, None)
+    def update(self, so: SchedulerOutput) -> None:
+        """Forget what the step's deltas end: finished and preempted requests, and the
+        draft K/V of requests that start over (new, or resumed after preemption)."""
+        for rid in (*so.finished_req_ids, *so.preempted_req_ids):
+            self.computed.pop(rid, None)
+        for sr in so.scheduled:
+            if sr.is_new:
+                self.computed.pop(sr.req_id, None)
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -96,7 +107,7 @@ class DraftModelProposer:
             done = min(self.computed.get(sr.req_id, 0), start)  # rejected guesses lie past start
             prompt, n_prompt = st.prompt_token_ids, len(st.prompt_token_ids)
             toks = prompt[done : start + 1] + st.output_token_ids[max(0, done - n_prompt) : start + 1 - n_prompt]
-            chunks.append(ScheduledRequest(sr.req_id, toks, done, [], True))
+            chunks.append(_share(sr.req_id, toks, done))
         guesses: dict[str, list[int]] = {sr.req_id: [] for sr in todo}
         last = self._forward_argmax(runner, chunks)
         kmax = max(ks.values())
@@ -106,14 +117,14 @@ class DraftModelProposer:
             if j == kmax:
                 break
             # 2) guess j at position start + j, for requests that want more than j guesses
-            step = [ScheduledRequest(rid, [g[-1]], starts[rid] + j, [], True) for rid, g in guesses.items() if ks[rid] > j]
+            step = [_share(rid, [g[-1]], starts[rid] + j) for rid, g in guesses.items() if ks[rid] > j]
             last = self._forward_argmax(runner, step)
         for rid, k in ks.items():
             self.computed[rid] = starts[rid] + k  # positions .. start + k - 1 written
         return guesses
 
     def _forward_argmax(self, runner, reqs: list[ScheduledRequest]) -> dict[str, int]:
-        inp = runner.prepare_inputs(SchedulerOutput(reqs, sum(len(r.token_ids) for r in reqs)))
+        inp = runner.input_batch.prepare(SchedulerOutput(reqs, sum(len(r.token_ids) for r in reqs)))
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         idx = torch.from_numpy(inp.cu[1:] - 1).to(hidden.device)
         toks = self.model.compute_logits(hidden[idx]).argmax(dim=-1).tolist()

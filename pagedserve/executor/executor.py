@@ -65,13 +65,9 @@ class UniProcExecutor(Executor):
             enforce_eager=mc.enforce_eager,
             quantization=mc.quantization,
             kv_cache_dtype=config.cache.kv_cache_dtype,
+            block_size=config.cache.block_size,
+            drafter_factory=draft_model_factory(config.speculative),
         )
-        spec = config.speculative
-        if spec is not None and spec.method == "draft_model":
-            from pagedserve.executor.draft_model import DraftModelProposer
-
-            r = self.runner
-            r.drafter = DraftModelProposer(spec.model, model_config, r.dtype, r.device, r.backend, spec.quantization)
         self.dtype_name = str(self.runner.dtype).removeprefix("torch.")
         self.device = str(self.runner.device)
 
@@ -90,3 +86,14 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+
+def draft_model_factory(spec):
+    """The ModelRunner's drafter_factory for speculative method "draft_model" (else None)."""
+    if spec is None or spec.method != "draft_model":
+        return None
+    from pagedserve.executor.draft_model import DraftModelProposer
+
+    return lambda target, dtype, device, backend: DraftModelProposer(
+        spec.model, target, dtype, device, backend, spec.quantization
+    )

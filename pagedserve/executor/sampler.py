@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedserve.executor import ops
@@ -172,3 +173,40 @@ class Sampler:
             out.sampled_logprobs = lp
             out.sampled_ranks = (raw_logprobs > lp.unsqueeze(1)).sum(dim=-1) + 1
         return out
+
+
+def make_sampling_batch(states, vocab_size: int, device) -> SamplingBatch:
+    """The sampling settings of the rows that sample this step, from their request states
+    (executor/input_batch.py RequestState: params, generator, prompt and output tokens).
+    Host -> device copies happen here, before the forward (no sync after it)."""
+    ps = [s.params for s in states]
+    b = SamplingBatch(
+        temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in ps], dtype=torch.float32, device=device)
+    )
+    if any(p.top_k > 0 for p in ps):
+        b.top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=device)
+    if any(p.top_p < 1.0 for p in ps):
+        b.top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device)
+    if any(p.min_p > 0.0 for p in ps):
+        b.min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device)
+    gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None and not s.params.greedy}
+    b.generators = gens or None
+    if any(p.has_penalties for p in ps):
+        if any(p.repetition_penalty != 1.0 for p in ps):
+            b.repetition_penalty = torch.tensor([p.repetition_penalty for p in ps], device=device)
+            b.prompt_token_ids = _pad([s.prompt_token_ids for s in states], vocab_size, device)
+        b.frequency_penalty = torch.tensor([p.frequency_penalty for p in ps], device=device)
+        b.presence_penalty = torch.tensor([p.presence_penalty for p in ps], device=device)
+        b.output_token_ids = _pad([s.output_token_ids for s in states], vocab_size, device)
+    nlp = [p.logprobs for p in ps if p.logprobs is not None]
+    b.max_num_logprobs = max(nlp) if nlp else None
+    return b
+
+
+def _pad(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    """Token-id rows padded with `pad` (the vocabulary size: an id no token has)."""
+    width = max((len(r) for r in rows), default=0) or 1
+    arr = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        arr[i, : len(r)] = r
+    return torch.from_numpy(arr).to(device)

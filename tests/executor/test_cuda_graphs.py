@@ -88,8 +88,8 @@ def test_padded_decode_gives_the_real_rows_exactly(checkpoint):
 
     sched.update_from_output(so, ModelRunnerOutput({r: 7 for r in ("r0", "r1", "r2")}))
     so = sched.schedule()  # three decodes
-    runner._update_states(so)
-    inp = runner.prepare_inputs(so)
+    runner.input_batch.update(so)
+    inp = runner.input_batch.prepare(so)
     m = inp.meta
     kv_before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     eager = runner.model(inp.input_ids, inp.positions, runner.kv_caches, m)

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from pagedserve.executor.model_runner import lazy_zeros
+from pagedserve.executor.kv_cache import lazy_zeros
 
 
 def _rss_bytes() -> int:

@@ -50,8 +50,8 @@ def drive(runner, prompts, max_tokens, block_size, num_blocks=200, budget=4096, 
         for rid, p, mt in (late or {}).get(step, []):
             add(rid, p, mt)
         so = sched.schedule()
-        runner._update_states(so)
-        inp = runner.prepare_inputs(so)
+        runner.input_batch.update(so)
+        inp = runner.input_batch.prepare(so)
         hidden = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
         sampled = {}
         for i, sr in enumerate(inp.order):

@@ -343,7 +343,7 @@ def test_compile_cache_hits(tokenizer):
 def test_attach_bitmask_rows(tokenizer, manager):
     from types import SimpleNamespace
 
-    from pagedserve.messages import ScheduledRequest, SchedulerOutput
+    from pagedserve.messages import CachedRequestData, SchedulerOutput
 
     r1 = ready(manager, StructuredOutputsParams(choice=["yes"]))
     r2 = ready(manager, StructuredOutputsParams(choice=["no"]))
@@ -353,7 +353,10 @@ def test_attach_bitmask_rows(tokenizer, manager):
         "c": SimpleNamespace(structured_output_request=r2),
         "d": SimpleNamespace(structured_output_request=r2),
     }
-    sched = [ScheduledRequest(rid, [1], 0, [], rid != "d") for rid in "abcd"]
+    sched = [
+        CachedRequestData(req_id=rid, token_ids=[1], num_computed_tokens=0, block_ids=[], sample=rid != "d")
+        for rid in "abcd"
+    ]
     so = SchedulerOutput(sched, 4)
     manager.attach_bitmask(so, reqs)
     assert so.structured_output_request_ids == {"a": 0, "c": 1}

@@ -1,0 +1,92 @@
+"""The paged KV cache's memory: its tensors, their size per block, and (on a GPU) how many
+bytes the cache may take.
+
+Layout, per layer: K and V of shape [num_blocks, block_size, kv_heads, head_dim] in the
+KV cache dtype; block 0 is the null block (padding), never handed to a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30  # committed lazily: RSS grows only as blocks fill
+
+
+def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory is committed page by page on first write (anonymous
+    mmap), in base pages: transparent huge pages would commit (and zero) 2 MB at a time per
+    tensor, which on VMs whose memory is backed lazily costs ~10x more per byte on first
+    touch (measured here: prefill of 64 x 256 tokens on a fresh engine 31.3-32.7 -> 27.3 s,
+    BENCHMARKS 21) and lets RSS run ahead of the blocks in use. Without mmap's
+    MADV_NOHUGEPAGE (non-Linux): numpy's calloc, also lazily committed."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    if not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor: lazily committed on the CPU, allocated at once elsewhere."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return lazy_zeros(shape, dtype)
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one block over `num_layers` layers."""
+    return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
+
+
+def allocate(num_layers: int, shape, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(zeros(shape, dtype, device), zeros(shape, dtype, device)) for _ in range(num_layers)]
+
+
+@torch.inference_mode()
+def profile_gpu_kv_bytes(runner, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
+    """Bytes the KV cache may take on the runner's GPU: what is left under
+    `gpu_memory_utilization` of the device's memory after the weights and the activations
+    of one `max_num_batched_tokens` prefill, run through the runner (with a scratch cache
+    of its own block size that is freed afterwards)."""
+    from pagedserve.messages import NewRequestData, SchedulerOutput
+    from pagedserve.sampling_params import SamplingParams
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    n, block_size = max_num_batched_tokens, runner.block_size
+    nb = -(-n // block_size) + 1
+    runner.initialize_kv_cache(nb, block_size)
+    scratch = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_caches)
+    toks = [0] * n
+    profile = NewRequestData(
+        req_id="__profile__",
+        token_ids=toks,
+        num_computed_tokens=0,
+        block_ids=list(range(1, nb)),
+        sample=True,
+        sampling_params=SamplingParams(max_tokens=1),
+        prompt_token_ids=toks,
+        output_token_ids=[],
+    )
+    runner.execute_model(SchedulerOutput([profile], n))
+    runner.execute_model(SchedulerOutput([], 0, finished_req_ids={"__profile__"}))  # forget it
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - scratch
+    free, total = torch.cuda.mem_get_info()
+    others = (total - free) - torch.cuda.memory_reserved()  # CUDA context, other processes
+    runner.kv_caches = []
+    torch.cuda.empty_cache()
+    budget = int(total * gpu_memory_utilization - peak - max(others, 0))
+    logger.info(
+        "KV cache: %.1f GiB (peak activations+weights %.1f GiB of %.1f GiB)", budget / 2**30, peak / 2**30, total / 2**30
+    )
+    return max(budget, 0)
