@@ -1,16 +1,53 @@
-"""How the offline front end (`LLMEngine`) reaches the engine core: in its own process
-and thread (`InprocClient`, direct calls), or in a child process over ZMQ
-(`SyncMPClient`). Both offer the same calls; `get_output()` returns one step's
-`EngineCoreOutputs`."""
+"""How the offline front end (`LLMEngine`) reaches the engine core: one protocol
+(`EngineCoreClient`), two clients. `InprocClient`: the core in this process and thread
+(direct calls). `MPClient`: the core in child processes over ZMQ, one or
+`data_parallel_size` replicas (engine/dp_client.py's `EngineReplicas`; with one replica
+exactly the single core). `get_output()` returns one step's `EngineCoreOutputs`; requests
+the core refused or failed end there with finish_reason "abort" or "error".
+"""
 
 from __future__ import annotations
 
 import pickle
+from typing import Protocol
+
+import zmq
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.engine_core import EngineCore
+from pagedserve.core.engine_core import CoreInfo, EngineCore
+from pagedserve.engine.core_handle import CoreHandle
+from pagedserve.engine.dp_client import EngineReplicas
 from pagedserve.errors import EngineDeadError
-from pagedserve.messages import CoreRequestType, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from pagedserve.messages import (
+    CoreRequestType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+)
+
+
+class EngineCoreClient(Protocol):
+    """What the offline front end calls; every method but get_output returns at once."""
+
+    info: CoreInfo
+    engine_core: EngineCore | None  # the core object when it runs in this process
+
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """One user request's samples (they go to one replica together)."""
+
+    def abort_requests(self, ids: list[str]) -> None: ...
+
+    def finish_requests_stopped(self, ids: list[str]) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next step's outputs (blocks until one arrives; EngineDeadError if the core died)."""
+
+    def get_stats(self) -> EngineStats: ...
+
+    def shutdown(self) -> None: ...
 
 
 class InprocClient:
@@ -38,7 +75,7 @@ class InprocClient:
         core = self.engine_core
         return EngineCoreOutputs(core.step() if core.has_unfinished_requests() else [])
 
-    def get_stats(self):
+    def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()
 
     def reset_prefix_cache(self) -> None:
@@ -48,71 +85,64 @@ class InprocClient:
         self.engine_core.shutdown()
 
 
-class SyncMPClient:
-    """The engine core in a child process; blocking calls."""
+class MPClient:
+    """The engine core's replicas in child processes (`data_parallel_size`, 1 by default);
+    blocking calls. `get_output()` returns the next step of whichever replica finished one."""
 
     engine_core = None  # not reachable from this process
 
     def __init__(self, config: EngineConfig) -> None:
-        import zmq  # only this path needs pyzmq
-
-        from pagedserve.engine.core_handle import CoreHandle
-
-        self._zmq = zmq
         self.ctx = zmq.Context()
-        self.handle = CoreHandle(config, process=True)
-        self.input, self.output = self.handle.bind(self.ctx, self.ctx)
-        try:
-            self.info = self.handle.start()
-        except BaseException:
-            self._close_sockets()
-            raise
-        self.stats = self.info.stats
-        self.dead: str | None = None
+        self.replicas = EngineReplicas(config, True, self.ctx, self.ctx)
+        self.info = self.replicas.infos[0]
 
-    def _send(self, kind: CoreRequestType, payload=None) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine core died: {self.dead}")
-        self.input.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+    @property
+    def handle(self) -> CoreHandle:
+        """Replica 0's process handle."""
+        return self.replicas.handles[0]
+
+    def _check(self) -> None:
+        dead = [d for d in self.replicas.dead if d]
+        if dead:
+            raise EngineDeadError(f"the engine core died: {dead[0]}")
 
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
-        self._send(CoreRequestType.ADD, reqs)
+        self._check()
+        self.replicas.add(list(reqs))
 
     def abort_requests(self, ids: list[str]) -> None:
-        self._send(CoreRequestType.ABORT, list(ids))
+        self._check()
+        self.replicas.abort(list(ids))
 
     def finish_requests_stopped(self, ids: list[str]) -> None:
-        self._send(CoreRequestType.FINISH_STOPPED, list(ids))
+        self._check()
+        self.replicas.abort(list(ids), CoreRequestType.FINISH_STOPPED)
 
     def reset_prefix_cache(self) -> None:
-        self._send(CoreRequestType.RESET_PREFIX_CACHE)
+        self._check()
+        self.replicas.broadcast(CoreRequestType.RESET_PREFIX_CACHE)
 
     def get_output(self) -> EngineCoreOutputs:
-        while not self.output.poll(200):
-            if not self.handle.is_alive():
-                self.dead = f"process exited with code {self.handle.process.exitcode}"
-                raise EngineDeadError(f"the engine core died: {self.dead}")
-        msg: EngineCoreOutputs = pickle.loads(self.output.recv())
-        if msg.fatal is not None:
-            self.dead = msg.fatal
-            raise EngineDeadError(f"the engine core died: {msg.fatal}")
-        self.stats = msg.stats
+        self._check()
+        reps = self.replicas
+        while not reps.output.poll(200):
+            for i, h in enumerate(reps.handles):
+                if not h.is_alive():
+                    reps.mark_dead(i, reps.death_reason(i))
+                    self._check()
+        msg: EngineCoreOutputs = pickle.loads(reps.output.recv())
+        reps.on_message(msg)
+        self._check()
         for rid in msg.errors:  # refused by the core: ends like an abort
             msg.outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
         for rid in msg.failed:  # failed in the core on an internal error
             msg.outputs.append(EngineCoreOutput(rid, [], finish_reason="error"))
         return msg
 
-    def get_stats(self):
-        return self.stats
+    def get_stats(self) -> EngineStats:
+        return self.replicas.total_stats
 
     def shutdown(self) -> None:
-        if self.dead is None and self.handle.is_alive():
-            self.input.send(pickle.dumps((CoreRequestType.SHUTDOWN, None)))
-        self.handle.join(10)
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        self.input.close(0)
-        self.output.close(0)
+        self.replicas.shutdown(10)  # live replicas are asked to stop first
+        self.replicas.close_sockets()
         self.ctx.term()

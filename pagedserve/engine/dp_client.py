@@ -3,7 +3,7 @@ cache) behind one front end.
 
 `EngineReplicas` is the front end's side of them: a `CoreHandle` per replica, a PUSH
 socket per replica for commands, and ONE PULL socket bound to every replica's output
-address, so a single reader (AsyncLLM's output loop, or `SyncDPClient.get_output`) gets
+address, so a single reader (AsyncLLM's output loop, or `core_client.MPClient.get_output`) gets
 every replica's steps, fair-queued; each message names its sender
 (`EngineCoreOutputs.engine_index`). A `DPRouter` picks the replica of each new request;
 all of a request's samples (n > 1) go to the same one, and its aborts and stop-string
@@ -34,7 +34,6 @@ from pagedserve.engine.dp_router import DPRouter
 from pagedserve.errors import EngineDeadError
 from pagedserve.messages import (
     CoreRequestType,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
@@ -203,67 +202,3 @@ class EngineReplicas:
             s.close(0)
         if self.output is not None:
             self.output.close(0)
-
-
-class SyncDPClient:
-    """Offline (`LLM(data_parallel_size=M)`): the replicas in child processes, blocking
-    calls, the interface of `core_client.SyncMPClient`. `get_output()` returns the next
-    step of whichever replica finished one."""
-
-    engine_core = None  # not reachable from this process
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.ctx = zmq.Context()
-        self.replicas = EngineReplicas(config, True, self.ctx, self.ctx)
-        self.info = self.replicas.infos[0]
-
-    @property
-    def handle(self) -> CoreHandle:
-        return self.replicas.handles[0]
-
-    def _check(self) -> None:
-        dead = [d for d in self.replicas.dead if d]
-        if dead:
-            raise EngineDeadError(f"the engine core died: {dead[0]}")
-
-    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
-        """One request's samples (LLMEngine.add_request): they go to one replica together."""
-        self._check()
-        self.replicas.add(list(reqs))
-
-    def abort_requests(self, ids: list[str]) -> None:
-        self._check()
-        self.replicas.abort(list(ids))
-
-    def finish_requests_stopped(self, ids: list[str]) -> None:
-        self._check()
-        self.replicas.abort(list(ids), CoreRequestType.FINISH_STOPPED)
-
-    def reset_prefix_cache(self) -> None:
-        self._check()
-        self.replicas.broadcast(CoreRequestType.RESET_PREFIX_CACHE)
-
-    def get_output(self) -> EngineCoreOutputs:
-        self._check()
-        reps = self.replicas
-        while not reps.output.poll(200):
-            for i, h in enumerate(reps.handles):
-                if not h.is_alive():
-                    reps.mark_dead(i, reps.death_reason(i))
-                    self._check()
-        msg: EngineCoreOutputs = pickle.loads(reps.output.recv())
-        reps.on_message(msg)
-        self._check()
-        for rid in msg.errors:  # refused by the core: ends like an abort
-            msg.outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
-        for rid in msg.failed:  # failed in the core on an internal error
-            msg.outputs.append(EngineCoreOutput(rid, [], finish_reason="error"))
-        return msg
-
-    def get_stats(self) -> EngineStats:
-        return self.replicas.total_stats
-
-    def shutdown(self) -> None:
-        self.replicas.shutdown(10)
-        self.replicas.close_sockets()
-        self.ctx.term()

@@ -15,8 +15,7 @@ import logging
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import resolve_config
-from pagedserve.engine.core_client import InprocClient, SyncMPClient
-from pagedserve.engine.dp_client import SyncDPClient
+from pagedserve.engine.core_client import EngineCoreClient, InprocClient, MPClient
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.messages import EngineStats
@@ -51,10 +50,8 @@ class FrontEnd:
 class LLMEngine(FrontEnd):
     def __init__(self, config: EngineConfig, engine_core_process: bool = False) -> None:
         super().__init__(config)
-        if config.parallel.data_parallel_size > 1:  # replicas, each in its own process
-            self.core = SyncDPClient(config)
-        else:
-            self.core = SyncMPClient(config) if engine_core_process else InprocClient(config)
+        process = engine_core_process or config.parallel.data_parallel_size > 1  # replicas: each its own process
+        self.core: EngineCoreClient = MPClient(config) if process else InprocClient(config)
         self.num_blocks = self.core.info.num_kv_blocks
         self.load_seconds = self.core.info.load_seconds
         self.core_ready(self.num_blocks)
