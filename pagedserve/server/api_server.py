@@ -2,9 +2,10 @@
 routes, middleware, the uvicorn server with a drain on shutdown, and `serve()`.
 
 The endpoints live in serving_completion.py, serving_chat.py (tools: tool_calls.py),
-serving_tokenize.py (/tokenize, /detokenize) and serving_models.py; what
-they share (errors, envelopes, usage, logprobs, admission) in serving_base.py; the ASGI
-guard (auth, body limit, client-disconnect watcher) in middleware.py.
+serving_tokenize.py (/tokenize, /detokenize) and serving_models.py; what they share in
+serving_base.py (the context), http_errors.py (error bodies and handlers), responses.py
+(envelopes, usage, SSE, logprobs) and admission.py (--max-queue, the per-request
+tracker); the ASGI guard (auth, body limit, client-disconnect watcher) in middleware.py.
 
 Errors use OpenAI's body {"error": {message, type, param, code}} (code: a string or
 null): 400 for invalid input (never a 500), 401 for a missing/bad key, 404 for an unknown
@@ -24,12 +25,10 @@ import signal
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.config import parse_bytes
-from pagedserve.errors import InvalidRequestError
+from pagedserve.server.admission import AdmissionLimiter
+from pagedserve.server.http_errors import install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.middleware import RequestGuard, header_timeout_protocol
 from pagedserve.server.protocol import (
@@ -38,13 +37,7 @@ from pagedserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagedserve.server.serving_base import (
-    AdmissionLimiter,
-    APIError,
-    ServingContext,
-    _safe,
-    error_body,
-)
+from pagedserve.server.serving_base import ServingContext
 from pagedserve.server.serving_chat import OpenAIServingChat
 from pagedserve.server.serving_completion import OpenAIServingCompletion
 from pagedserve.server.serving_models import OpenAIServingModels
@@ -79,25 +72,14 @@ def build_app(
     if limiter is None:
         cap = None if max_queue is None else llm.config.scheduler.max_num_seqs + max_queue
         limiter = AdmissionLimiter(cap)
-    replicas = getattr(llm, "replicas", None)  # data parallelism: per-engine gauges, routing counts
-    metrics = ServerMetrics(
-        lambda: llm.stats,
-        model_name,
-        lambda: (limiter.in_flight, limiter.capacity),
-        get_engine_stats=(lambda: replicas.stats) if replicas is not None else None,
-        get_routed=(lambda: replicas.routed) if replicas is not None else None,
-    )
     ctx = ServingContext(
         llm,
         model_name,
-        metrics,
+        _metrics(llm, model_name, limiter),
         limiter,
         trust_request_chat_template,
         compact_json=structured_outputs_disable_any_whitespace,
     )
-    completion, models = OpenAIServingCompletion(ctx), OpenAIServingModels(ctx)
-    chat = OpenAIServingChat(ctx, tool_call_parser)
-    tokenization = OpenAIServingTokenization(ctx, chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -109,46 +91,31 @@ def build_app(
     app.state.serving = ctx
     open_paths = ("/health", "/metrics") if allow_unauthenticated_metrics else ("/health",)
     app.add_middleware(
-        RequestGuard,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        open_paths=open_paths,
-        on_reject=metrics.rejected,
+        RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, open_paths=open_paths, on_reject=ctx.metrics.rejected
+    )
+    install_error_handlers(app)
+    _add_routes(app, ctx, tool_call_parser)
+    from pagedserve.server.dashboard import add_dashboard
+
+    add_dashboard(app, llm, model_name)  # /dashboard, when the engine publishes snapshots
+    return app
+
+
+def _metrics(llm, model_name: str, limiter: AdmissionLimiter) -> ServerMetrics:
+    replicas = getattr(llm, "replicas", None)  # data parallelism: per-engine gauges, routing counts
+    return ServerMetrics(
+        lambda: llm.stats,
+        model_name,
+        lambda: (limiter.in_flight, limiter.capacity),
+        get_engine_stats=(lambda: replicas.stats) if replicas is not None else None,
+        get_routed=(lambda: replicas.routed) if replicas is not None else None,
     )
 
-    # -- errors ---------------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return e.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        cause = (first.get("ctx") or {}).get("error")
-        if isinstance(cause, InvalidRequestError):
-            return APIError(400, _safe(str(cause)), param=cause.param).response()
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = loc[0][:64] if loc else None  # the top-level field, in OpenAI's terms
-        if first.get("type") == "json_invalid":
-            msg = "request body is not valid JSON"
-        elif param == "prompt" and len(loc) > 1:
-            msg = "prompt must be a string, a list of strings, a list of token ids (JSON integers) or a list of such lists"
-        else:
-            msg = f"{'.'.join(loc)[:128] or 'body'}: {first.get('msg', 'invalid value')}"
-        return APIError(400, _safe(msg), param=param).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(_safe(str(e.detail)), kind), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception):  # one request fails, the server does not
-        logger.exception("request failed")
-        return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
-
-    # -- routes ---------------------------------------------------------------------------------
+def _add_routes(app: FastAPI, ctx: ServingContext, tool_call_parser: str) -> None:
+    completion, models = OpenAIServingCompletion(ctx), OpenAIServingModels(ctx)
+    chat = OpenAIServingChat(ctx, tool_call_parser)
+    tokenization = OpenAIServingTokenization(ctx, chat)
     app.add_api_route("/health", models.health, methods=["GET"])
     app.add_api_route("/metrics", models.metrics, methods=["GET"])
     app.add_api_route("/v1/models", models.models, methods=["GET"])
@@ -168,11 +135,6 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         return await tokenization.detokenize(body)
-
-    from pagedserve.server.dashboard import add_dashboard
-
-    add_dashboard(app, llm, model_name)  # /dashboard, when the engine publishes snapshots
-    return app
 
 
 class APIServer(uvicorn.Server):

@@ -1,7 +1,8 @@
 """Pure ASGI middleware and the HTTP protocol guard.
 
 `RequestGuard` (pure ASGI: Starlette's BaseHTTPMiddleware hides client disconnects from
-the app) does, per HTTP request:
+the app) does, per HTTP request, through the functions below it is made of
+(`authorized`, `content_length`, `read_body`, `run_watched`):
   - API-key check on every path but the open ones (/health; /metrics if so configured):
     the `Bearer` scheme matched case-insensitively, the key compared in constant time;
   - the body limit for Content-Length *and* chunked bodies (413);
@@ -25,9 +26,98 @@ import logging
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedserve.server.serving_base import CLEANUP_KEY, error_body
+from pagedserve.server.http_errors import error_body
+from pagedserve.server.serving_base import CLEANUP_KEY
 
 logger = logging.getLogger(__name__)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def authorized(scope, key: bytes) -> bool:
+    """An `Authorization: Bearer <key>` header (scheme case-insensitive, key compared in
+    constant time)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, sep, token = value.partition(b" ")
+            return sep == b" " and scheme.lower() == b"bearer" and hmac.compare_digest(token, key)
+    return False
+
+
+def content_length(scope) -> int | None | str:
+    """The declared body length, None if not declared, "bad" if not a number."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            v = value.strip()
+            return int(v) if v.isdigit() else "bad"
+    return None
+
+
+async def read_body(receive, limit: int) -> bytes | None:
+    """The whole body, whatever its framing (None: the client left first). Raises
+    BodyTooLarge past `limit` bytes (uvicorn discards the rest once a response is sent)."""
+    body = bytearray()
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        body += msg.get("body", b"")
+        if len(body) > limit:
+            raise BodyTooLarge
+        if not msg.get("more_body", False):
+            return bytes(body)
+
+
+async def run_watched(app, scope, receive, send, body: bytes) -> None:
+    """Run `app` on the replayed `body` while watching `receive` for the client leaving: a
+    client that leaves before the response is complete cancels the handler (which aborts
+    its engine requests); the request's cleanups (`scope[CLEANUP_KEY]`) run in any case."""
+    disconnected = asyncio.Event()
+    replayed = False
+    response_complete = False
+
+    async def app_receive():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    async def app_send(message) -> None:
+        nonlocal response_complete
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            response_complete = True
+        await send(message)
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    cleanups = scope.setdefault(CLEANUP_KEY, [])
+    task = asyncio.ensure_future(app(scope, app_receive, app_send))
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():  # the watcher saw a disconnect first
+            disconnected.set()
+            if not response_complete:
+                task.cancel()  # the client left: stop the handler (and its engine requests)
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        else:
+            task.result()
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        for fn in cleanups:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                logger.exception("request cleanup failed")
 
 
 class RequestGuard:
@@ -45,121 +135,41 @@ class RequestGuard:
         self.open_paths = frozenset(open_paths)
         self.on_reject = on_reject or (lambda reason: None)
 
-    # -- checks -------------------------------------------------------------------------------
-    def _authorized(self, scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, sep, token = value.partition(b" ")
-                return sep == b" " and scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key)
-        return False
-
-    @staticmethod
-    def _content_length(scope) -> int | None | str:
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                v = value.strip()
-                return int(v) if v.isdigit() else "bad"
-        return None
-
-    async def _reply(self, scope, receive, send, status: int, body: dict, headers=None) -> None:
-        await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
-
-    def _too_large(self) -> dict:
-        return error_body(
-            f"request body is larger than {self.max_body_bytes} bytes",
-            "invalid_request_error",
-            None,
-            "body_too_large",
-        )
-
-    # -- the request ------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.key is not None and scope.get("path") not in self.open_paths and not self._authorized(scope):
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await JSONResponse(refusal[1], status_code=refusal[0], headers=refusal[2])(scope, receive, send)
+            return
+        try:
+            body = await read_body(receive, self.max_body_bytes)
+        except BodyTooLarge:
+            self.on_reject("body_too_large")
+            await JSONResponse(self._too_large(), status_code=413)(scope, receive, send)
+            return
+        if body is not None:
+            await run_watched(self.app, scope, receive, send, body)
+
+    def _refusal(self, scope) -> tuple[int, dict, dict | None] | None:
+        """(status, body, headers) to answer before reading the body, or None."""
+        if self.key is not None and scope.get("path") not in self.open_paths and not authorized(scope, self.key):
             self.on_reject("unauthorized")
-            await self._reply(
-                scope,
-                receive,
-                send,
-                401,
-                error_body("invalid or missing API key", "authentication_error", None, "invalid_api_key"),
-                {"WWW-Authenticate": "Bearer"},
-            )
-            return
-        length = self._content_length(scope)
+            body = error_body("invalid or missing API key", "authentication_error", None, "invalid_api_key")
+            return 401, body, {"WWW-Authenticate": "Bearer"}
+        length = content_length(scope)
         if length == "bad":
-            await self._reply(
-                scope, receive, send, 400, error_body("invalid Content-Length", "invalid_request_error")
-            )
-            return
+            return 400, error_body("invalid Content-Length", "invalid_request_error"), None
         if length is not None and length > self.max_body_bytes:
             self.on_reject("body_too_large")
-            await self._reply(scope, receive, send, 413, self._too_large())
-            return
+            return 413, self._too_large(), None
+        return None
 
-        # Read the whole body here (bounded, whatever the framing), then replay it.
-        body = bytearray()
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                # uvicorn discards the rest of the body once the response is complete
-                self.on_reject("body_too_large")
-                await self._reply(scope, receive, send, 413, self._too_large())
-                return
-            if not msg.get("more_body", False):
-                break
-
-        disconnected = asyncio.Event()
-        replayed = False
-        response_complete = False
-
-        async def app_receive():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            await disconnected.wait()
-            return {"type": "http.disconnect"}
-
-        async def app_send(message) -> None:
-            nonlocal response_complete
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                response_complete = True
-            await send(message)
-
-        async def watch() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-
-        cleanups = scope.setdefault(CLEANUP_KEY, [])
-        task = asyncio.ensure_future(self.app(scope, app_receive, app_send))
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():  # the watcher saw a disconnect first
-                disconnected.set()
-                if not response_complete:
-                    task.cancel()  # the client left: stop the handler (and its engine requests)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            else:
-                task.result()
-        finally:
-            for t in (task, watcher):
-                if not t.done():
-                    t.cancel()
-            for fn in cleanups:
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001
-                    logger.exception("request cleanup failed")
+    def _too_large(self) -> dict:
+        return error_body(
+            f"request body is larger than {self.max_body_bytes} bytes", "invalid_request_error", None, "body_too_large"
+        )
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):

@@ -31,18 +31,12 @@ from fastapi.responses import StreamingResponse
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.server.admission import RequestTracker
 from pagedserve.server.chat_template import render_request_template
+from pagedserve.server.http_errors import to_api_error
 from pagedserve.server.protocol import ChatCompletionRequest
-from pagedserve.server.serving_base import (
-    SSE_DONE,
-    RequestTracker,
-    ServingContext,
-    envelope,
-    sse,
-    stream_error_events,
-    to_api_error,
-    usage,
-)
+from pagedserve.server.responses import SSE_DONE, envelope, sse, stream_error_events, usage
+from pagedserve.server.serving_base import ServingContext
 from pagedserve.server.tool_calls import (
     TOOL_PARSERS,
     ToolCallStreamer,

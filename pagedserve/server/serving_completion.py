@@ -11,17 +11,11 @@ from fastapi.responses import StreamingResponse
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestOutput
+from pagedserve.server.admission import RequestTracker
+from pagedserve.server.http_errors import to_api_error
 from pagedserve.server.protocol import CompletionRequest
-from pagedserve.server.serving_base import (
-    SSE_DONE,
-    RequestTracker,
-    ServingContext,
-    envelope,
-    sse,
-    stream_error_events,
-    to_api_error,
-    usage,
-)
+from pagedserve.server.responses import SSE_DONE, envelope, sse, stream_error_events, usage
+from pagedserve.server.serving_base import ServingContext
 from pagedserve.structured_outputs.validate import validate_structured_outputs
 
 

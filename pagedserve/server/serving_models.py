@@ -6,7 +6,8 @@ import time
 
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.server.serving_base import ServingContext, error_body
+from pagedserve.server.http_errors import error_body
+from pagedserve.server.serving_base import ServingContext
 
 
 class OpenAIServingModels:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 
 from pagedserve.errors import InvalidRequestError
+from pagedserve.server.http_errors import to_api_error
 from pagedserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from pagedserve.server.serving_base import ServingContext, to_api_error
+from pagedserve.server.serving_base import ServingContext
 from pagedserve.server.serving_chat import OpenAIServingChat
 
 

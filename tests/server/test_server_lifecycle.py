@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from pagedserve.server.serving_base import AdmissionLimiter  # noqa: E402
+from pagedserve.server.admission import AdmissionLimiter  # noqa: E402
 from tests.server.test_server import MODEL, Server, free_port, metric, wait_idle  # noqa: E402
 
 KEY = "sekret"

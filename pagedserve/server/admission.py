@@ -1,0 +1,160 @@
+"""Admission and one HTTP request's engine requests.
+
+`AdmissionLimiter` is the --max-queue bound. `RequestTracker` owns the engine requests of
+one HTTP request (one per prompt of a list): `add()` sends every prompt at once, outputs
+arrive on one queue, and `close()` (exactly once, by whoever ends the request first: the
+handler, the ASGI guard when the client leaves, or the drain at shutdown) aborts what
+still runs in the engine (freeing its KV blocks) and gives the admission slots back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import TYPE_CHECKING
+
+from pagedserve.outputs import RequestOutput
+from pagedserve.server.http_errors import APIError, to_api_error
+
+if TYPE_CHECKING:
+    from pagedserve.server.serving_base import ServingContext
+
+
+class AdmissionLimiter:
+    """The --max-queue bound, counted where requests are admitted.
+
+    `in_flight` is what the front end has sent to the engine (or is still tokenizing) and
+    not yet seen finish; a request is admitted only if in_flight + its prompts stays within
+    `capacity` (= max_num_seqs + max_queue: a full running batch plus the allowed queue).
+    Check and increment are one step under a lock, so no interleaving of event loops,
+    threads or workers sharing this limiter can exceed the bound. Several worker
+    processes share one by passing `shared=multiprocessing.Value("q", 0)` (made before
+    forking); its own lock is then used."""
+
+    def __init__(self, capacity: int | None, shared=None) -> None:
+        self.capacity = capacity
+        self._shared = shared
+        self._lock = shared.get_lock() if shared is not None else threading.Lock()
+        self._count = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._shared.value if self._shared is not None else self._count
+
+    def try_acquire(self, n: int) -> bool:
+        with self._lock:
+            cur = self.in_flight
+            if self.capacity is not None and cur + n > self.capacity:
+                return False  # counted by ServerMetrics.rejected("overloaded")
+            self._set(cur + n)
+            return True
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._set(max(0, self.in_flight - n))
+
+    def _set(self, v: int) -> None:
+        if self._shared is not None:
+            self._shared.value = v
+        else:
+            self._count = v
+
+
+_ABORT = object()
+
+
+class RequestTracker:
+    """The engine requests of one HTTP request (one per prompt of a list), their merged
+    outputs, and its admission slots."""
+
+    def __init__(self, ctx: ServingContext, slots: int) -> None:
+        self.ctx = ctx
+        self.slots = slots
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.streams: dict[int, object] = {}
+        self.pumps: list[asyncio.Task] = []
+        self.closed = False
+        self.abort_reason: str | None = None
+
+    async def add(self, prompts: list, params, base_id: str, priority: int, suffix: bool) -> None:
+        """Send every prompt to the engine at once (separate engine requests); if one is
+        refused, abort the others and raise its error."""
+
+        async def one(i: int, p) -> None:
+            rid = f"{base_id}-{i}" if suffix else base_id
+            st = await self.ctx.llm.add_request(p, params, rid, priority)
+            if self.closed or self.abort_reason is not None:
+                st.close()
+                return
+            self.streams[i] = st
+            self.pumps.append(asyncio.create_task(self._pump(i, st)))
+
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.close()
+            for e in errors:
+                if isinstance(e, asyncio.CancelledError):
+                    raise e
+            raise to_api_error(errors[0]) from None
+        if self.abort_reason is not None:
+            raise APIError(503, self.abort_reason, "server_error", code="shutting_down")
+
+    async def _pump(self, i: int, st) -> None:
+        try:
+            async for out in st:
+                if out.finished:
+                    self.ctx.observe_finished(out)
+                self.queue.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 (an engine failure: handed to the handler)
+            self.queue.put_nowait((i, e))
+            return
+        self.queue.put_nowait((i, None))
+
+    async def next(self):
+        """(prompt index, RequestOutput), (i, None) when prompt i is done, or raises:
+        APIError when the tracker was aborted (shutdown) or the engine failed."""
+        item = await self.queue.get()
+        if item is _ABORT:
+            self.queue.put_nowait(_ABORT)  # every later call sees it too
+            raise APIError(503, self.abort_reason or "request aborted", "server_error", code="shutting_down")
+        if isinstance(item[1], BaseException):
+            raise to_api_error(item[1])
+        return item
+
+    async def finals(self) -> list[RequestOutput]:
+        """Non-streaming: wait for every prompt's final output, in prompt order."""
+        finals: dict[int, RequestOutput] = {}
+        done = 0
+        while done < len(self.streams):
+            i, out = await self.next()
+            if out is None:
+                done += 1
+            elif out.finished:
+                finals[i] = out
+        if len(finals) != len(self.streams):
+            raise APIError(503, "request was aborted", "server_error")
+        return [finals[i] for i in range(len(finals))]
+
+    def abort(self, reason: str) -> None:
+        """Shutdown: end this request now (handlers turn it into final chunks/an error)."""
+        if self.abort_reason is None:
+            self.abort_reason = reason
+            self._abort_engine()
+            self.queue.put_nowait(_ABORT)
+
+    def _abort_engine(self) -> None:
+        for t in self.pumps:
+            t.cancel()
+        for st in self.streams.values():
+            st.close()  # aborts it in the engine unless it already finished
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._abort_engine()
+        self.ctx.limiter.release(self.slots)
+        self.ctx.trackers.discard(self)
