@@ -7,7 +7,7 @@ Layer two of three. It sees token ids only (tokens and text belong to the front 
   engine_core.py     EngineCore: schedule -> execute -> update, once per step
   core_proc.py       the busy loop behind ZMQ (a child process or a thread)
   scheduler.py       iteration-level scheduling under a token budget; preemption
-  sched/             the scheduler's parts: step state, waiting-queue policies
+  policies.py        waiting-queue orders and preemption victims
   kv_cache_manager.py, block_pool.py   paged KV blocks: allocation, prefix cache, ref counts
   request.py         a request as the scheduler sees it
   spec_decode.py, ngram_proposer.py    speculative decoding's scheduling side

@@ -43,43 +43,10 @@ def build_snapshot(core) -> dict:
     sched = core.scheduler
     kv = sched.kv
     pool = kv.pool
-    req_to_blocks = kv.req_to_blocks
-    no_blocks = ()
-    block_id = attrgetter("block_id")
-    reqs = []
-    for r in sched.running:
-        reqs.append(
-            [
-                r.request_id,
-                "running",
-                len(r.prompt_token_ids),
-                len(r.output_token_ids),
-                r.num_computed_tokens,
-                max(r.num_cached_tokens, 0),
-                r.num_preemptions,
-                r.arrival_time,
-                list(map(block_id, req_to_blocks.get(r.request_id, no_blocks))),
-            ]
-        )
     waiting = sched.waiting
-    num_preempted = 0
-    for r in waiting.unordered():
-        if r.status is RequestStatus.PREEMPTED:
-            num_preempted += 1
-    for r in islice(waiting.unordered(), MAX_WAITING_LISTED):
-        reqs.append(
-            [
-                r.request_id,
-                _STATUS.get(r.status, "waiting"),
-                len(r.prompt_token_ids),
-                len(r.output_token_ids),
-                r.num_computed_tokens,
-                max(r.num_cached_tokens, 0),
-                r.num_preemptions,
-                r.arrival_time,
-                list(map(block_id, req_to_blocks.get(r.request_id, no_blocks))),
-            ]
-        )
+    reqs = [_row(r, "running", kv.req_to_blocks) for r in sched.running]
+    reqs += [_row(r, _STATUS.get(r.status, "waiting"), kv.req_to_blocks) for r in islice(waiting.unordered(), MAX_WAITING_LISTED)]
+    num_preempted = sum(1 for r in waiting.unordered() if r.status is RequestStatus.PREEMPTED)
     cached_free = _cached_free_ids(pool)
     records = core.step_records
     steps = list(islice(records, max(len(records) - MAX_STEPS, 0), None)) if records else []
@@ -97,6 +64,23 @@ def build_snapshot(core) -> dict:
         "steps": steps,
         "cost_s": 0.0,  # filled in by the publisher (the time this call took)
     }
+
+
+def _row(r, status: str, req_to_blocks) -> list:
+    return [
+        r.request_id,
+        status,
+        len(r.prompt_token_ids),
+        len(r.output_token_ids),
+        r.num_computed_tokens,
+        max(r.num_cached_tokens, 0),
+        r.num_preemptions,
+        r.arrival_time,
+        list(map(_block_id, req_to_blocks.get(r.request_id, ()))),
+    ]
+
+
+_block_id = attrgetter("block_id")
 
 
 def _cached_free_ids(pool) -> list[int]:

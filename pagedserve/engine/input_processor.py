@@ -102,45 +102,15 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> ProcessedRequest:
+        """Tokenize and check one user request; its engine-core requests (n of them)."""
         text, ids = self.tokenize(prompt)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string.", "cache_salt")
-        max_len = self.max_model_len
-        if params.max_tokens is None and len(ids) >= max_len:  # None: "up to max_model_len", as vLLM
-            raise InvalidRequestError(
-                f"This model's maximum context length (max_model_len) is {max_len} tokens, but the "
-                f"prompt has {len(ids)} tokens, which leaves no room to generate.",
-                "prompt",
-            )
-        max_tokens = max_len - len(ids) if params.max_tokens is None else params.max_tokens
-        check_fits(len(ids), max_tokens, max_len, self.block_size, self.num_kv_blocks)
-        if max_tokens == 0 and params.prompt_logprobs is None:
-            raise InvalidRequestError("max_tokens must be >= 1 unless prompt_logprobs are requested.", "max_tokens")
-        if params.top_k > self.vocab_size:
-            raise InvalidRequestError(
-                f"top_k must be -1, 0 or at most the vocabulary size {self.vocab_size}, got {params.top_k}.", "top_k"
-            )
-        limit = min(MAX_LOGPROBS, self.vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > limit:
-                raise InvalidRequestError(f"{name} must be <= {limit}, got {k}.", name)
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"stop_token_ids must be in [0, {self.vocab_size}), got {t}.", "stop_token_ids"
-                )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init is set).", "stop")
+        max_tokens = self._max_tokens(len(ids), params)
+        self._check_params(params)
         params = self._token_constraints(params)
-        if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "structured outputs need a tokenizer (skip_tokenizer_init is set).", "structured_outputs"
-                )
-            validate_structured_outputs(params.structured_outputs)
         arrival = arrival_time or time.time()
         children = []
         for i in range(params.n):
@@ -150,7 +120,51 @@ class InputProcessor:
                 cid = f"{request_id}#{i}"
             children.append(
                 EngineCoreRequest(
-                    cid, ids, child_params, max_tokens, self.eos_token_ids, arrival, priority, cache_salt
+                    request_id=cid,
+                    prompt_token_ids=ids,
+                    sampling_params=child_params,
+                    max_tokens=max_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    arrival_time=arrival,
+                    priority=priority,
+                    cache_salt=cache_salt,
                 )
             )
         return ProcessedRequest(request_id, text, ids, params, children, arrival)
+
+    def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        """max_tokens resolved ("up to max_model_len" when None, as vLLM) and checked to fit."""
+        max_len = self.max_model_len
+        if params.max_tokens is None and num_prompt >= max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length (max_model_len) is {max_len} tokens, but the "
+                f"prompt has {num_prompt} tokens, which leaves no room to generate.",
+                "prompt",
+            )
+        max_tokens = max_len - num_prompt if params.max_tokens is None else params.max_tokens
+        check_fits(num_prompt, max_tokens, max_len, self.block_size, self.num_kv_blocks)
+        if max_tokens == 0 and params.prompt_logprobs is None:
+            raise InvalidRequestError("max_tokens must be >= 1 unless prompt_logprobs are requested.", "max_tokens")
+        return max_tokens
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the vocabulary, the logprob cap, the tokenizer."""
+        vocab = self.vocab_size
+        if params.top_k > vocab:
+            raise InvalidRequestError(f"top_k must be -1, 0 or at most the vocabulary size {vocab}, got {params.top_k}.", "top_k")
+        limit = min(MAX_LOGPROBS, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > limit:
+                raise InvalidRequestError(f"{name} must be <= {limit}, got {k}.", name)
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}), got {t}.", "stop_token_ids")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init is set).", "stop")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured outputs need a tokenizer (skip_tokenizer_init is set).", "structured_outputs"
+                )
+            validate_structured_outputs(params.structured_outputs)

@@ -67,6 +67,21 @@ def percentiles(values, qs=(50, 90, 99)) -> dict:
     return out
 
 
+def _request_doc(r: list, now: float) -> dict:
+    """One row of the snapshot's requests (core/snapshot.py `_row`) as the document's dict."""
+    return {
+        "id": r[0],
+        "state": r[1],
+        "prompt_tokens": r[2],
+        "output_tokens": r[3],
+        "computed_tokens": r[4],
+        "cached_tokens": r[5],
+        "preemptions": r[6],
+        "age_s": round(max(now - r[7], 0.0), 3),
+        "num_blocks": len(r[8]),
+    }
+
+
 def state_view(snap: dict | None, latency: dict | None = None, now: float | None = None, window_s: float = 5.0) -> dict:
     """The `/dashboard/state` document (docs/dashboard.md) from a raw snapshot."""
     now = time.time() if now is None else now
@@ -77,20 +92,7 @@ def state_view(snap: dict | None, latency: dict | None = None, now: float | None
     n_used, n_shared, stored = blocks.pop("_counts")
     n_cached = len(snap["cached_free"])
     usable = snap["num_blocks"] - 1
-    requests = [
-        {
-            "id": r[0],
-            "state": r[1],
-            "prompt_tokens": r[2],
-            "output_tokens": r[3],
-            "computed_tokens": r[4],
-            "cached_tokens": r[5],
-            "preemptions": r[6],
-            "age_s": round(max(now - r[7], 0.0), 3),
-            "num_blocks": len(r[8]),
-        }
-        for r in snap["requests"]
-    ]
+    requests = [_request_doc(r, now) for r in snap["requests"]]
     steps = snap["steps"]
     cols = {f: [row[i] for row in steps] for i, f in enumerate(STEP_FIELDS)}
     recent = [row for row in steps if row[0] > now - window_s]

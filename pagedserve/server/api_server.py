@@ -213,6 +213,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=parse_bytes, default=16 << 20)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--log-level", default="info")
+    _add_behaviour_args(g)
+
+
+def _add_behaviour_args(g) -> None:
+    """Shutdown, timeouts, chat templates, tools and structured outputs, engine death."""
     g.add_argument(
         "--shutdown-timeout",
         type=float,

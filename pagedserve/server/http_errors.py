@@ -78,9 +78,13 @@ def safe_message(message: str, limit: int = 1024) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """APIError as itself; request-validation failures as a 400 naming the top-level field;
-    HTTP errors (404, 405) in the error shape; anything else a logged 500 for that request."""
+    """APIError as itself; the engine's typed errors as theirs (InvalidRequestError a 400
+    naming its param, EngineDeadError a 503); request-validation failures as a 400 naming
+    the top-level field; HTTP errors (404, 405) in the error shape; anything else a logged
+    500 for that request."""
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(InvalidRequestError, _typed_error)
+    app.add_exception_handler(EngineDeadError, _typed_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
@@ -88,6 +92,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
 async def _api_error(_: Request, e: APIError):
     return e.response()
+
+
+async def _typed_error(_: Request, e: Exception):
+    return to_api_error(e).response()
 
 
 async def _validation_error(_: Request, e: RequestValidationError):

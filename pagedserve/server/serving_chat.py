@@ -24,7 +24,7 @@ import dataclasses
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -301,10 +301,7 @@ class OpenAIServingChat:
     ):
         model = self.ctx.model_name
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        started: set[int] = set()
-        finished: set[int] = set()
-        streamers: dict[int, ToolCallStreamer] = {}
-        ct = 0
+        state = _StreamState()
 
         def chunk(choices, usage_=None) -> str:
             return sse(envelope(rid, "chat.completion.chunk", created, model, choices, usage_))
@@ -316,54 +313,68 @@ class OpenAIServingChat:
                     if out is None:
                         break
                     for c in out.outputs:
-                        ct += len(c.token_ids)
-                        finish_reason = c.finish_reason
-                        if finish_reason is not None:
-                            finished.add(c.index)
-                        if plan.active:
-                            st = streamers.get(c.index)
-                            if st is None:
-                                st = streamers[c.index] = ToolCallStreamer(
-                                    self.tool_parser, forced=plan.forced
-                                )
-                            events = st.feed(c.text)
-                            if finish_reason is not None:
-                                events += st.finish()
-                            deltas = openai_deltas(events, plan.parallel)
-                            finish_reason = self._finish_reason(plan, bool(st.calls), finish_reason)
-                        else:
-                            deltas = [{"content": c.text}]
-                        first = c.index not in started
-                        if not deltas and (first or finish_reason is not None or body.logprobs):
-                            deltas = [{}]
-                        if not deltas:
-                            continue  # text held back (a call's start may be coming)
-                        if first:
-                            started.add(c.index)
-                            head = deltas[0]
-                            if "content" not in head and "tool_calls" not in head:
-                                head["content"] = ""
-                            deltas[0] = {"role": "assistant", **head}
-                        last = len(deltas) - 1
-                        for j, delta in enumerate(deltas):
-                            choice = {
-                                "index": c.index,
-                                "delta": delta,
-                                "logprobs": self._logprobs(body, c, k) if j == 0 else None,
-                                "finish_reason": finish_reason if j == last else None,
-                            }
+                        for choice in self._choice_deltas(c, body, plan, state, k):
                             yield chunk([choice])
             except Exception as e:  # noqa: BLE001 (shutdown, engine failure, a bug: end this stream cleanly)
                 for event in stream_error_events(e, f"chat stream {rid}"):
                     yield event
                 for idx in range(n):
-                    if idx not in finished:
-                        delta = {} if idx in started else {"role": "assistant", "content": ""}
-                        yield chunk(
-                            [{"index": idx, "delta": delta, "logprobs": None, "finish_reason": "abort"}]
-                        )
+                    if idx not in state.finished:
+                        delta = {} if idx in state.started else {"role": "assistant", "content": ""}
+                        yield chunk([{"index": idx, "delta": delta, "logprobs": None, "finish_reason": "abort"}])
             if include_usage:
-                yield chunk([], usage(prompt_len, ct))
+                yield chunk([], usage(prompt_len, state.completion_tokens))
             yield SSE_DONE
         finally:
             tracker.close()
+
+    def _choice_deltas(self, c, body, plan: ToolPlan, state: _StreamState, k: int) -> list[dict]:
+        """The chunk choices one step's output of choice `c` makes (none while text is held
+        back: a tool call's start may be coming). The first carries the role; the last the
+        finish reason."""
+        state.completion_tokens += len(c.token_ids)
+        finish_reason = c.finish_reason
+        if finish_reason is not None:
+            state.finished.add(c.index)
+        if plan.active:
+            st = state.streamers.get(c.index)
+            if st is None:
+                st = state.streamers[c.index] = ToolCallStreamer(self.tool_parser, forced=plan.forced)
+            events = st.feed(c.text)
+            if finish_reason is not None:
+                events += st.finish()
+            deltas = openai_deltas(events, plan.parallel)
+            finish_reason = self._finish_reason(plan, bool(st.calls), finish_reason)
+        else:
+            deltas = [{"content": c.text}]
+        first = c.index not in state.started
+        if not deltas and (first or finish_reason is not None or body.logprobs):
+            deltas = [{}]
+        if not deltas:
+            return []
+        if first:
+            state.started.add(c.index)
+            head = deltas[0]
+            if "content" not in head and "tool_calls" not in head:
+                head["content"] = ""
+            deltas[0] = {"role": "assistant", **head}
+        last = len(deltas) - 1
+        return [
+            {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": self._logprobs(body, c, k) if j == 0 else None,
+                "finish_reason": finish_reason if j == last else None,
+            }
+            for j, delta in enumerate(deltas)
+        ]
+
+
+@dataclass
+class _StreamState:
+    """One chat stream's progress over its n choices."""
+
+    started: set[int] = field(default_factory=set)  # choices whose first chunk (the role) is out
+    finished: set[int] = field(default_factory=set)
+    streamers: dict[int, ToolCallStreamer] = field(default_factory=dict)  # tool-call parsing per choice
+    completion_tokens: int = 0

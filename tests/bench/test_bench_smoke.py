@@ -213,3 +213,42 @@ def test_spec_bench_draft_model_smoke(checkpoint, capsys):
     (r,) = last_json(capsys)
     assert r["method"] == "draft_model" and r["draft"]["quantization"] == "int8"
     assert r["batch1"]["identical_outputs"] is True and r["batch1"]["drafts"] > 0
+
+
+def test_quant_kernels_bench_smoke(capsys):
+    from pagedserve.bench import quant
+
+    quant.main(["kernels", "--shapes", "96x64", "--rows", "1,4", "--rounds", "1"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["bench"] == "quant_kernels" and [r["M"] for r in out["rows"]] == [1, 4]
+    assert all(us > 0 for r in out["rows"] for us in r["us"].values())
+
+
+def test_dashboard_overhead_bench_smoke(capsys):
+    from pagedserve.bench import dashboard_overhead
+
+    dashboard_overhead.main(["--blocks", "300", "--model", "", "--rounds", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["bench"] == "dashboard_snapshot" and out["num_blocks"] == 300 and out["build_snapshot_ms"] > 0
+
+
+def test_structured_bench_smoke(checkpoint, capsys):
+    from pagedserve.bench import structured
+
+    structured.main(["--model", checkpoint("llama"), "--parts", "compile,validity", "--samples", "2", "--output-len", "8"])
+    parts = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [p["part"] for p in parts][:1] == ["compile"]
+    assert any(p["part"] == "validity" for p in parts)
+
+
+def test_workload_is_seeded_and_within_its_ranges():
+    import argparse
+
+    from pagedserve.bench.workload import add_workload_args, make_workload
+
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap, num_requests=20)
+    a = ap.parse_args(["--seed", "3"])
+    w1, w2 = make_workload(a, vocab=500), make_workload(a, vocab=500)
+    assert w1 == w2 and len(w1) == 20
+    assert all(all(0 <= t < 500 for t in p) and n >= 1 for p, n in w1)

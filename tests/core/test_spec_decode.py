@@ -321,3 +321,28 @@ def test_step_model_replays_proposer_and_costs():
     r = mod.replay([prompt], [out], k_max=4, c=0.5)
     assert (r["plain_steps"], r["verify_steps"], r["tokens"]) == (3, 1, 8)
     assert r["speedup"] == round(8 / (3 + 1 + 0.5 * 4), 3)
+
+
+def test_adaptive_k_halves_on_misses_pauses_and_doubles_back():
+    from pagedserve.config import SpeculativeConfig
+    from pagedserve.core.request import Request
+    from pagedserve.core.spec_decode import PAUSE_STEPS, SpecDecodeState
+    from pagedserve.sampling_params import SamplingParams
+
+    spec = SpecDecodeState(SpeculativeConfig(num_speculative_tokens=4))
+    r = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0), max_tokens=100)
+    assert spec.propose(r, 100) == [3, 1, 2]  # what followed the latest match (up to k = 4)
+    spec.record(r, 4, 0)
+    assert r.spec_k == 2
+    spec.record(r, 2, 0)
+    spec.record(r, 1, 0)  # a miss at k = 1: a pause
+    assert r.spec_k == 1 and r.spec_pause == PAUSE_STEPS
+    assert all(spec.propose(r, 100) is None for _ in range(PAUSE_STEPS))
+    spec.record(r, 1, 1)
+    spec.record(r, 2, 2)
+    assert r.spec_k == 4
+    assert spec.num_drafts == 5 and spec.num_accepted_tokens == 3 and spec.accepted_per_position[:2] == [2, 1]
+    # never past max_tokens, and a penalised request is never speculative
+    assert spec.propose(Request("s", [1, 2, 1, 2], SamplingParams(temperature=0), max_tokens=2), 100) == [1]
+    pen = Request("p", [1, 2, 1, 2], SamplingParams(repetition_penalty=1.2), max_tokens=50)
+    assert spec.propose(pen, 100) is None and pen.spec_k == -1

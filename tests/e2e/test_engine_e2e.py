@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import SamplingParams
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.frontend.llm import LLM
 from pagedserve.sampling_params import RequestOutputKind
 from tests.checkpoints import load_hf
 
@@ -197,6 +199,6 @@ def test_invalid_requests_raise_and_leak_nothing(model_dir):
             SamplingParams(max_tokens=20),
             use_tqdm=False,
         )
-    assert not llm.engine.has_unfinished_requests()
+    assert isinstance(llm.engine, LLMEngine) and not llm.engine.has_unfinished_requests()
     assert llm.get_stats().kv_blocks_used == 0
     assert llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs

@@ -13,15 +13,11 @@ import torch
 
 from pagedserve import SamplingParams, StructuredOutputsParams
 from pagedserve.errors import InvalidRequestError
-from pagedserve.structured_outputs import (
-    StructuredOutputManager,
-    allocate_bitmask,
-    apply_grammar_bitmask,
-    grammar_spec,
-    validate_structured_outputs,
-)
-from pagedserve.structured_outputs.bitmask import bitmask_to_bool
-from pagedserve.structured_outputs.xgrammar_backend import XgrammarGrammar
+from pagedserve.structured_outputs.backend import StructuredOutputBackend, grammar_spec
+from pagedserve.structured_outputs.bitmask import allocate_bitmask, apply_grammar_bitmask, bitmask_to_bool
+from pagedserve.structured_outputs.manager import StructuredOutputManager, make_backend
+from pagedserve.structured_outputs.validate import validate_structured_outputs
+from pagedserve.structured_outputs.xgrammar_backend import XgrammarBackend, XgrammarGrammar
 
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -392,3 +388,16 @@ def test_apply_bitmask(monkeypatch, use_xgrammar, rows):
         expect[row, :vocab][~bits[i]] = float("-inf")
         expect[row, vocab:] = float("-inf")
     assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_make_backend_builds_each_backend_and_refuses_others(tokenizer, name):
+    if name == "llguidance":
+        pytest.importorskip("llguidance")
+        from pagedserve.structured_outputs.llguidance_backend import LLGuidanceBackend as cls
+    else:
+        cls = XgrammarBackend
+    b = make_backend(name, tokenizer, MODEL_VOCAB, [EOS])
+    assert isinstance(b, cls) and isinstance(b, StructuredOutputBackend)
+    with pytest.raises(ValueError, match="backend must be one of xgrammar, llguidance"):
+        make_backend("outlines", tokenizer, MODEL_VOCAB, [EOS])
