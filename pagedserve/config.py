@@ -36,7 +36,7 @@ def default_of(f):
     return f.default_factory() if f.default is MISSING else f.default
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "length_aware")
 
 
 @dataclass
@@ -58,7 +58,28 @@ class SchedulerConfig:
     max_model_len: int | None = setting(None, "context length (default: the model's)")
     enable_chunked_prefill: bool = setting(True, "cut long prompts into chunks under the token budget")
     long_prefill_token_threshold: int = setting(0, "cap on one request's prefill chunk per step (0: none)")
-    scheduling_policy: str = setting("fcfs", "waiting-queue order", choices=SCHEDULING_POLICIES)
+    scheduling_policy: str = setting(
+        "fcfs",
+        "waiting-queue order: fcfs | priority (lower first) | length_aware (least expected work first, "
+        "time-to-first-token deadlines first, a lane for short requests, aging)",
+        choices=SCHEDULING_POLICIES,
+    )
+    short_request_tokens: int = setting(
+        512, "length_aware: requests expected to need fewer tokens (prompt + output) than this are short"
+    )
+    short_budget_share: float = setting(
+        0.5,
+        "length_aware: share of a step's token budget (and of the running seats) kept for short requests "
+        "while any runs or waits; long prefills are chunked around it",
+    )
+    max_wait_s: float = setting(
+        20.0, "length_aware: a request waiting this long is admitted before every request that came after it"
+    )
+    expected_output_tokens: int = setting(
+        128,
+        "length_aware: output length assumed for a request without max_tokens until finished requests "
+        "of similar prompt length have been seen (then it is learned)",
+    )
     scheduler_cls: str = setting("pagedserve.core.scheduler.Scheduler", "dotted path of the scheduler class")
 
     def __post_init__(self) -> None:
@@ -69,6 +90,12 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if self.short_request_tokens < 1 or self.expected_output_tokens < 1:
+            raise ValueError("short_request_tokens and expected_output_tokens must be >= 1.")
+        if not 0.0 <= self.short_budget_share < 1.0:
+            raise ValueError(f"short_budget_share must be in [0, 1), got {self.short_budget_share}.")
+        if not self.max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}."
@@ -149,7 +176,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # None: the checkpoint's own (GGUF types run packed; safetensors float); "none": dequantize
 QUANTIZATION_METHODS = (None, "none", "gguf", "gguf_q8", "int8", "int4")
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
-DP_ROUTINGS = ("prefix", "round_robin")
+DP_ROUTINGS = ("prefix", "round_robin", "length")
 
 
 @dataclass
@@ -191,7 +218,8 @@ class ParallelConfig:
     data_parallel_size: int = setting(1, "engine cores (replicas, each with its own KV cache) behind one front end")
     dp_routing: str = setting(
         "prefix",
-        "data parallel: replica per request (longest cached prefix, else least loaded)",
+        "data parallel: replica per request: prefix (longest cached prefix, else least loaded) | "
+        "round_robin | length (short and long requests on different replicas, prefix hits first)",
         choices=DP_ROUTINGS,
     )
 

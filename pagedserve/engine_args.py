@@ -90,6 +90,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = _from("scheduler")
     long_prefill_token_threshold: int = _from("scheduler")
     scheduling_policy: str = _from("scheduler")
+    short_request_tokens: int = _from("scheduler")
+    short_budget_share: float = _from("scheduler")
+    max_wait_s: float = _from("scheduler")
+    expected_output_tokens: int = _from("scheduler")
     scheduler_cls: str = _from("scheduler")
     # -- processes --------------------------------------------------------------------
     tensor_parallel_size: int = _from("parallel")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.messages import Logprob, PositionLogprobs
+from pagedserve.sampling_params import SLO
 
 __all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
 
@@ -30,6 +31,22 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    slo: SLO | None = None  # the request's latency targets, if any
+
+    def slo_results(self, num_output_tokens: int) -> dict[str, bool]:
+        """For each target the request has ("ttft", "tpot"): whether it was met (a finished
+        request; TPOT over the tokens after the first, met trivially with one token)."""
+        out: dict[str, bool] = {}
+        slo = self.slo
+        if slo is None or self.first_token_time is None:
+            return out
+        if slo.ttft_ms:
+            out["ttft"] = (self.first_token_time - self.arrival_time) * 1e3 <= slo.ttft_ms
+        if slo.tpot_ms:
+            n = num_output_tokens - 1
+            tpot = (self.last_token_time - self.first_token_time) / n * 1e3 if n > 0 else 0.0
+            out["tpot"] = tpot <= slo.tpot_ms
+        return out
 
 
 @dataclass

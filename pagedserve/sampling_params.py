@@ -84,6 +84,51 @@ class StructuredOutputsParams:
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
 
+@dataclass(frozen=True)
+class SLO:
+    """A request's latency targets (`"slo": {"ttft_ms": ..., "tpot_ms": ...}` on the server,
+    `SamplingParams(slo=...)` offline). The length-aware scheduler admits the requests
+    with a time-to-first-token target earliest deadline first; whether each target was met
+    is counted per class (`name`, default e.g. "ttft1000" / "ttft1000_tpot50") in
+    /metrics (`pagedserve:slo_attained_total`, `pagedserve:slo_missed_total`)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    name: str | None = None
+
+    @classmethod
+    def parse(cls, value) -> SLO | None:
+        """An SLO, a dict of its fields, or None; InvalidRequestError(param="slo") else."""
+        if value is None or isinstance(value, SLO):
+            slo = value
+        elif isinstance(value, dict) and set(value) <= {"ttft_ms", "tpot_ms", "name"}:
+            slo = cls(**value)
+        else:
+            raise InvalidRequestError(
+                f"slo must be an object with ttft_ms, tpot_ms (milliseconds) and an optional name, got {_short(value)}.",
+                "slo",
+            )
+        if slo is None:
+            return None
+        for f in ("ttft_ms", "tpot_ms"):
+            v = getattr(slo, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e9):
+                raise InvalidRequestError(f"slo.{f} must be a number of milliseconds > 0, got {_short(v)}.", "slo")
+        if slo.ttft_ms is None and slo.tpot_ms is None:
+            raise InvalidRequestError("slo needs ttft_ms or tpot_ms.", "slo")
+        if slo.name is not None and (not isinstance(slo.name, str) or not 0 < len(slo.name) <= 64):
+            raise InvalidRequestError("slo.name must be a string of 1 to 64 characters.", "slo")
+        return slo
+
+    @property
+    def label(self) -> str:
+        """The metrics class label."""
+        if self.name:
+            return self.name
+        parts = [f"ttft{self.ttft_ms:g}" if self.ttft_ms else "", f"tpot{self.tpot_ms:g}" if self.tpot_ms else ""]
+        return "_".join(p for p in parts if p)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one prompt's completions (vLLM-compatible fields).
@@ -117,9 +162,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # never generated (as token sequences, with and without a leading space)
     bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words
+    slo: SLO | None = None  # latency targets (a dict is accepted): scheduling and /metrics
 
     def __post_init__(self) -> None:
         self._normalize_token_constraints()
+        self.slo = SLO.parse(self.slo)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -26,7 +26,7 @@ def _non_default(f: dataclasses.Field):
     if f.type.startswith("int"):
         return (f.default or 0) + 7
     if f.type.startswith("float"):
-        return 0.5
+        return 0.25 if f.default == 0.5 else 0.5
     return f"x-{f.name}"
 
 

@@ -221,12 +221,17 @@ class EngineCore:
 
     def _record_step(self, so, outputs, t0: float) -> None:
         # (end time, prefill tokens, decode tokens, batch size, joined, finished, preempted,
-        # seconds). joined: scheduled for the first time (new, or resumed after preemption);
-        # finished: ended in this step, plus those ended from outside since the last one
-        # (aborts, stop strings); decode tokens include drafts being verified. One pass over
-        # the batch and its outputs only.
-        decode = joined = 0
+        # seconds, short tokens). joined: scheduled for the first time (new, or resumed after
+        # preemption); finished: ended in this step, plus those ended from outside since the
+        # last one (aborts, stop strings); decode tokens include drafts being verified; short
+        # tokens: of the length-aware policy's short lane. One pass over the batch and its
+        # outputs only.
+        decode = joined = short = 0
+        requests = self.scheduler.requests
         for sr in so.scheduled:
+            r = requests.get(sr.req_id)
+            if r is not None and r.is_short:
+                short += len(sr.token_ids)
             if sr.is_new:
                 joined += 1
             elif len(sr.token_ids) == 1:
@@ -249,6 +254,7 @@ class EngineCore:
                 finished + max(outside, 0),
                 len(so.preempted_req_ids),
                 time.perf_counter() - t0,
+                short,
             )
         )
 

@@ -1,5 +1,5 @@
-"""Scheduling policies: the order of the waiting queue, and which running request gives
-its blocks back when memory is short.
+"""Scheduling policies: the order of the waiting queue, which running request gives its
+blocks back when memory is short, and (length_aware) lanes that cap long work per step.
 
 A queue offers add / prepend (a preempted request goes back to the front of its class) /
 peek / pop / remove, `len`, iteration in policy order, and `unordered()` (every request,
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.length_estimator import OutputLengthEstimator
 from pagedserve.core.request import Request
 
 
@@ -81,13 +83,171 @@ class PriorityQueue:
         return (e[3] for e in self._heap)
 
 
-@dataclass(frozen=True)
+class LengthAwareQueue:
+    """Waiting requests in length-aware order (see LengthAwarePolicy.key), re-sorted when
+    the policy's clock moves (begin_step) or the queue changed."""
+
+    def __init__(self, key: Callable[[Request], tuple]) -> None:
+        self._items: list[Request] = []
+        self._key = key
+        self._dirty = False
+
+    def touch(self) -> None:
+        """The keys may have changed (time moved on): sort again before the next peek."""
+        self._dirty = True
+
+    def _sorted(self) -> list[Request]:
+        if self._dirty:
+            self._items.sort(key=self._key)
+            self._dirty = False
+        return self._items
+
+    def add(self, req: Request) -> None:
+        self._items.append(req)
+        self._dirty = True
+
+    prepend = add  # a preempted request takes its place by key like any other
+
+    def peek(self) -> Request:
+        return self._sorted()[0]
+
+    def pop(self) -> Request:
+        return self._sorted().pop(0)
+
+    def remove(self, req: Request) -> None:
+        self._items.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._sorted()))
+
+    def unordered(self) -> Iterator[Request]:
+        return iter(self._items)
+
+
 class SchedulingPolicy:
-    queue_cls: type
-    pick_victim: Callable[[list[Request]], Request]
+    """The scheduler's policy hooks, with first come, first served behaviour: the waiting
+    queue's order, the preemption victim (the latest admitted), and no lanes (`prefill_cap`
+    None, every admission allowed). Subclasses change what they need."""
+
+    queue_cls: type = FCFSQueue
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.waiting = self.make_queue()
+
+    def make_queue(self):
+        return self.queue_cls()
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return running[-1]
+
+    def on_added(self, req: Request) -> None:
+        """A request entered the waiting queue for the first time."""
+
+    def begin_step(self, running: list[Request], budget: int) -> None:
+        """Called once at the start of every schedule()."""
+
+    def prefill_cap(self, req: Request) -> int | None:
+        """The most prompt tokens `req` may compute this step (None: no cap of the policy's)."""
+        return None
+
+    def may_admit(self, req: Request, num_running: int) -> bool:
+        """Whether the head of the waiting queue may take a running seat now."""
+        return True
+
+    def on_finished(self, req: Request, completed: bool) -> None:
+        """A request left (completed: it stopped or reached its length; else aborted)."""
 
 
-POLICIES = {
-    "fcfs": SchedulingPolicy(FCFSQueue, lambda running: running[-1]),  # the latest admitted
-    "priority": SchedulingPolicy(PriorityQueue, lambda running: max(running, key=lambda r: (r.priority, r.arrival_time))),
+class PriorityPolicy(SchedulingPolicy):
+    """Lowest `priority` first (then arrival); the victim is the lowest-priority, latest request."""
+
+    queue_cls = PriorityQueue
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+
+class LengthAwarePolicy(SchedulingPolicy):
+    """Short work first, without starving long work (the seed's advice: serve short and
+    long requests apart).
+
+    Order of the waiting queue (`key`):
+      1. requests that waited `max_wait_s` or longer, oldest first: the aging bound (once a
+         request is overdue, no request that arrived after it is admitted before it);
+      2. requests with a time-to-first-token target, earliest deadline first;
+      3. the rest by expected work, least first: prompt tokens + expected output tokens
+         (`max_tokens` when the client gave it, else OutputLengthEstimator's estimate).
+    Lanes: a request whose expected work is under `short_request_tokens` is short. While
+    any short request waits or runs, long requests compute at most (1 - share) of a
+    step's token budget of prompt and hold at most (1 - share) of the running seats; with
+    no short work they take everything (no budget idles).
+    Victim: the running request whose preemption costs least, computed tokens to redo
+    per expected remaining token (ties: the latest admitted).
+    """
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.time) -> None:
+        self.estimator = OutputLengthEstimator(config.expected_output_tokens)
+        self.now = clock()
+        self.num_short = 0  # short requests waiting or running
+        self.long_cap: int | None = None  # this step's prefill cap for long requests
+        self.long_running = 0
+        super().__init__(config, clock)
+        self.long_seats = max(1, int(config.max_num_seqs * (1 - config.short_budget_share)))
+
+    def make_queue(self):
+        return LengthAwareQueue(self.key)
+
+    def key(self, r: Request) -> tuple:
+        if self.now - r.arrival_time >= self.config.max_wait_s:
+            return (0, r.arrival_time, 0)
+        if r.ttft_deadline is not None:
+            return (1, r.ttft_deadline, r.arrival_time)
+        return (2, r.expected_work, r.arrival_time)
+
+    def on_added(self, req: Request) -> None:
+        out = self.estimator.expected_output(req.num_prompt_tokens, req.sampling_params.max_tokens)
+        req.expected_work = req.num_prompt_tokens + min(out, req.max_tokens)
+        req.is_short = req.expected_work < self.config.short_request_tokens
+        self.num_short += req.is_short
+
+    def begin_step(self, running: list[Request], budget: int) -> None:
+        self.now = self.clock()
+        self.waiting.touch()
+        share = self.config.short_budget_share
+        self.long_cap = max(1, int(budget * (1 - share))) if self.num_short and share else None
+        self.long_running = sum(1 for r in running if not r.is_short)
+
+    def prefill_cap(self, req: Request) -> int | None:
+        return None if req.is_short else self.long_cap
+
+    def may_admit(self, req: Request, num_running: int) -> bool:
+        if req.is_short or not self.num_short:
+            return True
+        if self.long_running >= self.long_seats:
+            return False
+        self.long_running += 1  # the scheduler admits it unless its blocks are short
+        return True
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        def cost(i: int) -> tuple:
+            r = running[i]
+            return (r.num_computed_tokens / max(1, r.expected_work - r.num_tokens), -i)
+
+        return running[min(range(len(running)), key=cost)]
+
+    def on_finished(self, req: Request, completed: bool) -> None:
+        self.num_short -= req.is_short
+        if completed:
+            self.estimator.observe(req.num_prompt_tokens, req.num_output_tokens)
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    "fcfs": SchedulingPolicy,
+    "priority": PriorityPolicy,
+    "length_aware": LengthAwarePolicy,
 }

@@ -74,6 +74,12 @@ class Request:
         self.structured_output_request = None
         if not self.arrival_time:
             self.arrival_time = time.time()
+        # the length-aware policy's view (core/policies.py): prompt + expected output tokens,
+        # its lane, and the time-to-first-token deadline (wall clock) when the request has one
+        self.expected_work = 0
+        self.is_short = False
+        slo = self.sampling_params.slo
+        self.ttft_deadline = self.arrival_time + slo.ttft_ms / 1e3 if slo is not None and slo.ttft_ms else None
 
     @property
     def num_prompt_tokens(self) -> int:

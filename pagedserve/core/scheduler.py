@@ -12,6 +12,7 @@ new request is admitted in that step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -68,13 +69,15 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         speculative: SpeculativeConfig | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock`: the wall clock the policy ages and meets deadlines by (tests pass a fake)."""
         self.config = sched_config.resolved()
         self.spec = SpecDecodeState(speculative) if speculative is not None else None
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.policy = POLICIES[sched_config.scheduling_policy]
-        self.waiting = self.policy.queue_cls()
+        self.policy = POLICIES[sched_config.scheduling_policy](self.config, clock)
+        self.waiting = self.policy.waiting
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: set[str] = set()
@@ -106,11 +109,13 @@ class Scheduler:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[req.request_id] = req
         self.waiting.add(req)
+        self.policy.on_added(req)
 
     # -- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """One step: running requests first, then waiting ones unless memory ran short."""
         step = StepState(self.config.max_num_batched_tokens)
+        self.policy.begin_step(self.running, step.budget)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -128,15 +133,14 @@ class Scheduler:
         loop: about 2 us per request). A request that cannot get its blocks preempts the
         policy's victims until it can, or until it is the victim itself."""
         running, allocate = self.running, self.kv.allocate_slots
-        threshold = self.config.long_prefill_token_threshold
         propose = self._draft_proposer()
         i = 0
         while i < len(running) and step.budget > 0:
             req = running[i]
             start = req.num_computed_tokens
-            num_new = min(len(req.all_token_ids) - start, step.budget)
-            if threshold and num_new > threshold:
-                num_new = threshold
+            num_new = len(req.all_token_ids) - start
+            if num_new > 1:  # a prefill chunk (or a recompute): the caps apply
+                num_new = self._prefill_chunk(req, num_new, step.budget) or min(num_new, step.budget)
             drafts = propose(req, step.budget) if propose is not None and num_new == 1 and req.in_executor else None
             if drafts:
                 num_new += len(drafts)
@@ -219,18 +223,25 @@ class Scheduler:
             req = self.waiting.peek()
             if req.status is RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(req, skipped):
                 continue
+            if not self.policy.may_admit(req, len(self.running)):
+                break
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            num_new = self._prefill_chunk(req.num_tokens - num_hit, step.budget)
+            num_new = self._prefill_chunk(req, req.num_tokens - num_hit, step.budget)
             if num_new is None or not self._admit(req, hit_blocks, num_hit, num_new, step):
                 break
         for req in reversed(skipped):
             self.waiting.prepend(req)
 
-    def _prefill_chunk(self, num_left: int, budget: int) -> int | None:
-        """Tokens of a prompt to compute this step (None: it must wait for a whole step)."""
+    def _prefill_chunk(self, req: Request, num_left: int, budget: int) -> int | None:
+        """Tokens of `req`'s prompt (or recompute) to run this step, under the threshold,
+        the policy's lane cap and the budget (None: without chunked prefill it must wait
+        for a step with room for all of it)."""
         cfg = self.config
         if cfg.long_prefill_token_threshold and num_left > cfg.long_prefill_token_threshold:
             num_left = cfg.long_prefill_token_threshold
+        cap = self.policy.prefill_cap(req)
+        if cap is not None and num_left > cap and cfg.enable_chunked_prefill:
+            num_left = cap
         if num_left > budget:
             if not cfg.enable_chunked_prefill:
                 return None
@@ -375,6 +386,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus, out: EngineCoreOutput | None = None) -> None:
         req.status = status
         self.kv.free(req)
+        self.policy.on_finished(req, status is not RequestStatus.FINISHED_ABORTED)
         del self.requests[req.request_id]
         self._finished_since_last_step.add(req.request_id)
         if out is not None:

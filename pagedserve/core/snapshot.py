@@ -22,7 +22,9 @@ from pagedserve.core.request import RequestStatus
 
 SNAPSHOT_VERSION = 1
 # one step record: see EngineCore._record_step
-STEP_FIELDS = ("time", "prefill_tokens", "decode_tokens", "num_reqs", "joined", "finished", "preempted", "seconds")
+STEP_FIELDS = (
+    "time", "prefill_tokens", "decode_tokens", "num_reqs", "joined", "finished", "preempted", "seconds", "short_tokens"
+)
 MAX_WAITING_LISTED = 256  # waiting requests listed by id (all are counted)
 MAX_STEPS = 300  # step records per snapshot (the timeline)
 
@@ -54,6 +56,7 @@ def build_snapshot(core) -> dict:
         "version": SNAPSHOT_VERSION,
         "time": time.time(),
         "block_size": kv.block_size,
+        "policy": sched.config.scheduling_policy,
         "num_blocks": pool.num_blocks,  # block ids 0..num_blocks-1; 0 is the null block
         "requests": reqs,
         "num_running": len(sched.running),
@@ -77,6 +80,8 @@ def _row(r, status: str, req_to_blocks) -> list:
         r.num_preemptions,
         r.arrival_time,
         list(map(_block_id, req_to_blocks.get(r.request_id, ()))),
+        r.is_short,
+        r.ttft_deadline,
     ]
 
 

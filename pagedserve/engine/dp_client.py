@@ -29,11 +29,13 @@ import zmq
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.engine_core import CoreInfo
+from pagedserve.core.length_estimator import OutputLengthEstimator
 from pagedserve.engine.core_handle import CoreHandle
 from pagedserve.engine.dp_router import DPRouter
 from pagedserve.errors import EngineDeadError
 from pagedserve.messages import (
     CoreRequestType,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
@@ -97,7 +99,13 @@ class EngineReplicas:
         self.holder: dict[str, int] = {}
         self.loads = [0] * n
         slack = max(2, config.scheduler.max_num_seqs // 64)  # 4 with the default 256
-        self.router = DPRouter(n, config.cache.block_size, par.dp_routing, balance_slack=slack)
+        sc = config.scheduler
+        self.router = DPRouter(
+            n, config.cache.block_size, par.dp_routing, balance_slack=slack, short_tokens=sc.short_request_tokens
+        )
+        # routing by length: output lengths learned from finished requests, as the scheduler does
+        self.estimator = OutputLengthEstimator(sc.expected_output_tokens) if par.dp_routing == "length" else None
+        self._lengths: dict[str, list[int]] = {}  # child id -> [prompt tokens, output tokens so far]
         # (replica, reason: dp_router.PREFIX / LOAD / ROUND_ROBIN) -> requests routed
         self.routed: collections.Counter[tuple[int, str]] = collections.Counter()
 
@@ -118,7 +126,14 @@ class EngineReplicas:
             i = 0
         else:
             first = children[0]
-            i, reason = self.router.route(first.prompt_token_ids, first.cache_salt, self.loads)
+            work = None
+            if self.estimator is not None:
+                n_prompt = len(first.prompt_token_ids)
+                out = self.estimator.expected_output(n_prompt, first.sampling_params.max_tokens)
+                work = n_prompt + min(out, first.max_tokens)
+                for c in children:
+                    self._lengths[c.request_id] = [n_prompt, 0]
+            i, reason = self.router.route(first.prompt_token_ids, first.cache_salt, self.loads, work)
             self.routed[i, reason] += 1
         self.send(i, CoreRequestType.ADD, children)
         for c in children:
@@ -130,6 +145,7 @@ class EngineReplicas:
         """Abort (or finish on a stop string: `kind` FINISH_STOPPED) requests wherever they run."""
         by_replica: dict[int, list[str]] = collections.defaultdict(list)
         for rid in child_ids:
+            self._lengths.pop(rid, None)
             i = self.holder.pop(rid, None)
             if i is not None:
                 self.loads[i] -= 1
@@ -162,12 +178,25 @@ class EngineReplicas:
         self.core_times[i] = (msg.step_seconds, msg.input_seconds, msg.idle_seconds)
         holder = self.holder
         for out in msg.outputs:
+            if self.estimator is not None:
+                self._learn_length(out)
             if out.finish_reason is not None and holder.pop(out.req_id, None) is not None:
                 self.loads[i] -= 1
         for rid in (*msg.errors, *msg.failed):  # refused, or failed on admission
+            self._lengths.pop(rid, None)
             if holder.pop(rid, None) is not None:
                 self.loads[i] -= 1
         return []
+
+    def _learn_length(self, out: EngineCoreOutput) -> None:
+        lengths = self._lengths.get(out.req_id)
+        if lengths is None:
+            return
+        lengths[1] += len(out.new_token_ids)
+        if out.finish_reason is not None:
+            del self._lengths[out.req_id]
+            if out.finish_reason in ("stop", "length"):
+                self.estimator.observe(*lengths)
 
     def mark_dead(self, i: int, why: str) -> list[str]:
         """Replica i is gone: returns the child ids it held (forgotten here)."""
@@ -176,6 +205,7 @@ class EngineReplicas:
         lost = [rid for rid, r in self.holder.items() if r == i]
         for rid in lost:
             del self.holder[rid]
+            self._lengths.pop(rid, None)
         self.loads[i] = 0
         return lost
 

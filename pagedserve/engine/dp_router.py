@@ -14,6 +14,13 @@ request of an application) to one replica.
 
 "round_robin": replica 0, 1, ..., M-1, 0, ... whatever the prompt (the baseline).
 
+"length" (the seed's "serve short and long requests apart"): a request whose expected
+work (prompt + expected output tokens, given by the caller) is under `short_tokens` goes
+to the short replicas [0, M // 2), the others to the long ones [M // 2, M) (with M = 1,
+all to replica 0); within its set the least loaded. While the other set is idle (no
+request in flight there) a class may use every replica (no replica idles). A prefix hit
+still wins, as under "prefix", wherever the prefix lives.
+
 Invariants: `route` returns an index in [0, M); the map never holds more than
 `max_entries` hashes; the hashes equal `Request.block_hashes` for the same tokens and
 salt (tests/engine/test_data_parallel.py checks it against the KV cache manager).
@@ -25,7 +32,7 @@ from collections import OrderedDict
 
 from pagedserve.core.block_pool import extend_block_hashes
 
-PREFIX, LOAD, ROUND_ROBIN = "prefix", "load", "round_robin"  # why a request went where it went
+PREFIX, LOAD, ROUND_ROBIN, SHORT, LONG = "prefix", "load", "round_robin", "short", "long"  # why a request went where
 
 
 class DPRouter:
@@ -38,11 +45,14 @@ class DPRouter:
         max_prefix_blocks: int = 64,
         max_entries: int = 1 << 16,
         balance_slack: int = 4,
+        short_tokens: int = 512,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
-        if policy not in ("prefix", "round_robin"):
-            raise ValueError(f"dp routing must be 'prefix' or 'round_robin', got {policy!r}.")
+        if policy not in ("prefix", "round_robin", "length"):
+            raise ValueError(f"dp routing must be 'prefix', 'round_robin' or 'length', got {policy!r}.")
+        self.short_tokens = short_tokens
+        self.unavailable: set[int] = set()  # replicas not to route to (policy "length": their class falls back)
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.policy = policy
@@ -57,16 +67,22 @@ class DPRouter:
         `max_prefix_blocks`), exactly as the KV cache manager computes them."""
         return extend_block_hashes([], token_ids, self.block_size, cache_salt, self.max_prefix_blocks)
 
-    def route(self, token_ids: list[int], cache_salt: str | None, loads: list[int]) -> tuple[int, str]:
-        """(replica, reason) for a prompt; `loads[i]`: requests in flight on replica i.
-        Records the choice (the chosen replica now holds, or will hold, this prefix)."""
+    def route(
+        self, token_ids: list[int], cache_salt: str | None, loads: list[int], work: int | None = None
+    ) -> tuple[int, str]:
+        """(replica, reason) for a prompt; `loads[i]`: requests in flight on replica i;
+        `work`: its expected tokens (policy "length"). Records the choice (the chosen
+        replica now holds, or will hold, this prefix)."""
         n = self.num_replicas
         if self.policy == "round_robin":
             self._turn = (self._turn + 1) % n
             return (self._turn - 1) % n, ROUND_ROBIN
         hashes = self.block_hashes(token_ids, cache_salt)
-        least = self._least_loaded(loads)
-        choice, reason = least, LOAD
+        if self.policy == "length":
+            least, reason = self._by_length(loads, len(token_ids) if work is None else work)
+        else:
+            least, reason = self._least_loaded(loads), LOAD
+        choice = least
         for h in reversed(hashes):  # the longest prefix first
             r = self.owner.get(h)
             if r is not None:
@@ -81,12 +97,26 @@ class DPRouter:
             owner.popitem(last=False)
         return choice, reason
 
-    def _least_loaded(self, loads: list[int]) -> int:
+    def _by_length(self, loads: list[int], work: int) -> tuple[int, str]:
+        """The least loaded replica of the request's class set (every replica while the
+        other set is idle), and the class."""
+        n = self.num_replicas
+        split = n // 2
+        short = work < self.short_tokens
+        live = [i for i in range(n) if i not in self.unavailable]
+        lo, hi = [i for i in live if i < split], [i for i in live if i >= split]
+        mine, other = (lo, hi) if short else (hi, lo)
+        if not mine or all(loads[i] == 0 for i in other):  # the set is gone, or the other one idles
+            mine = live
+        return self._least_loaded(loads, mine), SHORT if short else LONG
+
+    def _least_loaded(self, loads: list[int], among: list[int] | None = None) -> int:
+        """The least loaded replica (of `among`), ties broken in turn."""
         n, start = self.num_replicas, self._turn
-        best = start % n
-        for k in range(1, n):
+        best = None
+        for k in range(n):
             i = (start + k) % n
-            if loads[i] < loads[best]:
+            if (among is None or i in among) and (best is None or loads[i] < loads[best]):
                 best = i
         self._turn = (best + 1) % n  # the next tie goes to the next replica
         return best

@@ -67,9 +67,12 @@ def percentiles(values, qs=(50, 90, 99)) -> dict:
     return out
 
 
-def _request_doc(r: list, now: float) -> dict:
-    """One row of the snapshot's requests (core/snapshot.py `_row`) as the document's dict."""
+def _request_doc(r: list, now: float, lanes: bool) -> dict:
+    """One row of the snapshot's requests (core/snapshot.py `_row`) as the document's dict;
+    `lanes`: the policy is length_aware (each request has a lane)."""
     return {
+        "lane": ("short" if r[9] else "long") if lanes else None,
+        "deadline_slack_s": round(r[10] - now, 3) if r[10] is not None else None,
         "id": r[0],
         "state": r[1],
         "prompt_tokens": r[2],
@@ -92,7 +95,8 @@ def state_view(snap: dict | None, latency: dict | None = None, now: float | None
     n_used, n_shared, stored = blocks.pop("_counts")
     n_cached = len(snap["cached_free"])
     usable = snap["num_blocks"] - 1
-    requests = [_request_doc(r, now) for r in snap["requests"]]
+    lanes = snap.get("policy") == "length_aware"
+    requests = [_request_doc(r, now, lanes) for r in snap["requests"]]
     steps = snap["steps"]
     cols = {f: [row[i] for row in steps] for i, f in enumerate(STEP_FIELDS)}
     recent = [row for row in steps if row[0] > now - window_s]
@@ -106,6 +110,7 @@ def state_view(snap: dict | None, latency: dict | None = None, now: float | None
         "snapshot_cost_ms": round(snap.get("cost_s", 0.0) * 1e3, 3),
         "step": stats.get("num_steps", 0),
         "block_size": bs,
+        "policy": snap.get("policy", "fcfs"),
         "kv": {
             "num_blocks": usable,
             "used": n_used,

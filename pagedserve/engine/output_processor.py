@@ -94,7 +94,7 @@ class OutputProcessor:
                 detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
             seqs.append(SeqState(i, child.sampling_params, detok))
         parent = ParentState(
-            req.request_id, req.prompt, req.prompt_token_ids, params, seqs, RequestMetrics(req.arrival_time)
+            req.request_id, req.prompt, req.prompt_token_ids, params, seqs, RequestMetrics(req.arrival_time, slo=params.slo)
         )
         self.parents[parent.request_id] = parent
         parent.child_ids = [c.request_id for c in req.children]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from pagedserve.config import parse_bytes
+from pagedserve.sampling_params import SLO
 from pagedserve.server.admission import AdmissionLimiter
 from pagedserve.server.http_errors import install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
@@ -62,6 +64,7 @@ def build_app(
     limiter: AdmissionLimiter | None = None,
     tool_call_parser: str = "hermes",
     structured_outputs_disable_any_whitespace: bool = False,
+    default_slo: dict | None = None,
 ) -> FastAPI:
     """The app over one AsyncLLM (only its public API is used). `limiter` may be shared by
     several apps (front-end workers) over the same engine; by default the app makes its own
@@ -79,6 +82,7 @@ def build_app(
         limiter,
         trust_request_chat_template,
         compact_json=structured_outputs_disable_any_whitespace,
+        default_slo=SLO.parse(default_slo),
     )
 
     @contextlib.asynccontextmanager
@@ -255,6 +259,13 @@ def _add_behaviour_args(g) -> None:
         "structured_outputs may say otherwise",
     )
     g.add_argument(
+        "--default-slo",
+        type=json.loads,
+        default=None,
+        help='latency targets for requests that bring no "slo" field, e.g. \'{"ttft_ms": 1000, "tpot_ms": 100}\' '
+        "(scheduled first by deadline under --scheduling-policy length_aware; attainment in /metrics)",
+    )
+    g.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
         help="if the engine core dies, keep serving 503 (default: exit with status 1 for a supervisor to restart)",
@@ -287,6 +298,7 @@ def serve(args) -> int:
         structured_outputs_disable_any_whitespace=getattr(
             args, "structured_outputs_disable_any_whitespace", False
         ),
+        default_slo=getattr(args, "default_slo", None),
     )
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
     server = make_server(

@@ -131,6 +131,19 @@ class ServerMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=self.registry,
         )
+        slo_labels = ["model_name", "slo_class", "target"]
+        self.slo_attained = Counter(
+            P + "slo_attained",
+            "Finished requests that met their latency target (target: ttft or tpot), by SLO class.",
+            slo_labels,
+            registry=self.registry,
+        )
+        self.slo_missed = Counter(
+            P + "slo_missed",
+            "Finished requests that missed their latency target (target: ttft or tpot), by SLO class.",
+            slo_labels,
+            registry=self.registry,
+        )
         self.e2e = Histogram(
             P + "e2e_request_latency_seconds",
             "End-to-end request latency.",
@@ -147,6 +160,10 @@ class ServerMetrics:
         m = out.metrics
         if m is None or m.finished_time is None:
             return
+        if m.slo is not None and all(c.finish_reason not in ("abort", "error") for c in out.outputs):
+            n = max((len(c.token_ids) for c in out.outputs), default=0)
+            for target, met in m.slo_results(n).items():
+                (self.slo_attained if met else self.slo_missed).labels(self.model_name, m.slo.label, target).inc()
         self.e2e.observe(m.finished_time - m.arrival_time)
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)

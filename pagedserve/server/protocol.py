@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedserve.sampling_params import SLO, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_N = 64
 _I32 = 2**31 - 1
@@ -210,6 +210,8 @@ class _Sampling(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # pagedserve's extra: latency targets ({"ttft_ms": ..., "tpot_ms": ..., "name": ...})
+    slo: dict[str, Any] | None = None
 
     def constraints(self, compact_json: bool = False) -> list[tuple[str, StructuredOutputsParams]]:
         """The output constraints this request asks for, each with the field that asked:
@@ -241,7 +243,9 @@ class _Sampling(_Request):
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         structured_outputs: StructuredOutputsParams | None = None,
+        default_slo: SLO | None = None,
     ) -> SamplingParams:
+        """`default_slo`: the server's (--default-slo), for requests that bring none."""
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}.", "n")
         return SamplingParams(
@@ -268,6 +272,7 @@ class _Sampling(_Request):
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            slo=default_slo if self.slo is None else self.slo,
         )
 
 

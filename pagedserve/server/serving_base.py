@@ -21,6 +21,7 @@ import logging
 import time
 
 from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SLO
 from pagedserve.server.admission import AdmissionLimiter, RequestTracker
 from pagedserve.server.http_errors import APIError, bad_request, quote
 from pagedserve.server.responses import LogprobFormatter
@@ -40,8 +41,10 @@ class ServingContext:
         limiter: AdmissionLimiter,
         trust_request_chat_template: bool = False,
         compact_json: bool = False,
+        default_slo: SLO | None = None,
     ) -> None:
         self.llm = llm
+        self.default_slo = default_slo  # --default-slo: for requests that bring no "slo"
         # --structured-outputs-disable-any-whitespace: JSON constraints without free whitespace
         self.compact_json = compact_json
         self.model_name = model_name

@@ -131,7 +131,9 @@ class OpenAIServingChat:
         plan = self.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
         so = self._constraint(body, plan, self.ctx.compact_json)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        return messages, plan, body.sampling_params(body.max_new_tokens(), k, structured_outputs=so)
+        return messages, plan, body.sampling_params(
+            body.max_new_tokens(), k, structured_outputs=so, default_slo=self.ctx.default_slo
+        )
 
     def check_template(self, chat_template: str | None) -> None:
         if chat_template is not None and not self.ctx.trust_request_chat_template:

@@ -41,7 +41,9 @@ class OpenAIServingCompletion:
         so = None
         for param, so in body.constraints(self.ctx.compact_json):  # at most one
             validate_structured_outputs(so, param)
-        return prompts, body.sampling_params(max_tokens, logprobs, prompt_lp, structured_outputs=so)
+        return prompts, body.sampling_params(
+            max_tokens, logprobs, prompt_lp, structured_outputs=so, default_slo=self.ctx.default_slo
+        )
 
     async def create(self, body: CompletionRequest, request: Request):
         ctx = self.ctx

@@ -2,6 +2,7 @@
 
 import pytest
 
+from pagedserve.config import SchedulerConfig
 from pagedserve.core.admission import check_fits, kv_blocks_needed
 from pagedserve.core.policies import POLICIES, FCFSQueue, PriorityQueue
 from pagedserve.core.request import Request
@@ -48,7 +49,7 @@ def test_fcfs_order_and_preempted_back_to_the_front():
     assert q.pop() is c and q.peek() is a
     q.remove(b)
     assert len(q) == 1
-    assert POLICIES["fcfs"].pick_victim([a, b, c]) is c  # the latest admitted
+    assert POLICIES["fcfs"](SchedulerConfig()).pick_victim([a, b, c]) is c  # the latest admitted
 
 
 def test_priority_order_then_arrival():
@@ -61,4 +62,4 @@ def test_priority_order_then_arrival():
     assert q.pop().request_id == "early_high"
     q.remove(rs[1])
     assert [r.request_id for r in q] == ["late_high"]
-    assert POLICIES["priority"].pick_victim(rs).request_id == "low"
+    assert POLICIES["priority"](SchedulerConfig()).pick_victim(rs).request_id == "low"

@@ -318,3 +318,24 @@ def test_bench_dp_smoke(model_dir, tmp_path, capsys):
         and r["routed"].get("0/prefix", 0) + r["routed"].get("1/prefix", 0) == 6
     )
     assert json.loads(out.read_text())[0]["hit_rate"] == r["hit_rate"]
+
+
+def test_router_by_length_serves_short_and_long_apart_and_falls_back():
+    r = DPRouter(4, 16, "length", short_tokens=512)
+    busy = [1, 1, 1, 1]
+    assert [r.route([7] * 5, None, busy, work=100)[0] in (0, 1) for _ in range(6)] == [True] * 6
+    assert [r.route([8] * 5, None, busy, work=3000)[0] in (2, 3) for _ in range(6)] == [True] * 6
+    assert r.route([9] * 5, None, busy, work=100)[1] == "short"
+    assert r.route([9] * 5, None, [5, 5, 0, 0], work=3000) == (2, "long")
+    # the long set idles: a short request may use it
+    assert r.route([10] * 5, None, [3, 3, 0, 0], work=100)[0] in (2, 3)
+    # a long replica gone: long work falls back to the other long one, then to any replica
+    r.unavailable = {2}
+    assert all(r.route([11] * 5, None, busy, work=3000)[0] == 3 for _ in range(3))
+    r.unavailable = {2, 3}
+    assert r.route([12] * 5, None, busy, work=3000)[0] in (0, 1)
+    # a prefix hit still wins across the sets
+    r2 = DPRouter(2, 16, "length", short_tokens=512)
+    doc = list(range(64))
+    assert r2.route(doc, None, [1, 0], work=3000) == (1, "long")
+    assert r2.route(doc + [1], None, [1, 1], work=100) == (1, "prefix")

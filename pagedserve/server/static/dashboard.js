@@ -271,6 +271,11 @@
       ctx.fillRect(x, bottom - hd, Math.max(bw - 0.5, 1), hd);
       ctx.fillStyle = "#f0a040";
       ctx.fillRect(x, bottom - hd - hp, Math.max(bw - 0.5, 1), hp);
+      const sh = s.short_tokens ? (s.short_tokens[i] / maxTok) * ph : 0;
+      if (sh > 0) { // the short lane's share of the step (length_aware), a stripe on the left
+        ctx.fillStyle = "#2ec4b6";
+        ctx.fillRect(x, bottom - sh, Math.max((bw - 0.5) * 0.4, 1), sh);
+      }
       if (s.preempted[i]) {
         ctx.fillStyle = "#ff4d4d";
         ctx.fillRect(x, 0, Math.max(bw, 2), 6);
@@ -342,6 +347,8 @@
         r.num_blocks,
         r.preemptions,
         fmt(r.age_s) + " s",
+        r.lane || "",
+        r.deadline_slack_s === null || r.deadline_slack_s === undefined ? "" : fmt(r.deadline_slack_s) + " s",
       ];
       return `<tr class="${r.state}">` + cells.map((c, i) => `<td${i === 1 ? ' class="id"' : ""}>${c}</td>`).join("") + "</tr>";
     });
