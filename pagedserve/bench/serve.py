@@ -35,7 +35,8 @@ def percentiles(xs: list[float]) -> dict:
     return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": round(sum(s) / len(s), 4)}
 
 
-async def one_request(client, url, model, prompt, out_len, t_sched, api_key) -> dict:
+async def one_request(client, url, model, prompt, out_len, t_sched, api_key, extra: dict | None = None) -> dict:
+    """One streamed completion; `extra`: more body fields (e.g. pagedserve's "slo")."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -44,6 +45,7 @@ async def one_request(client, url, model, prompt, out_len, t_sched, api_key) -> 
         "stream": True,
         "ignore_eos": True,
         "min_tokens": out_len,
+        **(extra or {}),
     }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     t0 = time.perf_counter()

@@ -252,3 +252,24 @@ def test_workload_is_seeded_and_within_its_ranges():
     w1, w2 = make_workload(a, vocab=500), make_workload(a, vocab=500)
     assert w1 == w2 and len(w1) == 20
     assert all(all(0 <= t < 500 for t in p) and n >= 1 for p, n in w1)
+
+
+def test_mixed_workload_and_summary(tmp_path):
+    from pagedserve.bench.mixed import make_mixed_workload, plot, summarize_mixed
+
+    work = make_mixed_workload(200, seed=3)
+    assert work == make_mixed_workload(200, seed=3)
+    longs = [w for w in work if w["cls"] == "long"]
+    assert 25 <= len(longs) <= 55  # ~20%
+    assert all(1500 <= len(w["prompt"]) <= 3000 and 300 <= w["out"] <= 800 for w in longs)
+    assert all(32 <= len(w["prompt"]) <= 256 and 8 <= w["out"] <= 64 for w in work if w["cls"] == "short")
+    results = [
+        {"ok": True, "cls": w["cls"], "ttft": 0.1 if w["cls"] == "short" else 2.0, "tpot": 0.05, "e2e": 1.0, "tokens": w["out"]}
+        for w in work
+    ]
+    s = summarize_mixed({"results": results, "duration": 100.0}, slo_ttft_ms=500)
+    assert s["short"]["n"] + s["long"]["n"] == 200 and s["short"]["ttft_s"]["p99"] == 0.1
+    assert s["short_ttft_slo"] == {"target_ms": 500, "attained": s["short"]["n"], "of": s["short"]["n"]}
+    png = tmp_path / "m.png"
+    plot({"x": s}, {"x": {"results": results}}, str(png))
+    assert png.stat().st_size > 1000
