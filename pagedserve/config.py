@@ -36,6 +36,28 @@ def default_of(f):
     return f.default_factory() if f.default is MISSING else f.default
 
 
+def add_fields_to_parser(group, fields_, positional: tuple[str, ...] = ()) -> None:
+    """One command-line flag per `setting` field, named after it (`max_num_seqs` ->
+    `--max-num-seqs`; booleans as `--x/--no-x`; a `positional` name as an optional
+    positional argument); default, choices, type and help from the field."""
+    import argparse
+
+    for f in fields_:
+        md = f.metadata
+        if f.name in positional:
+            group.add_argument(f.name, nargs="?", default=default_of(f), help=md["help"])
+            continue
+        names = ["--" + f.name.replace("_", "-")] + ([md["alias"]] if md.get("alias") else [])
+        kw = {"dest": f.name, "default": default_of(f), "help": md["help"]}
+        if f.type in ("bool", "bool | None"):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = md.get("type") or {"int": int, "float": float, "str": str}[f.type.replace(" | None", "")]
+            if md.get("choices"):
+                kw["choices"] = [c for c in md["choices"] if c is not None]
+        group.add_argument(*names, **kw)
+
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "length_aware")
 
 

@@ -21,6 +21,7 @@ from pagedserve.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    add_fields_to_parser,
     default_of,
     parse_bytes,
     setting,
@@ -137,20 +138,10 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
         """One flag per field, named after it; defaults and help from the field."""
         g = parser.add_argument_group("engine")
-        for f in fields(cls):
-            md, flag = f.metadata, "--" + f.name.replace("_", "-")
-            if f.name == "model" and model_positional:
-                parser.add_argument("model", nargs="?", default=f.default, help=md["help"])
-                continue
-            names = [flag] + ([md["alias"]] if md.get("alias") else [])
-            kw = {"dest": f.name, "default": f.default, "help": md["help"]}
-            if f.type in ("bool", "bool | None"):
-                kw["action"] = argparse.BooleanOptionalAction
-            else:
-                kw["type"] = md.get("type") or _scalar_type(f.type)
-                if md.get("choices"):
-                    kw["choices"] = md["choices"]
-            g.add_argument(*names, **kw)
+        if model_positional:  # positional arguments belong to the parser, not a group
+            model = next(f for f in fields(cls) if f.name == "model")
+            add_fields_to_parser(parser, [model], positional=("model",))
+        add_fields_to_parser(g, [f for f in fields(cls) if not (model_positional and f.name == "model")])
         # vLLM's old spellings, kept because users type them
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS)
         g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help=argparse.SUPPRESS)
@@ -169,11 +160,6 @@ class EngineArgs:
                 kwargs[src[0]][src[1]] = getattr(self, f.name)
         configs = {section: cls(**kwargs[section]) for section, cls in SECTIONS.items()}
         return EngineConfig(**configs, speculative=SpeculativeConfig.from_dict(self.speculative_config))
-
-
-def _scalar_type(annotation: str):
-    base = annotation.replace(" | None", "")
-    return {"int": int, "float": float, "str": str}[base]
 
 
 def signature() -> inspect.Signature:

@@ -197,6 +197,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # the idle-time KV accounting audit (core/kv_audit.py): failures so far, the last one's text
+    kv_audit_failures: int = 0
+    kv_audit_error: str | None = None
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -37,7 +37,7 @@ class _Core:
 
     def __init__(self, sched: Scheduler) -> None:
         self.scheduler = sched
-        self.step_records = deque([(time.time(), 0, 256, 256, 0, 0, 0, 0.05)] * 300, maxlen=512)
+        self.step_records = deque([(time.time(), 0, 256, 256, 0, 0, 0, 0.05, 0)] * 300, maxlen=512)
 
     def get_stats(self):
         return self.scheduler.make_stats()

@@ -65,6 +65,8 @@ class EngineCoreProc:
             while True:
                 t0 = time.perf_counter()
                 if not core.has_unfinished_requests():
+                    if core.on_idle():  # the executor's health; the KV audit once per idle period
+                        self._send([], {})  # an audit failure: the stats carry it to /health
                     if not poll(self._idle_poll_ms()):  # idle: block for input, checking on the parent
                         self.idle_seconds += time.perf_counter() - t0
                         if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -214,6 +216,7 @@ def run_engine_core(
         if config.parallel.data_parallel_size > 1:
             _place_replica(config, engine_index)
         core = EngineCore(config)
+        loop = EngineCoreProc(core, input_addr, output_addr, parent_pid, engine_index)  # connects its sockets
         conn.send(("ready", core.info()))
     except BaseException as e:  # noqa: BLE001 (reported to the front end)
         logger.exception("engine core failed to start")
@@ -221,4 +224,4 @@ def run_engine_core(
         return
     finally:
         conn.close()
-    EngineCoreProc(core, input_addr, output_addr, parent_pid, engine_index).run()
+    loop.run()

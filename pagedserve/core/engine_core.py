@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.core.kv_audit import audit_idle_kv
 from pagedserve.core.kv_cache_manager import cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.executor.executor import Executor, UniProcExecutor
@@ -126,6 +127,9 @@ class EngineCore:
         self._finished_in_last_step = 0
         if config.observability.snapshot_interval_ms > 0:
             self.enable_step_records()
+        self._audited = False  # the KV audit ran in this idle period
+        self.kv_audit_failures = 0
+        self.kv_audit_error: str | None = None
         freeze_startup_objects()
         logger.info(
             "pagedserve engine core: %s (%s, %s) on %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -202,6 +206,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         records = self.step_records
         t0 = time.perf_counter() if records is not None else 0.0
+        self._audited = False
         so = self.scheduler.schedule()
         if so.scheduled:
             if self.structured_outputs is not None:  # the constrained rows' legal next tokens
@@ -264,8 +269,27 @@ class EngineCore:
 
         return build_snapshot(self)
 
+    def on_idle(self) -> bool:
+        """The core loop has no request left: check the executor (raises if it cannot run
+        another step) and audit the KV accounting once per idle period (core/kv_audit.py;
+        a violation is logged once with its blocks' owners and counted in the stats).
+        True when the audit just failed (the front end should hear of it)."""
+        self.executor.check_health()
+        if self._audited:
+            return False
+        self._audited = True
+        problems = audit_idle_kv(self.scheduler.kv)
+        if not problems:
+            return False
+        self.kv_audit_failures += 1
+        self.kv_audit_error = "; ".join(problems)[:2000]
+        logger.error("KV accounting audit failed (engine idle): %s", self.kv_audit_error)
+        return True
+
     def get_stats(self) -> EngineStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.kv_audit_failures, stats.kv_audit_error = self.kv_audit_failures, self.kv_audit_error
+        return stats
 
     def info(self) -> CoreInfo:
         return CoreInfo(

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import pickle
 import threading
+import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import wait
 
@@ -39,6 +40,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core_handle import CoreHandle
 from pagedserve.engine.dp_client import EngineReplicas
 from pagedserve.engine.llm_engine import FrontEnd
+from pagedserve.engine.progress import ProgressWatch
 from pagedserve.engine_args import EngineArgs
 from pagedserve.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pagedserve.messages import CoreRequestType, EngineCoreOutputs, EngineStats
@@ -48,6 +50,7 @@ from pagedserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 LARGE_PROMPT_CHARS = 1 << 16  # tokenize prompts longer than this off the event loop
+DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
 class AsyncLLM(FrontEnd):
@@ -68,6 +71,14 @@ class AsyncLLM(FrontEnd):
         self._output_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._early_deaths: list[str | None] = [None] * self.replicas.num_replicas
+        # forward progress (stall_reason): the last message from a core, the longest gap
+        # between two of them while requests were in flight (a step's time), the stall seen
+        self.progress = ProgressWatch(DEFAULT_STALL_TIMEOUT_S, time.monotonic())
+        self._stalled: str | None = None
+        # the cores' processes are watched from now on, not from the first request: a core
+        # that dies while idle turns is_alive False at once (/health 503, the server exits)
+        threading.Thread(target=self._watch_core, name="pagedserve-core-watch", daemon=True).start()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kw) -> AsyncLLM:
@@ -106,9 +117,17 @@ class AsyncLLM(FrontEnd):
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", "request_id")
         queue: asyncio.Queue = asyncio.Queue()
+        if not self._streams:  # work begins now: progress is measured from here
+            self.progress.work_begins(time.monotonic())
         self.output_processor.add_request(req)
         self._streams[request_id] = queue
-        self._send(CoreRequestType.ADD, req.children)
+        try:
+            self._send(CoreRequestType.ADD, req.children)
+        except EngineDeadError as e:  # the core went away unseen (its socket has no peer)
+            self._streams.pop(request_id, None)
+            self.output_processor.remove(request_id)
+            self._on_dead(str(e))
+            raise
         return RequestStream(self, request_id, queue)
 
     async def generate(
@@ -175,18 +194,29 @@ class AsyncLLM(FrontEnd):
         if self._output_task is None:
             self._loop = asyncio.get_running_loop()
             self._output_task = self._loop.create_task(self._output_loop())
-            threading.Thread(target=self._watch_core, name="pagedserve-core-watch", daemon=True).start()
+            for i, why in enumerate(self._early_deaths):  # died before any loop ran
+                if why is not None:
+                    self._on_replica_dead(i, why)
 
     def _watch_core(self) -> None:
-        """Notices a dead core process within milliseconds (threads die with their loop)."""
+        """Notices a dead core process within milliseconds, from start-up on (threads die
+        with their loop). Before an event loop runs (no request, no stream yet) a death is
+        booked at once and acted on when the loop starts."""
         sentinels = {h.sentinel: i for i, h in enumerate(self.replicas.handles) if h.sentinel is not None}
         while sentinels:
             for s in wait(list(sentinels)):
                 i = sentinels.pop(s)
-                if not self._closed and self._loop is not None:
-                    why = self.replicas.death_reason(i)
-                    with contextlib.suppress(RuntimeError):  # the loop may be closed already
-                        self._loop.call_soon_threadsafe(self._on_replica_dead, i, why)
+                if self._closed:
+                    continue
+                why = self.replicas.death_reason(i)
+                loop = self._loop
+                if loop is None:
+                    logger.error("engine core %d died: %s", i, why)
+                    self._early_deaths[i] = why
+                    self._dead = self._dead or why
+                    continue
+                with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                    loop.call_soon_threadsafe(self._on_replica_dead, i, why)
 
     def _on_replica_dead(self, i: int, why: str) -> None:
         """Replica i is gone: the requests it held fail; with one replica, all of them."""
@@ -227,6 +257,7 @@ class AsyncLLM(FrontEnd):
         try:
             while True:
                 msg: EngineCoreOutputs = pickle.loads(await recv())
+                self._progressed()
                 if msg.fatal is not None:
                     self._on_replica_dead(msg.engine_index, msg.fatal)
                     if all(self.replicas.dead):
@@ -266,6 +297,38 @@ class AsyncLLM(FrontEnd):
         except Exception as e:  # outside any one request (a protocol bug): clients are told
             logger.exception("output loop failed")
             self._on_dead(f"output processing failed: {e!r}")
+
+    @property
+    def stall_timeout_s(self) -> float:
+        return self.progress.timeout_s
+
+    @stall_timeout_s.setter
+    def stall_timeout_s(self, seconds: float) -> None:
+        self.progress.timeout_s = seconds
+
+    def _progressed(self) -> None:
+        if self.progress.message(time.monotonic(), bool(self._streams)):
+            logger.warning("the engine core makes progress again (%s)", self._stalled)
+            self._stalled = None
+
+    def stall_reason(self) -> str | None:
+        """Why the core counts as stalled (None: it is not; engine/progress.py). Logged
+        once, with the core's last known state, when a stall starts."""
+        quiet = self.progress.quiet(time.monotonic(), bool(self._streams)) if self._dead is None else None
+        if quiet is None:
+            return self._stalled if self._streams else None
+        limit = self.progress.limit
+        if self._stalled is None:
+            self.progress.stalled_for = quiet
+            s = self.stats
+            logger.error(
+                "the engine core made no progress for %.1f s (limit %.1f s) with %d requests in flight; "
+                "its last state: %d running, %d waiting, last step %d requests / %d tokens, step %d",
+                quiet, limit, len(self._streams), s.num_running, s.num_waiting, s.last_batch_size,
+                s.last_num_scheduled_tokens, s.num_steps,
+            )
+        self._stalled = f"the engine core made no progress for {quiet:.0f} s with requests in flight (limit {limit:.0f} s)"
+        return self._stalled
 
     def _fail_request(self, request_id: str, error: Exception) -> None:
         """End one request with `error` (its stream raises it); the core aborts what is left of it."""

@@ -102,7 +102,12 @@ class MPClient:
         return self.replicas.handles[0]
 
     def _check(self) -> None:
-        dead = [d for d in self.replicas.dead if d]
+        """EngineDeadError at once if a replica died (also while idle: its process is asked)."""
+        reps = self.replicas
+        for i, h in enumerate(reps.handles):
+            if reps.dead[i] is None and not h.is_alive():
+                reps.mark_dead(i, reps.death_reason(i))
+        dead = [d for d in reps.dead if d]
         if dead:
             raise EngineDeadError(f"the engine core died: {dead[0]}")
 

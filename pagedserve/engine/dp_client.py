@@ -23,6 +23,7 @@ import collections
 import contextlib
 import logging
 import pickle
+import time
 from dataclasses import fields
 
 import zmq
@@ -43,6 +44,8 @@ from pagedserve.messages import (
 
 logger = logging.getLogger(__name__)
 
+CONNECT_WAIT_S = 5.0  # a live core's command socket gets its peer within this (normally at once)
+
 
 def merge_stats(stats: list[EngineStats]) -> EngineStats:
     """The replicas' stats as one engine's: counts and counters summed, the KV usage
@@ -52,7 +55,7 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
     total = {
         f.name: sum(getattr(s, f.name) for s in stats)
         for f in fields(EngineStats)
-        if f.name not in ("kv_cache_usage", "kv_utilization", "block_size", "spec_accepted_per_position")
+        if f.name not in ("kv_cache_usage", "kv_utilization", "block_size", "spec_accepted_per_position", "kv_audit_error")
     }
     used, blocks = total["kv_blocks_used"], total["kv_blocks_total"]
     per_pos = [0] * max(len(s.spec_accepted_per_position) for s in stats)
@@ -65,6 +68,7 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
         kv_utilization=sum(s.kv_utilization * s.kv_blocks_used for s in stats) / used if used else 0.0,
         block_size=stats[0].block_size,
         spec_accepted_per_position=per_pos,
+        kv_audit_error=next((s.kv_audit_error for s in stats if s.kv_audit_error), None),
     )
 
 
@@ -152,18 +156,35 @@ class EngineReplicas:
                 by_replica[i].append(rid)
         for i, ids in by_replica.items():
             if self.dead[i] is None:
-                self.send(i, kind, ids)
+                with contextlib.suppress(EngineDeadError):  # gone meanwhile: nothing left to abort
+                    self.send(i, kind, ids)
 
     def broadcast(self, kind: CoreRequestType, payload=None) -> None:
         for i in range(self.num_replicas):
             if self.dead[i] is None:
-                self.send(i, kind, payload)
+                with contextlib.suppress(EngineDeadError):
+                    self.send(i, kind, payload)
         if kind == CoreRequestType.RESET_PREFIX_CACHE:
             self.router.forget()
 
     def send(self, i: int, kind: CoreRequestType, payload=None, flags: int = 0) -> None:
-        # Never blocks (no high-water mark); pickling takes microseconds.
-        self.inputs[i].send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL), flags=flags)
+        """Never blocks: no high-water mark while the core is connected, and NOBLOCK for when
+        it is not (a PUSH socket with no peer would block the caller, the event loop, for
+        ever: a dead core's commands raise EngineDeadError instead). Pickling takes
+        microseconds."""
+        data, sock, deadline = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL), self.inputs[i], None
+        while True:
+            try:
+                sock.send(data, flags=flags | zmq.NOBLOCK)
+                return
+            except zmq.Again:  # no peer: a core that died, or one still connecting
+                if not self.handles[i].is_alive() or (deadline is not None and time.monotonic() > deadline):
+                    alive = self.handles[i].is_alive()
+                    why = "its command socket has no peer" if alive else self.death_reason(i)
+                    self.mark_dead(i, why)
+                    raise EngineDeadError(f"the engine core is not reachable: {why}") from None
+                deadline = deadline or time.monotonic() + CONNECT_WAIT_S
+                sock.poll(50, zmq.POLLOUT)
 
     # -- what comes back ------------------------------------------------------------------
     def on_message(self, msg: EngineCoreOutputs) -> list[str]:
@@ -222,8 +243,8 @@ class EngineReplicas:
         """Ask every live replica to stop, then join them (SIGTERM, SIGKILL after `timeout`)."""
         for i, h in enumerate(self.handles):
             if self.dead[i] is None and h.is_alive():
-                with contextlib.suppress(zmq.ZMQError):
-                    self.send(i, CoreRequestType.SHUTDOWN, flags=zmq.NOBLOCK)
+                with contextlib.suppress(zmq.ZMQError, EngineDeadError):
+                    self.send(i, CoreRequestType.SHUTDOWN)
         for h in self.handles:  # they stop concurrently: the first join waits for most of them
             h.join(timeout)
 

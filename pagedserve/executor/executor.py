@@ -39,6 +39,10 @@ class Executor(ABC):
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
+    def check_health(self) -> None:  # noqa: B027 (optional)
+        """Raise if the executor cannot run another step (e.g. a worker process died);
+        called by the idle core loop about once a second."""
+
     def compile_or_warm_up(self, max_num_seqs: int, max_model_len: int) -> None:  # noqa: B027 (optional)
         """After the KV cache exists: capture CUDA graphs, warm kernels up."""
 

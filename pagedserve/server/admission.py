@@ -10,6 +10,7 @@ still runs in the engine (freeing its KV blocks) and gives the admission slots b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,19 @@ class RequestTracker:
         self.pumps: list[asyncio.Task] = []
         self.closed = False
         self.abort_reason: str | None = None
+        self.abort_error = ("server_error", "shutting_down", 503)  # (type, code, status) of an abort
+        self.timer: asyncio.TimerHandle | None = None
+
+    def set_deadline(self, seconds: float) -> None:
+        """Abort the request (queued or running: its engine requests end, their blocks are
+        freed) `seconds` from now; the client gets a 504 (code request_timeout)."""
+        self.timer = asyncio.get_running_loop().call_later(seconds, self._expire, seconds)
+
+    def _expire(self, seconds: float) -> None:
+        if not self.closed:
+            self.abort(f"the request did not finish within {seconds:g} s", ("timeout_error", "request_timeout", 504))
+            with contextlib.suppress(Exception):
+                self.ctx.metrics.timed_out()
 
     async def add(self, prompts: list, params, base_id: str, priority: int, suffix: bool) -> None:
         """Send every prompt to the engine at once (separate engine requests); if one is
@@ -98,7 +112,7 @@ class RequestTracker:
                     raise e
             raise to_api_error(errors[0]) from None
         if self.abort_reason is not None:
-            raise APIError(503, self.abort_reason, "server_error", code="shutting_down")
+            raise self._abort_api_error()
 
     async def _pump(self, i: int, st) -> None:
         try:
@@ -119,7 +133,7 @@ class RequestTracker:
         item = await self.queue.get()
         if item is _ABORT:
             self.queue.put_nowait(_ABORT)  # every later call sees it too
-            raise APIError(503, self.abort_reason or "request aborted", "server_error", code="shutting_down")
+            raise self._abort_api_error()
         if isinstance(item[1], BaseException):
             raise to_api_error(item[1])
         return item
@@ -138,10 +152,17 @@ class RequestTracker:
             raise APIError(503, "request was aborted", "server_error")
         return [finals[i] for i in range(len(finals))]
 
-    def abort(self, reason: str) -> None:
-        """Shutdown: end this request now (handlers turn it into final chunks/an error)."""
+    def _abort_api_error(self) -> APIError:
+        kind, code, status = self.abort_error
+        return APIError(status, self.abort_reason or "request aborted", kind, code=code)
+
+    def abort(self, reason: str, error: tuple[str, str, int] | None = None) -> None:
+        """End this request now (shutdown; `error`: another (type, code, status), e.g. a
+        deadline); handlers turn it into final chunks / an error body."""
         if self.abort_reason is None:
             self.abort_reason = reason
+            if error is not None:
+                self.abort_error = error
             self._abort_engine()
             self.queue.put_nowait(_ABORT)
 
@@ -155,6 +176,8 @@ class RequestTracker:
         if self.closed:
             return
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
         self._abort_engine()
         self.ctx.limiter.release(self.slots)
         self.ctx.trackers.discard(self)

@@ -63,6 +63,11 @@ class _StatsCollector:
         )
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Requests preempted for memory.", s.num_preemptions)
+        yield counter(
+            "kv_audit_failures",
+            "Idle-time KV accounting audits that found a leaked or inconsistent block (details on /health).",
+            s.kv_audit_failures,
+        )
         yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
         # speculative decoding, vLLM's names and meanings
@@ -82,11 +87,20 @@ class _StatsCollector:
 class _FrontendCollector:
     """What the HTTP front end has admitted (the --max-queue bound is counted here)."""
 
-    def __init__(self, get_admission, model_name: str) -> None:
+    def __init__(self, get_admission, model_name: str, get_stalled=None) -> None:
         self.get_admission = get_admission
         self.model_name = model_name
+        self.get_stalled = get_stalled
 
     def collect(self):
+        if self.get_stalled is not None:
+            s = GaugeMetricFamily(
+                P + "engine_stalled",
+                "1 while requests are in flight and no engine step finished for longer than the stall timeout.",
+                labels=["model_name"],
+            )
+            s.add_metric([self.model_name], float(bool(self.get_stalled())))
+            yield s
         in_flight, capacity = self.get_admission()
         g = GaugeMetricFamily(
             P + "num_requests_in_flight",
@@ -107,13 +121,13 @@ class _FrontendCollector:
 
 class ServerMetrics:
     def __init__(
-        self, get_stats, model_name: str, get_admission=None, get_engine_stats=None, get_routed=None
+        self, get_stats, model_name: str, get_admission=None, get_engine_stats=None, get_routed=None, get_stalled=None
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_StatsCollector(get_stats, model_name, get_engine_stats, get_routed))
         if get_admission is not None:
-            self.registry.register(_FrontendCollector(get_admission, model_name))
+            self.registry.register(_FrontendCollector(get_admission, model_name, get_stalled))
         self.rejections = Counter(
             P + "request_rejected",
             "Requests refused before reaching the engine, by reason and HTTP status "
@@ -129,6 +143,12 @@ class ServerMetrics:
             P + "time_per_output_token_seconds",
             "Mean time per output token after the first.",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
+        self.timeouts = Counter(
+            P + "request_timeouts",
+            "Requests aborted at their deadline (--request-timeout or the request_timeout field): 504.",
+            ["model_name"],
             registry=self.registry,
         )
         slo_labels = ["model_name", "slo_class", "target"]
@@ -151,7 +171,17 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    _STATUS = {"overloaded": "503", "shutting_down": "503", "unauthorized": "401", "body_too_large": "413"}
+    _STATUS = {
+        "overloaded": "503",
+        "shutting_down": "503",
+        "unauthorized": "401",
+        "body_too_large": "413",
+        "body_timeout": "408",
+        "too_many_bodies": "503",
+    }
+
+    def timed_out(self) -> None:
+        self.timeouts.labels(self.model_name).inc()
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(self.model_name, reason, self._STATUS.get(reason, "400")).inc()

@@ -128,8 +128,13 @@ class RequestGuard:
         max_body_bytes: int = 16 << 20,
         open_paths: tuple[str, ...] = ("/health",),
         on_reject=None,
+        body_timeout: float | None = 30.0,
+        max_pending_bodies: int = 256,
     ) -> None:
         self.app = app
+        self.body_timeout = body_timeout  # headers to the body's last byte (408 past it)
+        self.max_pending_bodies = max_pending_bodies
+        self.pending_bodies = 0  # requests whose bodies are still arriving
         self.key = api_key.encode("utf-8") if api_key is not None else None
         self.max_body_bytes = max_body_bytes
         self.open_paths = frozenset(open_paths)
@@ -143,12 +148,25 @@ class RequestGuard:
         if refusal is not None:
             await JSONResponse(refusal[1], status_code=refusal[0], headers=refusal[2])(scope, receive, send)
             return
+        if self.pending_bodies >= self.max_pending_bodies:
+            self.on_reject("too_many_bodies")
+            body = error_body("too many requests are still sending their bodies; retry later", "server_error", None, "server_overloaded")
+            await JSONResponse(body, status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
+            return
+        self.pending_bodies += 1
         try:
-            body = await read_body(receive, self.max_body_bytes)
+            body = await asyncio.wait_for(read_body(receive, self.max_body_bytes), self.body_timeout)
         except BodyTooLarge:
             self.on_reject("body_too_large")
             await JSONResponse(self._too_large(), status_code=413)(scope, receive, send)
             return
+        except asyncio.TimeoutError:
+            self.on_reject("body_timeout")
+            msg = f"the request body did not arrive within {self.body_timeout:g} s"
+            await JSONResponse(error_body(msg, "invalid_request_error", None, "body_timeout"), status_code=408, headers={"Connection": "close"})(scope, receive, send)
+            return
+        finally:
+            self.pending_bodies -= 1
         if body is not None:
             await run_watched(self.app, scope, receive, send, body)
 

@@ -212,6 +212,8 @@ class _Sampling(_Request):
     guided_grammar: str | None = None
     # pagedserve's extra: latency targets ({"ttft_ms": ..., "tpot_ms": ..., "name": ...})
     slo: dict[str, Any] | None = None
+    # pagedserve's extra: abort the request after this many seconds (504; --request-timeout caps it)
+    request_timeout: float | None = Field(default=None, gt=0, le=1e7)
 
     def constraints(self, compact_json: bool = False) -> list[tuple[str, StructuredOutputsParams]]:
         """The output constraints this request asks for, each with the field that asked:

@@ -42,7 +42,9 @@ class ServingContext:
         trust_request_chat_template: bool = False,
         compact_json: bool = False,
         default_slo: SLO | None = None,
+        request_timeout: float | None = None,
     ) -> None:
+        self.request_timeout = request_timeout  # --request-timeout (seconds; None: none)
         self.llm = llm
         self.default_slo = default_slo  # --default-slo: for requests that bring no "slo"
         # --structured-outputs-disable-any-whitespace: JSON constraints without free whitespace
@@ -75,8 +77,10 @@ class ServingContext:
                 "model_not_found",
             )
 
-    def admit(self, num_prompts: int, scope: dict) -> RequestTracker:
-        """Take `num_prompts` admission slots (one per prompt of a list) or refuse now."""
+    def admit(self, num_prompts: int, scope: dict, timeout: float | None = None) -> RequestTracker:
+        """Take `num_prompts` admission slots (one per prompt of a list) or refuse now.
+        `timeout`: the request's own deadline in seconds (the server's --request-timeout
+        caps it); past it the request is aborted with a 504."""
         if self.draining:
             self.metrics.rejected("shutting_down")
             raise APIError(
@@ -99,6 +103,9 @@ class ServingContext:
                 headers={"Retry-After": "1"},
             )
         tracker = RequestTracker(self, num_prompts)
+        limits = [t for t in (timeout, self.request_timeout) if t is not None]
+        if limits:
+            tracker.set_deadline(min(limits))
         self.trackers.add(tracker)
         scope.setdefault(CLEANUP_KEY, []).append(tracker.close)
         return tracker

@@ -249,7 +249,7 @@ class OpenAIServingChat:
         except ValueError as e:
             raise to_api_error(e) from None
         # admitted (and counted) before templating: the bound covers requests being tokenized
-        tracker = ctx.admit(1, request.scope)
+        tracker = ctx.admit(1, request.scope, body.request_timeout)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             try:

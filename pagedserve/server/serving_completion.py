@@ -52,7 +52,7 @@ class OpenAIServingCompletion:
             prompts, params = self._params(body)
         except ValueError as e:
             raise to_api_error(e) from None
-        tracker = ctx.admit(len(prompts), request.scope)
+        tracker = ctx.admit(len(prompts), request.scope, body.request_timeout)
         base = f"cmpl-{uuid.uuid4().hex}"
         engine_prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
         try:

@@ -29,11 +29,19 @@ class OpenAIServingModels:
         }
 
     async def health(self) -> Response:
-        if not self.ctx.llm.is_alive:
-            return JSONResponse(
-                error_body("the engine is not running", "server_error", None, "engine_dead"), 503
-            )
-        return Response(status_code=200)
+        """200 {"status": "ok"} while the engine runs and makes progress; 503 with the reason
+        when its core died (code engine_dead) or stalls (engine_stalled). Either way the
+        body names the last KV accounting audit failure, if any (core/kv_audit.py)."""
+        llm = self.ctx.llm
+        audit = {"failures": getattr(llm.stats, "kv_audit_failures", 0), "last_error": getattr(llm.stats, "kv_audit_error", None)}
+        if not llm.is_alive:
+            body = error_body("the engine is not running", "server_error", None, "engine_dead")
+            return JSONResponse({**body, "kv_audit": audit}, 503)
+        stalled = llm.stall_reason() if hasattr(llm, "stall_reason") else None
+        if stalled is not None:
+            body = error_body(stalled, "server_error", None, "engine_stalled")
+            return JSONResponse({**body, "kv_audit": audit}, 503)
+        return JSONResponse({"status": "ok", "kv_audit": audit}, 200)
 
     async def metrics(self) -> Response:
         return Response(self.ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

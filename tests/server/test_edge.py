@@ -177,3 +177,23 @@ def test_request_chat_templates_render_sandboxed_and_errors_name_the_param():
     assert e.value.param == "chat_template"
     with pytest.raises(InvalidRequestError, match="chat template") as e:  # the sandbox refuses attribute tricks
         asyncio.run(render_request_template("{{ ''.__class__.__mro__ }}", msgs, True, {}))
+
+
+def test_server_flags_come_from_server_config():
+    import argparse
+    import dataclasses
+
+    from pagedserve.server.server_config import ServerConfig
+
+    p = argparse.ArgumentParser()
+    ServerConfig.add_cli_args(p)
+    ns = p.parse_args([])
+    assert ServerConfig.from_cli_args(ns) == ServerConfig()  # every default from the dataclass
+    ns = p.parse_args(["--port", "9", "--max-body-bytes", "1MiB", "--stall-action", "exit", "--request-timeout", "2.5",
+                       "--default-slo", '{"ttft_ms": 500}', "--keep-alive-on-engine-death"])
+    cfg = ServerConfig.from_cli_args(ns)
+    assert (cfg.port, cfg.max_body_bytes, cfg.stall_action, cfg.request_timeout) == (9, 1 << 20, "exit", 2.5)
+    assert cfg.default_slo == {"ttft_ms": 500} and cfg.keep_alive_on_engine_death
+    with pytest.raises(SystemExit):
+        p.parse_args(["--stall-action", "panic"])
+    assert all(f.metadata["help"] for f in dataclasses.fields(ServerConfig))

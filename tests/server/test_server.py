@@ -47,17 +47,19 @@ class Server:
         self.async_llm = AsyncLLM.from_engine_args(
             EngineArgs(model=model_dir, **{**ENGINE_KW, **(engine_kw or {})})
         )
-        self.app = build_app(self.async_llm, MODEL, **app_kw)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(
-            self.app,
+        self.app = build_app(
+            self.async_llm,
+            MODEL,
             port=self.port,
             log_level="warning",
             shutdown_timeout=shutdown_timeout,
             header_timeout=header_timeout,
-            exit_on_engine_death=exit_on_engine_death,
+            keep_alive_on_engine_death=not exit_on_engine_death,
+            **app_kw,
         )
+        self.server = make_server(self.app)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 60

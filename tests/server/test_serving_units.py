@@ -115,6 +115,10 @@ def test_models_health_and_tokenize(client):
     ids = client.post("/tokenize", json={"prompt": "sunny days"}).json()["tokens"]
     assert ids == client.llm.tokenizer.encode("sunny days")
     assert client.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "sunny days"
+    assert client.get("/health").json() == {"status": "ok", "kv_audit": {"failures": 0, "last_error": None}}
+    client.llm.stats.kv_audit_failures, client.llm.stats.kv_audit_error = 1, "3 blocks still referenced"
+    assert client.get("/health").json()["kv_audit"] == {"failures": 1, "last_error": "3 blocks still referenced"}
+    assert "pagedserve:kv_audit_failures_total" in client.get("/metrics").text
     client.llm.is_alive = False
     r = client.get("/health")
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"

@@ -152,6 +152,11 @@ class MultiprocExecutor(Executor):
             if not p.is_alive():
                 self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died (exit code {p.exitcode})")
 
+    def check_health(self) -> None:
+        """WorkerDiedError naming the rank if a worker process is gone (the idle core loop
+        calls this, so a rank that dies between requests is seen within a second)."""
+        self._check_alive()
+
     def _died(self, rank: int) -> str:
         """What happened to a rank whose process ended: its own last error if it sent one."""
         p, conn = self.procs[rank], self.conns[rank]
