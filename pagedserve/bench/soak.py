@@ -73,6 +73,7 @@ class SoakConfig:
     pid: int | None = None  # the server's process, for RSS (its children are counted too)
     bad_inputs: bool = True
     request_timeout_s: float = 600.0
+    duration_s: float | None = None  # keep starting rounds (up to `rounds`) until this long has passed
     goals: dict = field(
         default_factory=lambda: {"rss_growth_after_round2": 0.02, "slowest_over_p99": 3.0, "leaked_blocks": 0}
     )
@@ -359,6 +360,8 @@ async def run_round(ac: httpx.AsyncClient, cfg: SoakConfig, index: int) -> dict:
         "waiting_after": after.get("num_requests_waiting"),
         "leaked_blocks": after.get("kv_blocks_used"),
         "kv_blocks_total": after.get("kv_blocks_total"),
+        "kv_audit_failures": after.get("kv_audit_failures_total"),
+        "preemptions": after.get("num_preemptions_total"),
         "generated_tokens": int(generated),
         "delivered_tokens": int(delivered),
         "tokens_after_hangup_est": int(max(generated - delivered, 0)),
@@ -416,6 +419,8 @@ def verdict(rounds: list[dict], cfg: SoakConfig) -> dict:
                 f"round {n}: not idle after {cfg.settle_s} s (blocks {r['leaked_blocks']}, running "
                 f"{r['running_after']}, waiting {r['waiting_after']})"
             )
+        if r.get("kv_audit_failures"):
+            fails.append(f"round {n}: {int(r['kv_audit_failures'])} KV accounting audit failures")
         if r["slowest_over_p99"] is not None and r["slowest_over_p99"] > cfg.goals["slowest_over_p99"]:
             fails.append(f"round {n}: slowest stream {r['slowest_over_p99']}x the p99")
     growth = rss_growth(rounds)
@@ -448,6 +453,8 @@ async def run_soak(cfg: SoakConfig, log=None) -> dict:
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=cfg.url, headers=headers, timeout=timeout, limits=limits) as ac:
         for i in range(cfg.rounds):
+            if cfg.duration_s is not None and i >= 3 and time.perf_counter() - t0 >= cfg.duration_s:
+                break
             try:
                 r = await run_round(ac, cfg, i)
             except httpx.HTTPError as e:  # the server stopped answering: that is the finding
@@ -492,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--duration", type=float, default=None, help="seconds: start rounds (up to --rounds, at least 3) until then")
     ap.add_argument("--streams", type=int, default=200)
     ap.add_argument("--hangup", type=float, default=0.3, help="share of clients that leave mid-stream")
     ap.add_argument("--max-tokens", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
@@ -537,6 +545,7 @@ def main(argv: list[str] | None = None) -> None:
         a.api_key,
         pid,
         not a.no_bad_inputs,
+        duration_s=a.duration,
     )
     try:
         report = asyncio.run(run_soak(cfg, log=lambda s: print("soak: " + s, file=sys.stderr, flush=True)))
