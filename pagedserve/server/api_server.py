@@ -42,7 +42,9 @@ from pagedserve.server.server_config import ServerConfig
 from pagedserve.server.serving_base import ServingContext
 from pagedserve.server.serving_chat import OpenAIServingChat
 from pagedserve.server.serving_completion import OpenAIServingCompletion
+from pagedserve.server.serving_messages import AnthropicServingMessages, MessagesRequest
 from pagedserve.server.serving_models import OpenAIServingModels
+from pagedserve.server.serving_responses import OpenAIServingResponses, ResponsesRequest
 from pagedserve.server.serving_tokenize import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -73,11 +75,15 @@ def build_app(
         request_timeout=cfg.request_timeout,
     )
 
+    store = _response_store(cfg)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         await ctx.drain(0.0)  # normally done already by APIServer.shutdown
         await asyncio.to_thread(llm.shutdown)
+        if store is not None:
+            store.close()
 
     app = FastAPI(title="pagedserve", version="0.1.0", lifespan=lifespan)
     app.state.serving = ctx
@@ -90,9 +96,10 @@ def build_app(
         on_reject=ctx.metrics.rejected,
         body_timeout=cfg.body_timeout,
         max_pending_bodies=cfg.max_pending_bodies,
+        on_response=ctx.metrics.responded,
     )
     install_error_handlers(app)
-    _add_routes(app, ctx, cfg.tool_call_parser)
+    _add_routes(app, ctx, cfg.tool_call_parser, store)
     from pagedserve.server.dashboard import add_dashboard
 
     add_dashboard(app, llm, model_name)  # /dashboard, when the engine publishes snapshots
@@ -111,10 +118,21 @@ def _metrics(llm, model_name: str, limiter: AdmissionLimiter) -> ServerMetrics:
     )
 
 
-def _add_routes(app: FastAPI, ctx: ServingContext, tool_call_parser: str) -> None:
+def _response_store(cfg: ServerConfig):
+    if cfg.responses_store == "off":
+        return None
+    from pagedserve import envs
+    from pagedserve.server.response_store import ResponseStore
+
+    path = cfg.responses_store or os.path.join(envs.PAGEDSERVE_CACHE_DIR, "responses.sqlite3")
+    return ResponseStore(path, cfg.responses_store_max_bytes, cfg.responses_store_max_age_days * 86400)
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext, tool_call_parser: str, store=None) -> None:
     completion, models = OpenAIServingCompletion(ctx), OpenAIServingModels(ctx)
     chat = OpenAIServingChat(ctx, tool_call_parser)
     tokenization = OpenAIServingTokenization(ctx, chat)
+    responses, messages = OpenAIServingResponses(ctx, chat, store), AnthropicServingMessages(ctx, chat)
     app.add_api_route("/health", models.health, methods=["GET"])
     app.add_api_route("/metrics", models.metrics, methods=["GET"])
     app.add_api_route("/v1/models", models.models, methods=["GET"])
@@ -126,6 +144,17 @@ def _add_routes(app: FastAPI, ctx: ServingContext, tool_call_parser: str) -> Non
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await chat.create(body, request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await responses.create(body, request)
+
+    app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request):
+        return await messages.create(body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

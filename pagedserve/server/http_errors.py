@@ -4,6 +4,7 @@ engine's typed errors (InvalidRequestError -> 400 naming its `param`, EngineDead
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -77,17 +78,50 @@ def safe_message(message: str, limit: int = 1024) -> str:
     return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    "server_overloaded": "overloaded_error",
+    "server_error": "api_error",
+    "timeout_error": "api_error",
+    "not_found_error": "not_found_error",
+    "authentication_error": "authentication_error",
+}
+
+
+def shaped(path: str, body: dict) -> dict:
+    """An error body in the shape of the API at `path`: Anthropic's {"type": "error",
+    "error": {"type", "message"}} on its paths, OpenAI's everywhere else."""
+    if not path.startswith(ANTHROPIC_PATHS) or "error" not in body:
+        return body
+    e = body["error"]
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(e.get("type"), "invalid_request_error"), "message": e.get("message", "")}}
+
+
+def _shape(handler):
+    async def wrapped(request: Request, e):
+        resp = await handler(request, e)
+        if request.url.path.startswith(ANTHROPIC_PATHS):
+            body = shaped(request.url.path, json.loads(resp.body))
+            return JSONResponse(body, status_code=resp.status_code, headers={k: v for k, v in resp.headers.items() if k.lower() == "retry-after"})
+        return resp
+
+    return wrapped
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """APIError as itself; the engine's typed errors as theirs (InvalidRequestError a 400
     naming its param, EngineDeadError a 503); request-validation failures as a 400 naming
     the top-level field; HTTP errors (404, 405) in the error shape; anything else a logged
     500 for that request."""
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(InvalidRequestError, _typed_error)
-    app.add_exception_handler(EngineDeadError, _typed_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
+    for kind, handler in (
+        (APIError, _api_error),
+        (InvalidRequestError, _typed_error),
+        (EngineDeadError, _typed_error),
+        (RequestValidationError, _validation_error),
+        (StarletteHTTPException, _http_error),
+        (Exception, _internal_error),
+    ):
+        app.add_exception_handler(kind, _shape(handler))
 
 
 async def _api_error(_: Request, e: APIError):

@@ -145,6 +145,12 @@ class ServerMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=self.registry,
         )
+        self.http_requests = Counter(
+            P + "http_requests",
+            "HTTP responses by endpoint and status (requests the guard refused are in request_rejected_total).",
+            ["model_name", "endpoint", "status"],
+            registry=self.registry,
+        )
         self.timeouts = Counter(
             P + "request_timeouts",
             "Requests aborted at their deadline (--request-timeout or the request_timeout field): 504.",
@@ -179,6 +185,14 @@ class ServerMetrics:
         "body_timeout": "408",
         "too_many_bodies": "503",
     }
+
+    ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings",
+                 "/score", "/rerank", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+
+    def responded(self, path: str, status: int) -> None:
+        """One HTTP response, counted by endpoint (bounded label values) and status."""
+        endpoint = path if path in self.ENDPOINTS else ("/v1/responses/{id}" if path.startswith("/v1/responses/") else "other")
+        self.http_requests.labels(self.model_name, endpoint, str(status)).inc()
 
     def timed_out(self) -> None:
         self.timeouts.labels(self.model_name).inc()

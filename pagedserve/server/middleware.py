@@ -26,7 +26,7 @@ import logging
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedserve.server.http_errors import error_body
+from pagedserve.server.http_errors import error_body, shaped
 from pagedserve.server.serving_base import CLEANUP_KEY
 
 logger = logging.getLogger(__name__)
@@ -37,13 +37,21 @@ class BodyTooLarge(Exception):
 
 
 def authorized(scope, key: bytes) -> bool:
-    """An `Authorization: Bearer <key>` header (scheme case-insensitive, key compared in
-    constant time)."""
+    """An `Authorization: Bearer <key>` header (scheme case-insensitive) or, as Anthropic's
+    clients send it, `x-api-key: <key>`; keys compared in constant time."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             scheme, sep, token = value.partition(b" ")
-            return sep == b" " and scheme.lower() == b"bearer" and hmac.compare_digest(token, key)
+            if sep == b" " and scheme.lower() == b"bearer" and hmac.compare_digest(token, key):
+                return True
+        elif name == b"x-api-key" and hmac.compare_digest(value, key):
+            return True
     return False
+
+
+def reply(scope, status: int, body: dict, headers=None) -> JSONResponse:
+    """An error answered by the guard, in the shape of the API at the request's path."""
+    return JSONResponse(shaped(scope.get("path", ""), body), status_code=status, headers=headers)
 
 
 def content_length(scope) -> int | None | str:
@@ -70,7 +78,7 @@ async def read_body(receive, limit: int) -> bytes | None:
             return bytes(body)
 
 
-async def run_watched(app, scope, receive, send, body: bytes) -> None:
+async def run_watched(app, scope, receive, send, body: bytes, on_status=None) -> None:
     """Run `app` on the replayed `body` while watching `receive` for the client leaving: a
     client that leaves before the response is complete cancels the handler (which aborts
     its engine requests); the request's cleanups (`scope[CLEANUP_KEY]`) run in any case."""
@@ -88,6 +96,8 @@ async def run_watched(app, scope, receive, send, body: bytes) -> None:
 
     async def app_send(message) -> None:
         nonlocal response_complete
+        if message["type"] == "http.response.start" and on_status is not None:
+            on_status(message["status"])
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             response_complete = True
         await send(message)
@@ -130,8 +140,10 @@ class RequestGuard:
         on_reject=None,
         body_timeout: float | None = 30.0,
         max_pending_bodies: int = 256,
+        on_response=None,
     ) -> None:
         self.app = app
+        self.on_response = on_response  # (path, status): counted by endpoint in /metrics
         self.body_timeout = body_timeout  # headers to the body's last byte (408 past it)
         self.max_pending_bodies = max_pending_bodies
         self.pending_bodies = 0  # requests whose bodies are still arriving
@@ -146,29 +158,32 @@ class RequestGuard:
             return
         refusal = self._refusal(scope)
         if refusal is not None:
-            await JSONResponse(refusal[1], status_code=refusal[0], headers=refusal[2])(scope, receive, send)
+            await reply(scope, refusal[0], refusal[1], refusal[2])(scope, receive, send)
             return
         if self.pending_bodies >= self.max_pending_bodies:
             self.on_reject("too_many_bodies")
             body = error_body("too many requests are still sending their bodies; retry later", "server_error", None, "server_overloaded")
-            await JSONResponse(body, status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
+            await reply(scope, 503, body, {"Retry-After": "1"})(scope, receive, send)
             return
         self.pending_bodies += 1
         try:
             body = await asyncio.wait_for(read_body(receive, self.max_body_bytes), self.body_timeout)
         except BodyTooLarge:
             self.on_reject("body_too_large")
-            await JSONResponse(self._too_large(), status_code=413)(scope, receive, send)
+            await reply(scope, 413, self._too_large())(scope, receive, send)
             return
         except asyncio.TimeoutError:
             self.on_reject("body_timeout")
             msg = f"the request body did not arrive within {self.body_timeout:g} s"
-            await JSONResponse(error_body(msg, "invalid_request_error", None, "body_timeout"), status_code=408, headers={"Connection": "close"})(scope, receive, send)
+            body = error_body(msg, "invalid_request_error", None, "body_timeout")
+            await reply(scope, 408, body, {"Connection": "close"})(scope, receive, send)
             return
         finally:
             self.pending_bodies -= 1
         if body is not None:
-            await run_watched(self.app, scope, receive, send, body)
+            path = scope.get("path", "")
+            status = None if self.on_response is None else (lambda code: self.on_response(path, code))
+            await run_watched(self.app, scope, receive, send, body, status)
 
     def _refusal(self, scope) -> tuple[int, dict, dict | None] | None:
         """(status, body, headers) to answer before reading the body, or None."""

@@ -65,6 +65,15 @@ class ServerConfig:
         "JSON constraints (response_format, guided_json...) allow no free whitespace (small models can "
         "fill it forever; forced tool calls never do); a request's structured_outputs may say otherwise",
     )
+    responses_store: str | None = setting(
+        None,
+        "the Responses API's store (store / previous_response_id / GET /v1/responses/{id}), an SQLite file "
+        "(default: responses.sqlite3 under PAGEDSERVE_CACHE_DIR); 'off': no store",
+    )
+    responses_store_max_bytes: int = setting(
+        256 << 20, "the store's size bound, e.g. 256MiB (the oldest responses go first)", type=parse_bytes
+    )
+    responses_store_max_age_days: float = setting(30.0, "stored responses older than this are deleted")
     default_slo: dict | None = setting(
         None,
         'latency targets for requests that bring no "slo" field, e.g. \'{"ttft_ms": 1000, "tpot_ms": 100}\' '

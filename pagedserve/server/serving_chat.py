@@ -367,6 +367,7 @@ class OpenAIServingChat:
                 "delta": delta,
                 "logprobs": self._logprobs(body, c, k) if j == 0 else None,
                 "finish_reason": finish_reason if j == last else None,
+                **({"stop_reason": c.stop_reason} if j == last and finish_reason is not None else {}),
             }
             for j, delta in enumerate(deltas)
         ]
