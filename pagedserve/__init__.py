@@ -5,6 +5,7 @@ from pagedserve.frontend.llm import LLM
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import (
     BeamSearchParams,
+    PoolingParams,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
@@ -16,6 +17,7 @@ __all__ = [
     "BeamSearchParams",
     "CompletionOutput",
     "LLMEngine",
+    "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

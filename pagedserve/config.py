@@ -195,6 +195,7 @@ class CacheConfig:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+RUNNERS = ("generate", "pooling")
 # None: the checkpoint's own (GGUF types run packed; safetensors float); "none": dequantize
 QUANTIZATION_METHODS = (None, "none", "gguf", "gguf_q8", "int8", "int4")
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
@@ -223,6 +224,16 @@ class ModelLoadConfig:
         choices=QUANTIZATION_METHODS,
     )
     enforce_eager: bool = setting(False, "GPU: no CUDA graphs")
+    runner: str = setting(
+        "generate",
+        "generate (text) | pooling (embeddings: LLM.embed / .score, /v1/embeddings, /score, /rerank)",
+        choices=RUNNERS,
+    )
+    pooling_type: str | None = setting(
+        None, "pooling runner: last | mean | cls (default: the model's sentence-transformers config, else last)",
+        choices=(None, "last", "mean", "cls"),
+    )
+    pooling_normalize: bool | None = setting(None, "pooling runner: L2-normalize embeddings (default: the model's, else yes)")
 
     def __post_init__(self) -> None:
         if isinstance(self.quantization, str):

@@ -77,6 +77,11 @@ class EngineArgs:
     load_format: str = _from("model")
     quantization: str | None = _from("model")
     enforce_eager: bool = _from("model")
+    runner: str = _from("model")
+    pooling_type: str | None = _from("model")
+    pooling_normalize: bool | None = _from("model")
+    # vLLM's older spelling of runner="pooling": task="embed" (defined here only)
+    task: str | None = setting(None, "deprecated spelling: embed (= --runner pooling) | generate", choices=(None, "embed", "embedding", "generate"))
     # -- KV cache ---------------------------------------------------------------------
     block_size: int = _from("cache")
     num_kv_blocks: int | None = _from("cache")
@@ -116,6 +121,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
+        if self.task is not None:
+            self.runner = "generate" if self.task == "generate" else "pooling"
 
     # -- the two entry points ---------------------------------------------------------
     @classmethod

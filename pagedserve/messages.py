@@ -120,6 +120,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # Requests that verified drafts: the accepted drafts followed by one sampled token.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling requests whose prompt ended this step: the pooled (normalized) vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -133,6 +135,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pagedserve.messages import Logprob, PositionLogprobs
 from pagedserve.sampling_params import SLO
 
-__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
+__all__ = ["CompletionOutput", "Logprob", "PoolingOutput", "PoolingRequestOutput", "RequestMetrics", "RequestOutput"]
 
 
 @dataclass
@@ -60,3 +60,21 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class PoolingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """An embedding request's result (vLLM's `PoolingRequestOutput`: `outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    prompt: str | None = None

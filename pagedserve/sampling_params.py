@@ -85,6 +85,22 @@ class StructuredOutputsParams:
 
 
 @dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request (a pooling model: `runner="pooling"`): the prompt's hidden
+    states pooled into one vector (the model's pooling: last token, mean or CLS),
+    truncated to `dimensions` (Matryoshka) and L2-normalized unless `normalize` is False
+    (None: the model's own setting)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise InvalidRequestError(f"dimensions must be an integer >= 1, got {_short(d)}.", "dimensions")
+
+
+@dataclass(frozen=True)
 class SLO:
     """A request's latency targets (`"slo": {"ttft_ms": ..., "tpot_ms": ...}` on the server,
     `SamplingParams(slo=...)` offline). The length-aware scheduler admits the requests
@@ -163,6 +179,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generated (as token sequences, with and without a leading space)
     bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words
     slo: SLO | None = None  # latency targets (a dict is accepted): scheduling and /metrics
+    pooling: PoolingParams | None = None  # an embedding request (max_tokens 0): its pooled vector
 
     def __post_init__(self) -> None:
         self._normalize_token_constraints()

@@ -27,6 +27,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.executor.executor import Executor, UniProcExecutor
 from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
 from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.pooling import PoolerConfig, resolve_pooler
 from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, ModelRunnerOutput
 from pagedserve.structured_outputs import StructuredOutputManager
 from pagedserve.tokenizer import load_tokenizer
@@ -63,19 +64,23 @@ class ModelInfo:
     model_path: str  # a local HF directory (a GGUF's cached conversion)
     model_config: ModelConfig
     tokenizer_path: str  # the tokenizer's files: `tokenizer` if given, else the model's
+    pooler: PoolerConfig | None = None  # runner "pooling": how prompts become vectors
 
 
 def resolve_config(config: EngineConfig) -> ModelInfo:
     """Find the model's files and fill in `config.scheduler`'s max_model_len and token
     budget (in place; idempotent). Cheap: reads config.json only."""
     path = resolve_model_path(config.model.model)
-    mc = ModelConfig.from_hf_dict(load_hf_config_dict(path))
+    hf = load_hf_config_dict(path)
+    mc = ModelConfig.from_hf_dict(hf)
     limit = mc.max_position_embeddings
     if mc.sliding_window:  # full attention is exact up to the window
         limit = min(limit, mc.sliding_window)
     config.scheduler = config.scheduler.resolved(limit)
     tok = config.model.tokenizer
-    return ModelInfo(path, mc, resolve_model_path(tok) if tok else path)
+    m = config.model
+    pooler = resolve_pooler(path, hf, m.pooling_type, m.pooling_normalize) if m.runner == "pooling" else None
+    return ModelInfo(path, mc, resolve_model_path(tok) if tok else path, pooler)
 
 
 @dataclass
@@ -111,6 +116,7 @@ class EngineCore:
         self.model_config = info.model_config
         self.model_path = info.model_path
         self.tokenizer_path = info.tokenizer_path
+        self.pooler = info.pooler
         self.structured_outputs: StructuredOutputManager | None = None  # at the first constrained request
         sc, cc = config.scheduler, config.cache
         t0 = time.perf_counter()
@@ -175,6 +181,8 @@ class EngineCore:
             req.max_tokens,
             req.eos_token_ids,
         )
+        # mean / CLS pooling read every prompt position: no prefix-cache hit
+        request.whole_prompt = req.sampling_params.pooling is not None and self.pooler.pooling_type != "last"
         so_params = req.sampling_params.structured_outputs
         if so_params is not None:  # its grammar compiles in the background meanwhile
             request.structured_output_request = self._structured_output_manager().new_request(

@@ -76,6 +76,9 @@ class Request:
             self.arrival_time = time.time()
         # the length-aware policy's view (core/policies.py): prompt + expected output tokens,
         # its lane, and the time-to-first-token deadline (wall clock) when the request has one
+        # a pooling request whose pooling reads every prompt position (mean, CLS): no
+        # prefix-cache hit (its blocks still enter the cache for others)
+        self.whole_prompt = False
         self.expected_work = 0
         self.is_short = False
         slo = self.sampling_params.slo

@@ -225,7 +225,7 @@ class Scheduler:
                 continue
             if not self.policy.may_admit(req, len(self.running)):
                 break
-            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req) if not req.whole_prompt else ([], 0)
             num_new = self._prefill_chunk(req, req.num_tokens - num_hit, step.budget)
             if num_new is None or not self._admit(req, hit_blocks, num_hit, num_new, step):
                 break
@@ -321,6 +321,10 @@ class Scheduler:
         prompt_lps = ro.prompt_logprobs.get(rid) if ro.prompt_logprobs else None
         if not sr.sample:
             return EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lps) if prompt_lps else None
+        if req.sampling_params.pooling is not None:  # an embedding: the prompt's pooled vector, and done
+            out = EngineCoreOutput(rid, [], num_cached_tokens=req.num_cached_tokens, pooled=ro.pooled.get(rid))
+            self._finish(req, RequestStatus.FINISHED_STOPPED, out)
+            return out
         if req.max_tokens == 0:  # prompt logprobs only (echo)
             out = EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lps)
             self._finish(req, RequestStatus.FINISHED_LENGTH, out)

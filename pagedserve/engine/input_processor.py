@@ -34,7 +34,8 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, vocab_size: int, tokenizer, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, config: EngineConfig, vocab_size: int, tokenizer, eos_token_ids: frozenset[int], pooler=None) -> None:
+        self.pooler = pooler  # runner "pooling": embedding requests only
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer  # None with skip_tokenizer_init
@@ -103,6 +104,7 @@ class InputProcessor:
         cache_salt: str | None = None,
     ) -> ProcessedRequest:
         """Tokenize and check one user request; its engine-core requests (n of them)."""
+        self._check_runner(params)
         text, ids = self.tokenize(prompt)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]
@@ -132,9 +134,23 @@ class InputProcessor:
             )
         return ProcessedRequest(request_id, text, ids, params, children, arrival)
 
+    def _check_runner(self, params: SamplingParams) -> None:
+        """Embedding requests on a pooling model, text generation on a generating one."""
+        if params.pooling is not None:
+            if self.pooler is None:
+                raise InvalidRequestError("this model generates text: it serves no embeddings (start it with runner='pooling').", "input")
+            if params.n != 1:
+                raise InvalidRequestError("an embedding request has n = 1.", "n")
+            self.pooler.check_dimensions(params.pooling.dimensions)
+        elif self.pooler is not None:
+            raise InvalidRequestError("this model runs as an embedding (pooling) model: it generates no text.", "model")
+
     def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         """max_tokens resolved ("up to max_model_len" when None, as vLLM) and checked to fit."""
         max_len = self.max_model_len
+        if params.pooling is not None:  # the prompt only
+            check_fits(num_prompt, 0, max_len, self.block_size, self.num_kv_blocks)
+            return 0
         if params.max_tokens is None and num_prompt >= max_len:
             raise InvalidRequestError(
                 f"This model's maximum context length (max_model_len) is {max_len} tokens, but the "

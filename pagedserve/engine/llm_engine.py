@@ -40,7 +40,8 @@ class FrontEnd:
         eos = frozenset(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos = eos_token_ids(self.tokenizer, info.model_path, self.model_config.eos_token_ids)
-        self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer, eos)
+        self.pooler = info.pooler  # runner "pooling"; None generates
+        self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer, eos, info.pooler)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def core_ready(self, num_kv_blocks: int) -> None:

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.input_processor import ProcessedRequest
 from pagedserve.messages import EngineCoreOutput, PositionLogprobs
-from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,6 +44,7 @@ class SeqState:
     sent_tokens: int = 0  # for DELTA outputs
     sent_logprobs: int = 0
     sent_finish: bool = False
+    pooled: list[float] | None = None  # a pooling request's vector
 
 
 @dataclass
@@ -197,6 +204,9 @@ class OutputProcessor:
                 co.finish_reason, co.stop_reason = "stop", stop
                 if seq.finish_reason is None:
                     stopped.append(co.req_id)
+        if co.pooled is not None:
+            seq.pooled = co.pooled
+            parent.num_cached_tokens = co.num_cached_tokens
         if co.finish_reason is not None and seq.finish_reason is None:
             seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
             parent.num_finished += 1
@@ -235,7 +245,19 @@ class OutputProcessor:
             return seq.detok.next_delta(finished)
         return seq.detok.output_text
 
-    def _make_output(self, parent: ParentState) -> RequestOutput | None:
+    def _make_output(self, parent: ParentState) -> RequestOutput | PoolingRequestOutput | None:
+        if parent.params.pooling is not None:
+            if not parent.finished:
+                return None
+            return PoolingRequestOutput(
+                parent.request_id,
+                parent.prompt_token_ids,
+                PoolingOutput(parent.seqs[0].pooled or []),
+                True,
+                parent.num_cached_tokens,
+                parent.metrics,
+                parent.prompt,
+            )
         kind = parent.params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not parent.finished:
             return None

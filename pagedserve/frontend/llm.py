@@ -9,8 +9,8 @@ from dataclasses import replace
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine_args import EngineArgs, signature
 from pagedserve.messages import EngineStats
-from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, PoolingParams, RequestOutputKind, SamplingParams
 from pagedserve.tokenizer import apply_chat_template
 
 
@@ -98,7 +98,8 @@ class LLM:
                         results[out.request_id] = out
                         if bar is not None:
                             n_in += len(out.prompt_token_ids)
-                            n_out += sum(len(c.token_ids) for c in out.outputs)
+                            if isinstance(out, RequestOutput):
+                                n_out += sum(len(c.token_ids) for c in out.outputs)
                             dt = max(time.perf_counter() - t0, 1e-9)
                             bar.set_postfix_str(
                                 f"in {n_in / dt:.0f} tok/s, out {n_out / dt:.0f} tok/s", refresh=False
@@ -111,6 +112,28 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+    # -- pooling (runner="pooling") -----------------------------------------------------
+    def embed(
+        self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True
+    ) -> list[PoolingRequestOutput]:
+        """One vector per prompt (`outputs.embedding`), on a model started with
+        runner="pooling" (vLLM's `LLM.embed`). Prompts as for `generate`."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        sp = SamplingParams(max_tokens=0, pooling=pooling_params or PoolingParams())
+        return self._run([(p, sp, 0) for p in prompts], use_tqdm)
+
+    def score(self, text_1, text_2, use_tqdm: bool = True) -> list[float]:
+        """Cosine similarity of `text_1`'s embedding (one string, or a list paired with
+        `text_2`) with each of `text_2`'s (vLLM's `LLM.score` for embedding models)."""
+        a = [text_1] if isinstance(text_1, str) else list(text_1)
+        b = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(a) != 1 and len(a) != len(b):
+            raise ValueError(f"text_1 must be one text or as many as text_2 ({len(b)}), got {len(a)}.")
+        vecs = [o.outputs.embedding for o in self.embed(a + b, PoolingParams(normalize=True), use_tqdm)]
+        left, right = vecs[: len(a)], vecs[len(a) :]
+        return [cosine(left[0 if len(a) == 1 else i], v) for i, v in enumerate(right)]
 
     def beam_search(self, prompts, params: BeamSearchParams):
         """Beam search with vLLM's semantics (see frontend/beam_search.py): returns one
@@ -135,6 +158,12 @@ class LLM:
 
 
 LLM.__init__.__signature__ = signature()  # help(LLM) lists every engine argument
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    na, nb = sum(x * x for x in a) ** 0.5, sum(y * y for y in b) ** 0.5
+    return dot / (na * nb) if na and nb else 0.0
 
 
 def _progress(total: int):
