@@ -44,6 +44,7 @@ from pagedserve.server.serving_chat import OpenAIServingChat
 from pagedserve.server.serving_completion import OpenAIServingCompletion
 from pagedserve.server.serving_messages import AnthropicServingMessages, MessagesRequest
 from pagedserve.server.serving_models import OpenAIServingModels
+from pagedserve.server.serving_pooling import EmbeddingRequest, RerankRequest, ScoreRequest, ServingPooling
 from pagedserve.server.serving_responses import OpenAIServingResponses, ResponsesRequest
 from pagedserve.server.serving_tokenize import OpenAIServingTokenization
 
@@ -133,6 +134,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, tool_call_parser: str, store=
     chat = OpenAIServingChat(ctx, tool_call_parser)
     tokenization = OpenAIServingTokenization(ctx, chat)
     responses, messages = OpenAIServingResponses(ctx, chat, store), AnthropicServingMessages(ctx, chat)
+    pooling = ServingPooling(ctx)
     app.add_api_route("/health", models.health, methods=["GET"])
     app.add_api_route("/metrics", models.metrics, methods=["GET"])
     app.add_api_route("/v1/models", models.models, methods=["GET"])
@@ -155,6 +157,20 @@ def _add_routes(app: FastAPI, ctx: ServingContext, tool_call_parser: str, store=
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request):
         return await messages.create(body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await pooling.embeddings(body, request)
+
+    @app.post("/score")
+    async def score(body: ScoreRequest, request: Request):
+        return await pooling.score(body, request)
+
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+
+        @app.post(path)
+        async def rerank(body: RerankRequest, request: Request):
+            return await pooling.rerank(body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

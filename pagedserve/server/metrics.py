@@ -204,6 +204,9 @@ class ServerMetrics:
         m = out.metrics
         if m is None or m.finished_time is None:
             return
+        if not isinstance(out.outputs, list):  # a pooling request: its latency is all there is
+            self.e2e.observe(m.finished_time - m.arrival_time)
+            return
         if m.slo is not None and all(c.finish_reason not in ("abort", "error") for c in out.outputs):
             n = max((len(c.token_ids) for c in out.outputs), default=0)
             for target, met in m.slo_results(n).items():
