@@ -100,8 +100,11 @@ def make_executor(config: EngineConfig, info: ModelInfo) -> Executor:
     if config.parallel.tensor_parallel_size > 1:
         from pagedserve.executor.distributed.multiproc_executor import MultiprocExecutor
 
+        if info.pooler is not None:
+            raise ValueError("runner='pooling' runs with tensor_parallel_size=1 in this version.")
+
         return MultiprocExecutor(config, info.model_path, info.model_config, device)
-    return UniProcExecutor(config, info.model_path, info.model_config, device)
+    return UniProcExecutor(config, info.model_path, info.model_config, device, info.pooler)
 
 
 def _import_class(qualname: str) -> type:

@@ -54,7 +54,10 @@ class Executor(ABC):
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig, device: str) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str, model_config: ModelConfig, device: str, pooler=None
+    ) -> None:
+        """`pooler`: a PoolerConfig for runner "pooling" (embeddings), else None."""
         from pagedserve.executor.model_runner import ModelRunner
 
         mc = config.model
@@ -71,6 +74,7 @@ class UniProcExecutor(Executor):
             kv_cache_dtype=config.cache.kv_cache_dtype,
             block_size=config.cache.block_size,
             drafter_factory=draft_model_factory(config.speculative),
+            pooler=pooler,
         )
         self.dtype_name = str(self.runner.dtype).removeprefix("torch.")
         self.device = str(self.runner.device)

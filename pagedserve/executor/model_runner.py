@@ -24,6 +24,7 @@ from pagedserve.executor.input_batch import InputBatch, StepInputs
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.logprobs import collect_prompt_logprobs, collect_sampled_logprobs
 from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.pooling import Pooler, PoolerConfig
 from pagedserve.executor.sampler import Sampler, make_sampling_batch
 from pagedserve.executor.spec_verify import verify_drafts
 from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
@@ -48,6 +49,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         block_size: int = 16,
         drafter_factory=None,
+        pooler: PoolerConfig | None = None,
     ) -> None:
         """`drafter_factory(model_config, dtype, device, backend)`: the draft model of
         speculative method "draft_model" (it shares this runner's block tables)."""
@@ -67,6 +69,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.drafter = drafter_factory(model_config, self.dtype, self.device, self.backend) if drafter_factory else None
         self.vocab_size = model_config.vocab_size
+        self.pooler = Pooler(pooler) if pooler is not None else None  # runner "pooling"
 
     @property
     def requests(self):
@@ -127,12 +130,20 @@ class ModelRunner:
         self.input_batch.update(so)
         if self.drafter is not None:
             self.drafter.update(so)
+        if self.pooler is not None:
+            for rid in (*so.finished_req_ids, *so.preempted_req_ids):
+                self.pooler.forget(rid)
         if not so.scheduled:
             return ModelRunnerOutput(sampled_token_ids={})
         if self.drafter is not None:  # the draft model's guesses for the placeholder slots
             so = self.drafter.fill_drafts(self, so)
         inp = self.input_batch.prepare(so)
-        rows = [i for i, sr in enumerate(inp.order) if sr.sample and sr.draft_token_ids is None]
+        pooled = [i for i, st in enumerate(inp.states) if st.params.pooling is not None]
+        rows = [
+            i
+            for i, sr in enumerate(inp.order)
+            if sr.sample and sr.draft_token_ids is None and inp.states[i].params.pooling is None
+        ]
         spec_rows = [i for i, sr in enumerate(inp.order) if sr.draft_token_ids is not None]
         # sampling settings go to the device before the forward (no sync after it)
         sample_states = [inp.states[i] for i in rows]
@@ -141,11 +152,23 @@ class ModelRunner:
         hidden = self._forward(inp)
         out = ModelRunnerOutput(sampled_token_ids={})
         collect_prompt_logprobs(self.model, inp.order, inp.states, inp.cu, hidden, out)
+        if pooled:
+            self._pool(inp, hidden, pooled, out)
         if spec_rows:
             verify_drafts(self.model, inp, hidden, spec_rows, self.block_size, self.sampler.generator, out)
         if rows:
             self._sample(so, inp, hidden, rows, sample_states, batch, out)
         return out
+
+    def _pool(self, inp: StepInputs, hidden: torch.Tensor, rows: list[int], out: ModelRunnerOutput) -> None:
+        """Pooling requests: each chunk's hidden states to the pooler; a request whose
+        prompt ends this step gets its vector."""
+        for i in rows:
+            sr, p = inp.order[i], inp.states[i].params.pooling
+            a, b = int(inp.cu[i]), int(inp.cu[i + 1])
+            self.pooler.add_chunk(sr.req_id, hidden[a:b], sr.num_computed_tokens)
+            if sr.sample:
+                out.pooled[sr.req_id] = self.pooler.finish(sr.req_id, hidden[b - 1], p.dimensions, p.normalize)
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         m = inp.meta
