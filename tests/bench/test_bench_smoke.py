@@ -273,3 +273,11 @@ def test_mixed_workload_and_summary(tmp_path):
     png = tmp_path / "m.png"
     plot({"x": s}, {"x": {"results": results}}, str(png))
     assert png.stat().st_size > 1000
+
+
+def test_embed_bench_offline_smoke(checkpoint, capsys):
+    from pagedserve.bench import embed
+
+    embed.main(["--offline", "--model", checkpoint("llama"), "--num", "12", "--len", "4", "40", "--batch", "4", "--vocab", "1000"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["pagedserve_inputs_per_s"] > 0 and out["min_cosine_vs_baseline"] > 0.9999
