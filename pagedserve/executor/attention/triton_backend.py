@@ -253,7 +253,11 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_written=False, window=None, softcap=None
+    ) -> torch.Tensor:
+        if window or softcap:  # models refuse to build on this backend first (supports_* False)
+            raise NotImplementedError("the Triton backend has no sliding window or logit soft-capping")
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         out = torch.empty_like(q)
