@@ -41,6 +41,18 @@ ARCH_KWARGS = {
     "qwen2_tp": dict(
         cls="Qwen2Config", tie_word_embeddings=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2
     ),
+    # mixture of experts: expert counts that do not divide the 2 threads, top-k 1 and 2, a
+    # shared expert, a dense layer among sparse ones, OLMoE's full-width q/k norms and clamp
+    "mixtral": dict(cls="MixtralConfig", tie_word_embeddings=False, num_local_experts=5, num_experts_per_tok=2,
+                    intermediate_size=64, sliding_window=None),
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", tie_word_embeddings=False, num_hidden_layers=3, num_experts=7,
+                      num_experts_per_tok=1, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                      mlp_only_layers=[1], norm_topk_prob=False),
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", tie_word_embeddings=True, num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=40, norm_topk_prob=True, head_dim=40),
+    "olmoe": dict(cls="OlmoeConfig", tie_word_embeddings=False, num_experts=5, num_experts_per_tok=3,
+                  intermediate_size=48, norm_topk_prob=False, clip_qkv=2.0, num_key_value_heads=3,
+                  pad_token_id=1),
     "qwen3_tp": dict(cls="Qwen3Config", tie_word_embeddings=False, head_dim=40, num_attention_heads=4, num_key_value_heads=2),
 }
 

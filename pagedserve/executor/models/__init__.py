@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from pagedserve.executor.models.llama import LlamaForCausalLM
+from pagedserve.executor.models.moe import MoeForCausalLM
 
 _REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "OlmoeForCausalLM": MoeForCausalLM,
 }
 
 
