@@ -53,6 +53,18 @@ ARCH_KWARGS = {
     "olmoe": dict(cls="OlmoeConfig", tie_word_embeddings=False, num_experts=5, num_experts_per_tok=3,
                   intermediate_size=48, norm_topk_prob=False, clip_qkv=2.0, num_key_value_heads=3,
                   pad_token_id=1),
+    # sliding windows: smaller than a block, spanning several blocks (8 / 16)
+    "mistral_w5": dict(cls="MistralConfig", tie_word_embeddings=False, sliding_window=5),
+    "mistral_w40": dict(cls="MistralConfig", tie_word_embeddings=False, sliding_window=40),
+    # Gemma 2: alternating sliding (window 12) / global layers, soft caps small enough to
+    # matter, a query_pre_attn_scalar unlike head_dim
+    "gemma2": dict(cls="Gemma2Config", num_hidden_layers=3, sliding_window=12, attn_logit_softcapping=1.5,
+                   final_logit_softcapping=2.0, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh"),
+    # Gemma 3: 3 sliding (window 10) : 1 global, local rope base 10k, global 50k scaled x2
+    "gemma3": dict(cls="Gemma3TextConfig", num_hidden_layers=4, sliding_window=10, query_pre_attn_scalar=32,
+                   layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "qwen3_tp": dict(cls="Qwen3Config", tie_word_embeddings=False, head_dim=40, num_attention_heads=4, num_key_value_heads=2),
 }
 

@@ -69,10 +69,8 @@ def resolve_config(config: EngineConfig) -> ModelInfo:
     budget (in place; idempotent). Cheap: reads config.json only."""
     path = resolve_model_path(config.model.model)
     mc = ModelConfig.from_hf_dict(load_hf_config_dict(path))
-    limit = mc.max_position_embeddings
-    if mc.sliding_window:  # full attention is exact up to the window
-        limit = min(limit, mc.sliding_window)
-    config.scheduler = config.scheduler.resolved(limit)
+    # sliding-window layers attend to their window at any length: the whole context runs
+    config.scheduler = config.scheduler.resolved(mc.max_position_embeddings)
     tok = config.model.tokenizer
     return ModelInfo(path, mc, resolve_model_path(tok) if tok else path)
 

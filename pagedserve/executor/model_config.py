@@ -108,7 +108,8 @@ class ModelConfig:
         hidden = d["hidden_size"]
         eos = d.get("eos_token_id")
         eos_ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
-        act = d.get("hidden_activation") or d.get("hidden_act", "silu")
+        # Gemma's MLP reads hidden_activation (default GELU tanh), the others hidden_act
+        act = (d.get("hidden_activation") or "gelu_pytorch_tanh") if arch in GEMMA_FAMILY else d.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
             raise ValueError(f"Unsupported hidden_act {act!r}; implemented: {', '.join(ACTIVATIONS)}.")
         cfg = cls(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.executor.models.gemma import GemmaForCausalLM
 from pagedserve.executor.models.llama import LlamaForCausalLM
 from pagedserve.executor.models.moe import MoeForCausalLM
 
@@ -14,6 +15,8 @@ _REGISTRY = {
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "OlmoeForCausalLM": MoeForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
