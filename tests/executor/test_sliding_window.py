@@ -55,9 +55,9 @@ def test_windowed_chunked_prefill_prefix_hits_and_generate(checkpoint, arch):
 def test_windowed_preemption_recompute_matches(checkpoint):
     path = checkpoint("gemma3")
     hf = load_hf(path)
-    runner = make_runner(path, 8, num_blocks=14)
+    runner = make_runner(path, 8, num_blocks=24)  # 4 KV cache groups: up to 4 blocks a block of tokens
     prompts = [[(3 * i + j) % 1000 for j in range(20)] for i in range(4)]
-    reqs, logits_at, sched = drive(runner, prompts, 16, 8, num_blocks=14, caching=False)
+    reqs, logits_at, sched = drive(runner, prompts, 16, 8, num_blocks=24, caching=False)
     assert sched.num_preemptions > 0
     check_against_hf(hf, reqs, logits_at)
 

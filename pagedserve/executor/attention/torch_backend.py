@@ -169,6 +169,9 @@ class TorchAttentionBackend(AttentionBackend):
         bs = k_cache.shape[1]
         nblk = -(-meta.max_decode_seq_len // bs)
         bt = meta.block_tables[:n, :nblk]
+        if window:  # entries before the window may be stale (given back): read the null block
+            first = (meta.seq_lens[:n] - window).clamp(min=0) // bs
+            bt = bt.masked_fill(torch.arange(nblk, device=bt.device)[None, :] < first[:, None], 0)
         keys = gather_kv(k_cache, bt, q.dtype).transpose(1, 2)  # [n, kvh, L, d]
         vals = gather_kv(v_cache, bt, q.dtype).transpose(1, 2)
         L = keys.shape[2]
