@@ -106,3 +106,21 @@ def test_backend_without_windows_is_refused():
         check_backend(_cfg("MistralForCausalLM"), NoWindows())
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         LlamaForCausalLM(_cfg("Gemma2ForCausalLM", sliding_window=None, attn_logit_softcapping=50.0), NoWindows())
+
+
+def test_engine_runs_gemma3_with_kv_cache_groups_and_ngram_speculation(checkpoint):
+    """Through LLM (the engine core passes the KV cache groups to the scheduler): greedy
+    tokens equal transformers' generate under n-gram speculation (rejected guesses trim
+    every group's table)."""
+    from pagedserve import LLM, SamplingParams
+
+    path = checkpoint("gemma3")
+    hf = load_hf(path)
+    prompt = [(7 * i + 3) % 1000 for i in range(30)] * 2
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt) :].tolist()
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(model=path, block_size=8, speculative_config=spec)
+    assert list(llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids) == ref
