@@ -65,6 +65,14 @@ ARCH_KWARGS = {
                    layer_types=["sliding_attention"] * 3 + ["full_attention"],
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; LongRoPE with a short original
+    # length (48) so prompts cross it, and a sliding window as Phi-3-mini's configs have
+    "phi3": dict(cls="Phi3Config", tie_word_embeddings=False, pad_token_id=0, sliding_window=30,
+                 original_max_position_embeddings=48,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "short_factor": [1.0 + 0.02 * i for i in range(16)],
+                                  "long_factor": [1.0 + 0.3 * i for i in range(16)],
+                                  "original_max_position_embeddings": 48}),
     "qwen3_tp": dict(cls="Qwen3Config", tie_word_embeddings=False, head_dim=40, num_attention_heads=4, num_key_value_heads=2),
 }
 

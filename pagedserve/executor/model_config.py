@@ -143,8 +143,9 @@ class ModelConfig:
             cfg.clip_qkv = d.get("clip_qkv")
         if arch == "Qwen3MoeForCausalLM":
             cfg.o_proj_bias = cfg.attention_bias
-        if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"partial_rotary_factor={d['partial_rotary_factor']} is not supported (only 1.0).")
+        partial = d.get("partial_rotary_factor") or _rope_params(d, FULL).get("partial_rotary_factor") or 1.0
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0).")
         return cfg
 
 

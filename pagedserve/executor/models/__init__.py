@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedserve.executor.models.gemma import GemmaForCausalLM
 from pagedserve.executor.models.llama import LlamaForCausalLM
 from pagedserve.executor.models.moe import MoeForCausalLM
+from pagedserve.executor.models.phi3 import Phi3ForCausalLM
 
 _REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,6 +18,7 @@ _REGISTRY = {
     "OlmoeForCausalLM": MoeForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
