@@ -124,7 +124,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA_FAMILY)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", d.get("qkv_bias", False))),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", d.get("qkv_bias", _QKV_BIAS(arch)))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=ACTIVATIONS[act],
             bos_token_id=d.get("bos_token_id"),
@@ -179,6 +179,10 @@ def _read_rope(cfg: ModelConfig, d: dict[str, Any]) -> None:
             if rope_type == "longrope" and not scaling.get("original_max_position_embeddings"):
                 raise ValueError("rope_scaling longrope needs original_max_position_embeddings.")
     cfg.rope_scaling = scaling
+
+
+def _QKV_BIAS(arch: str) -> bool:  # noqa: N802 (a table)
+    return arch == "Qwen2MoeForCausalLM"  # Qwen2-MoE's qkv_bias defaults to True
 
 
 _QWEN = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")

@@ -430,7 +430,8 @@ class LlamaForCausalLM(nn.Module):
             fused, shard = self._STACKED[parts[-2]]
             target = ".".join(parts[:-2] + [fused, parts[-1]])
         tensor = self._shard(target, shard, tensor)  # this rank's slice (packed or not)
-        if not isinstance(tensor, torch.Tensor) or self._packed(target):  # quantized, kept packed
+        # quantized, kept packed (a float bias of a packed layer stays its parameter)
+        if not isinstance(tensor, torch.Tensor) or (self._packed(target) and not target.endswith(".bias")):
             self._load_packed(target, shard, tensor)
             loaded.add(f"{target}#{shard}")
             return

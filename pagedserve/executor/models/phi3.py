@@ -7,9 +7,17 @@ length; Phi-3's sliding_window (2047 in the mini configs) is a sliding window li
 
 from __future__ import annotations
 
-import torch
-
 from pagedserve.executor.models.llama import LlamaForCausalLM
+from pagedserve.executor.quant.formats import PackedWeight
+
+
+def split_rows(w, sizes: list[int]) -> list:
+    """Row blocks of a tensor or of a packed (GGUF) weight."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(w.narrow_rows(start, n) if isinstance(w, PackedWeight) else w.narrow(0, start, n))
+        start += n
+    return out
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -18,13 +26,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         for name, tensor in super()._checkpoint_tensors(weights):
             prefix, _, leaf = name.rpartition(".")
-            if prefix.endswith("self_attn.qkv_proj") and isinstance(tensor, torch.Tensor):
+            if prefix.endswith("self_attn.qkv_proj"):
                 base = prefix.removesuffix("qkv_proj")
-                for part, t in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv], dim=0)):
+                for part, t in zip(("q_proj", "k_proj", "v_proj"), split_rows(tensor, [q, kv, kv])):
                     yield f"{base}{part}.{leaf}", t
-            elif prefix.endswith("mlp.gate_up_proj") and isinstance(tensor, torch.Tensor):
+            elif prefix.endswith("mlp.gate_up_proj"):
                 base = prefix.removesuffix("gate_up_proj")
-                gate, up = tensor.chunk(2, dim=0)
+                half = tensor.shape[0] // 2
+                gate, up = split_rows(tensor, [half, half])
                 yield f"{base}gate_proj.{leaf}", gate
                 yield f"{base}up_proj.{leaf}", up
             else:
