@@ -73,6 +73,13 @@ ARCH_KWARGS = {
                                   "short_factor": [1.0 + 0.02 * i for i in range(16)],
                                   "long_factor": [1.0 + 0.3 * i for i in range(16)],
                                   "original_max_position_embeddings": 48}),
+    # tensor parallelism over experts' intermediate (48 / 2, shared 80 / 2), a dense layer,
+    # 2 KV heads, and sliding layers (KV cache groups on each rank)
+    "qwen2_moe_tp": dict(cls="Qwen2MoeConfig", tie_word_embeddings=False, hidden_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=3, num_experts=5, num_experts_per_tok=2,
+                         moe_intermediate_size=48, shared_expert_intermediate_size=80, mlp_only_layers=[2],
+                         use_sliding_window=True, sliding_window=12,
+                         layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
     "qwen3_tp": dict(cls="Qwen3Config", tie_word_embeddings=False, head_dim=40, num_attention_heads=4, num_key_value_heads=2),
 }
 

@@ -204,6 +204,9 @@ def _read_attention_kinds(cfg: ModelConfig, d: dict[str, Any]) -> None:
         elif arch == "Gemma3ForCausalLM":
             pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
             types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
+        elif d.get("use_sliding_window") and arch == "Qwen2MoeForCausalLM":  # transformers 5's rule
+            last = d.get("max_window_layers", 28)
+            types = [SLIDING if (i + 1) % 2 and i < last else FULL for i in range(n)]
         elif d.get("use_sliding_window"):  # Qwen2 family: layers from max_window_layers on
             first = d.get("max_window_layers", n)
             types = [SLIDING if i >= first else FULL for i in range(n)]

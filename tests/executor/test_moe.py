@@ -132,3 +132,18 @@ def test_moe_config_reads_sparse_layers_and_top_k():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         _moe_config(num_experts_per_tok=5)
     assert SparseMoeBlock.__name__ == "SparseMoeBlock"
+
+
+def test_tensor_parallel_layout_of_experts():
+    """Experts split within (moe_intermediate_size by the ranks); OLMoE's full-width q/k
+    norms do not split and are refused, naming them."""
+    from pagedserve.executor.distributed.sharding import check_divisible
+
+    check_divisible(_moe_config(moe_intermediate_size=32), 2)
+    with pytest.raises(ValueError, match="moe_intermediate_size=33"):
+        check_divisible(_moe_config(moe_intermediate_size=33), 2)
+    olmoe = ModelConfig.from_hf_dict({"architectures": ["OlmoeForCausalLM"], "hidden_size": 64, "intermediate_size": 32,
+                                      "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 10,
+                                      "num_experts": 4, "num_experts_per_tok": 1})
+    with pytest.raises(ValueError, match="OLMoE"):
+        check_divisible(olmoe, 2)

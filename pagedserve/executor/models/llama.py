@@ -183,15 +183,11 @@ class LlamaForCausalLM(nn.Module):
     use_lean_decode: bool = True
     # Families whose layers the lean loop does not know (sandwich norms): False.
     lean_decode_layers: bool = True
-    # Tensor parallelism: False for families whose layers do not shard (the error names them).
-    supports_tp: bool = True
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
         check_backend(cfg, backend)
-        if get_tp_world_size() > 1 and not self.supports_tp:
-            raise ValueError(f"{cfg.architecture}: tensor parallelism is not supported for this family.")
         # this rank's share (everything at one rank); the process group must exist already
         self.tp = tp = TPLayout.make(cfg, get_tp_rank(), get_tp_world_size())
         self.embed_tokens = nn.Embedding(tp.vocab_per_rank, cfg.hidden_size)  # vocabulary-parallel
