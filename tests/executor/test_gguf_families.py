@@ -158,7 +158,7 @@ def write_family_gguf(hf_dir, out, arch, qtype=Q.F32):
     add_keys(w, arch, cfg)
     add_tokenizer(w, hf_dir, cfg["vocab_size"])
     for g, a in gguf_tensors(hf_dir, arch, cfg):
-        if a.ndim == 2 and qtype != Q.F32 and "gate_inp" not in g and a.shape[1] % 32 == 0:
+        if a.ndim in (2, 3) and qtype != Q.F32 and "gate_inp" not in g and a.shape[-1] % 32 == 0:
             w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(g, np.ascontiguousarray(a))
@@ -202,10 +202,11 @@ def test_family_gguf_runs_like_safetensors(tmp_path, monkeypatch, family):
     assert (logits - ref_logits).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma3", "phi3"])
 def test_family_gguf_packed_q8_0(tmp_path, monkeypatch, family):
-    """Q8_0 blocks run packed (the routers and stacked experts dequantized): as close to the
-    float checkpoint as int8 quantization at load gets."""
+    """Q8_0 blocks run packed (stacked experts as one packed matrix per expert, with float
+    rows where a part is not quantized: Qwen2-MoE's down_exps, K = 48; the routers float):
+    as close to the float checkpoint as int8 quantization at load gets."""
     monkeypatch.setattr(gguf_loader, "cache_dir", lambda: str(tmp_path / "cache"))  # kernels stay where built
     arch, overrides = FAMILIES[family]
     hf_dir = build_checkpoint(str(tmp_path / "hf"), family, **overrides)
@@ -215,7 +216,11 @@ def test_family_gguf_packed_q8_0(tmp_path, monkeypatch, family):
     _, logits = _run(converted_dir(path), prompt)
     from pagedserve.executor.quant.layers import packed_bytes
 
-    assert packed_bytes(make_runner(converted_dir(path), 16).model) > 0  # it ran packed
+    model = make_runner(converted_dir(path), 16).model
+    assert packed_bytes(model) > 0  # it ran packed
+    if family in ("mixtral", "qwen2_moe"):
+        experts = model.layers[0].mlp.experts
+        assert experts.q13 is not None and experts.w13.numel() == 0  # packed experts, float dropped
     # the prompt's logits (later ones follow tokens that may differ), against the error of
     # the same checkpoint quantized to int8 (Q8_0 blocks) at load: these random models
     # amplify int8 rounding differently (Gemma 3's: ~18%, the others' 1-2%)

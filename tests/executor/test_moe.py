@@ -67,6 +67,27 @@ def test_moe_bfloat16_close_to_transformers_bf16(checkpoint):
         assert (ours - ref[p]).abs().max().item() < 0.1  # bf16: a looser, stated tolerance
 
 
+def test_moe_int8_at_load_packs_the_experts(checkpoint):
+    """quantization="int8": every expert packed (Q8_0 blocks, executor/quant's kernels), the
+    router left float; logits close to float32 (int8 weights: a stated tolerance)."""
+    path = checkpoint("mixtral")
+    prompt = [[(5 * i + 1) % 1000 for i in range(30)]]
+    ref = drive(make_runner(path, 16), prompt, 4, 16)[1]
+    runner = make_runner(path, 16)
+    runner.model = None
+    from pagedserve.executor.model_runner import ModelRunner
+
+    runner = ModelRunner(path, runner.model_config, dtype="float32", quantization="int8")
+    runner.initialize_kv_cache(200, 16)
+    block = runner.model.layers[0].mlp
+    assert block.experts.q13 is not None and block.experts.w13.numel() == 0
+    assert type(block.gate).__name__ == "Router"
+    got = drive(runner, prompt, 4, 16)[1]
+    first = min(ref)
+    rel = ((got[first] - ref[first]).norm() / ref[first].norm()).item()
+    assert 0 < rel < 0.05, rel
+
+
 def test_experts_run_once_per_step_over_their_tokens(monkeypatch):
     """Tokens are grouped by expert: one (gate_up, down) product pair per expert chosen by
     any token of the step, each over exactly the rows that chose it; equal to the per-token

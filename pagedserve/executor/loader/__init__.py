@@ -84,9 +84,14 @@ def build_model(
     else:
         model.load_weights(iterate_weights(path))
     if quant in ("int8", "int4"):
+        from pagedserve.executor.models.moe import FusedExperts
+        from pagedserve.executor.quant.formats import QUANTIZERS
         from pagedserve.executor.quant.layers import quantize_linears
 
         quantize_linears(model, quant)
+        for mod in model.modules():  # MoE experts (stacked tensors, not nn.Linear)
+            if isinstance(mod, FusedExperts):
+                mod.quantize(QUANTIZERS[quant])
     elif quant == "none" and dtype == torch.float32 and device.type == "cpu":
         from pagedserve.executor.quant.layers import use_float_kernels
 

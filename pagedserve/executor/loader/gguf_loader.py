@@ -358,8 +358,8 @@ def packed_tensor_index(model_dir: str, source: str) -> dict:
 
 def iterate_gguf_packed(source: str, index: dict, config: dict) -> Iterator[tuple[str, object]]:
     """(HF name, tensor) with every 2-D tensor of a block-quantized type kept packed (a
-    PackedWeight copied once out of the file, Q/K rows un-permuted), the rest as float32
-    (routers and stacked experts among them: they run dequantized)."""
+    PackedWeight copied once out of the file, Q/K rows un-permuted), stacked experts as one
+    PackedWeight per expert, the rest as float32 (the routers among them)."""
     import gguf
 
     from pagedserve.executor.quant.formats import F32, PACKED_TYPES, PackedWeight
@@ -370,15 +370,19 @@ def iterate_gguf_packed(source: str, index: dict, config: dict) -> Iterator[tupl
     # a fused layer (q/k/v, gate/up) is packed whole if any of its parts is: float parts of it
     # then travel as F32 rows
     groups = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gu", "ffn_up": "gu",
-              "ffn_gate_shexp": "gus", "ffn_up_shexp": "gus"}
+              "ffn_gate_shexp": "gus", "ffn_up_shexp": "gus", "ffn_gate_exps": "exps", "ffn_up_exps": "exps",
+              "ffn_down_exps": "exps"}
 
     def group(gname: str) -> str | None:
         parts = gname.split(".")
+        if len(parts) == 5 and parts[0] == "blk" and parts[3].isdigit():  # one expert's tensor
+            return f"{parts[1]}.e{parts[3]}"
         g = groups.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
         return f"{parts[1]}.{g}" if g else None
 
     def packable(gname: str, info: dict) -> bool:
-        return info["type"] in PACKED_TYPES and len(info["shape"]) == 2 and not gname.endswith(UNPACKED)
+        dims = 3 if gname.split(".", 2)[-1] in _EXPERTS else 2
+        return info["type"] in PACKED_TYPES and len(info["shape"]) == dims and not gname.endswith(UNPACKED)
 
     packed_groups = {group(n) for n, i in index.items() if group(n) and packable(n, i)}
     mm = np.memmap(source, dtype=np.uint8, mode="r")
@@ -388,7 +392,12 @@ def iterate_gguf_packed(source: str, index: dict, config: dict) -> Iterator[tupl
             raw = mm[info["offset"] : info["offset"] + info["nbytes"]]
             shape = tuple(reversed(info["shape"]))
             name = hf_name(gname, arch)
-            if packable(gname, info) and name is not None and ".mlp.experts." not in name:
+            if packable(gname, info) and name is None:  # stacked experts: one weight each
+                per = raw.reshape(shape[0], shape[1], -1)
+                for (hf, _), e in zip(convert_tensor(gname, per, arch, heads, kv_heads), range(shape[0])):
+                    yield hf, PackedWeight(qtype, torch.from_numpy(np.array(per[e], order="C")), shape[1:])
+                continue
+            if packable(gname, info) and name is not None:
                 rows = raw.reshape(shape[0], -1)
                 n_head = _rope_heads(gname, arch, heads, kv_heads)
                 if n_head:

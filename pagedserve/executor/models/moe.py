@@ -45,11 +45,52 @@ class Router(nn.Module):
 
 
 class FusedExperts(nn.Module):
+    """Float experts (w13, w2), or packed ones: per expert a QuantLinear for gate/up (two
+    parts) and one for down (`q13`, `q2`), from a GGUF's blocks or quantized at load
+    (int8 / int4), run by executor/quant's kernels; the float tensors are then dropped."""
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.q13: nn.ModuleList | None = None
+        self.q2: nn.ModuleList | None = None
+
+    def _packed_layers(self) -> None:
+        from pagedserve.executor.quant.layers import QuantLinear
+
+        if self.q13 is None:
+            e, h, i = self.num_experts, self.hidden, self.intermediate
+            self.q13 = nn.ModuleList(QuantLinear(h, [i, i]) for _ in range(e))
+            self.q2 = nn.ModuleList(QuantLinear(i, [h]) for _ in range(e))
+
+    def set_packed(self, e: int, part: int, w) -> None:
+        """Part 0 (gate), 1 (up) or 2 (down) of expert e, packed (or float rows of a packed layer)."""
+        self._packed_layers()
+        if part == 2:
+            self.q2[e].set_part(0, w)
+        else:
+            self.q13[e].set_part(part, w)
+
+    def quantize(self, quantize) -> bool:
+        """Pack every expert with `quantize` (formats.QUANTIZERS); False (left float) when a
+        dimension is not a multiple of the 32-element blocks."""
+        if self.hidden % 32 or self.intermediate % 32:
+            return False
+        for e in range(self.num_experts):
+            i = self.intermediate
+            self.set_packed(e, 0, quantize(self.w13[e, :i]))
+            self.set_packed(e, 1, quantize(self.w13[e, i:]))
+            self.set_packed(e, 2, quantize(self.w2[e]))
+        self.drop_float()
+        return True
+
+    def drop_float(self) -> None:
+        """After packing: the float tensors are not used (nor kept in memory)."""
+        if self.q13 is not None:
+            self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+            self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, kern=None) -> torch.Tensor:
         """x [T, H], the routing weights and expert ids [T, k] -> sum_j weights[t, j] *
@@ -61,11 +102,15 @@ class FusedExperts(nn.Module):
         xs = x.index_select(0, order // k)  # each pair's token
         ys = torch.empty_like(xs)
         start = 0
+        packed = self.q13 is not None
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             seg = xs[start : start + n]
-            ys[start : start + n] = F.linear(act_and_mul(F.linear(seg, self.w13[e]), kern), self.w2[e])
+            if packed:
+                ys[start : start + n] = self.q2[e].forward(act_and_mul(self.q13[e].forward(seg), kern))
+            else:
+                ys[start : start + n] = F.linear(act_and_mul(F.linear(seg, self.w13[e]), kern), self.w2[e])
             start += n
         # back to (token, choice) order by a gather (a scatter-add is ~30 ms for two rows on
         # a busy 2-core machine: OpenMP waits), then each token's k outputs weighted and summed
@@ -143,14 +188,17 @@ class MoeForCausalLM(LlamaForCausalLM):
         return None
 
     def _load_expert(self, layer: str, e: int, part: int, w, params: dict, loaded: set[str]) -> None:
-        """Part 0 (gate), 1 (up) or 2 (down) of expert e of `layer`, this rank's slice."""
-        if not isinstance(w, torch.Tensor):
-            raise ValueError(f"{layer} expert {e}: packed (quantized) expert weights are not supported yet")
+        """Part 0 (gate), 1 (up) or 2 (down) of expert e of `layer`, this rank's slice
+        (packed GGUF blocks go to the experts' QuantLinears)."""
         target = f"{layer}.mlp.experts.{'w2' if part == 2 else 'w13'}"
         param = params.get(target)
         if param is None or e >= param.shape[0]:
             raise ValueError(f"checkpoint expert {e} of {layer} matches no parameter of {self.config.architecture}")
         w = sharding.shard_row(w, self.tp) if part == 2 else sharding.shard_column(w, self.tp)
+        if not isinstance(w, torch.Tensor):
+            self.get_submodule(f"{layer}.mlp.experts").set_packed(e, part, w)
+            loaded.add(f"{target}#{e}.{part}")
+            return
         if part == 2:
             dst = param[e]
         else:
@@ -161,6 +209,12 @@ class MoeForCausalLM(LlamaForCausalLM):
         with torch.no_grad():
             dst.copy_(w)
         loaded.add(f"{target}#{e}.{part}")
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(weights)
+        for mod in self.modules():
+            if isinstance(mod, FusedExperts):
+                mod.drop_float()
 
     def _expected_keys(self, params: dict) -> set[str]:
         out = set()
