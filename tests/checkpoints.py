@@ -41,6 +41,45 @@ ARCH_KWARGS = {
     "qwen2_tp": dict(
         cls="Qwen2Config", tie_word_embeddings=True, hidden_size=128, num_attention_heads=4, num_key_value_heads=2
     ),
+    # mixture of experts: expert counts that do not divide the 2 threads, top-k 1 and 2, a
+    # shared expert, a dense layer among sparse ones, OLMoE's full-width q/k norms and clamp
+    "mixtral": dict(cls="MixtralConfig", tie_word_embeddings=False, num_local_experts=5, num_experts_per_tok=2,
+                    intermediate_size=64, sliding_window=None),
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", tie_word_embeddings=False, num_hidden_layers=3, num_experts=7,
+                      num_experts_per_tok=1, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                      mlp_only_layers=[1], norm_topk_prob=False),
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", tie_word_embeddings=True, num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=40, norm_topk_prob=True, head_dim=40),
+    "olmoe": dict(cls="OlmoeConfig", tie_word_embeddings=False, num_experts=5, num_experts_per_tok=3,
+                  intermediate_size=48, norm_topk_prob=False, clip_qkv=2.0, num_key_value_heads=3,
+                  pad_token_id=1),
+    # sliding windows: smaller than a block, spanning several blocks (8 / 16)
+    "mistral_w5": dict(cls="MistralConfig", tie_word_embeddings=False, sliding_window=5),
+    "mistral_w40": dict(cls="MistralConfig", tie_word_embeddings=False, sliding_window=40),
+    # Gemma 2: alternating sliding (window 12) / global layers, soft caps small enough to
+    # matter, a query_pre_attn_scalar unlike head_dim
+    "gemma2": dict(cls="Gemma2Config", num_hidden_layers=3, sliding_window=12, attn_logit_softcapping=1.5,
+                   final_logit_softcapping=2.0, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh"),
+    # Gemma 3: 3 sliding (window 10) : 1 global, local rope base 10k, global 50k scaled x2
+    "gemma3": dict(cls="Gemma3TextConfig", num_hidden_layers=4, sliding_window=10, query_pre_attn_scalar=32,
+                   layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; LongRoPE with a short original
+    # length (48) so prompts cross it, and a sliding window as Phi-3-mini's configs have
+    "phi3": dict(cls="Phi3Config", tie_word_embeddings=False, pad_token_id=0, sliding_window=30,
+                 original_max_position_embeddings=48,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "short_factor": [1.0 + 0.02 * i for i in range(16)],
+                                  "long_factor": [1.0 + 0.3 * i for i in range(16)],
+                                  "original_max_position_embeddings": 48}),
+    # tensor parallelism over experts' intermediate (48 / 2, shared 80 / 2), a dense layer,
+    # 2 KV heads, and sliding layers (KV cache groups on each rank)
+    "qwen2_moe_tp": dict(cls="Qwen2MoeConfig", tie_word_embeddings=False, hidden_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=3, num_experts=5, num_experts_per_tok=2,
+                         moe_intermediate_size=48, shared_expert_intermediate_size=80, mlp_only_layers=[2],
+                         use_sliding_window=True, sliding_window=12,
+                         layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
     "qwen3_tp": dict(cls="Qwen3Config", tie_word_embeddings=False, head_dim=40, num_attention_heads=4, num_key_value_heads=2),
 }
 

@@ -25,6 +25,7 @@ from pagedserve.core.kv_audit import audit_idle_kv
 from pagedserve.core.kv_cache_manager import cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.executor.executor import Executor, UniProcExecutor
+from pagedserve.executor.kv_cache import kv_cache_layout
 from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.executor.pooling import PoolerConfig, resolve_pooler
@@ -73,10 +74,8 @@ def resolve_config(config: EngineConfig) -> ModelInfo:
     path = resolve_model_path(config.model.model)
     hf = load_hf_config_dict(path)
     mc = ModelConfig.from_hf_dict(hf)
-    limit = mc.max_position_embeddings
-    if mc.sliding_window:  # full attention is exact up to the window
-        limit = min(limit, mc.sliding_window)
-    config.scheduler = config.scheduler.resolved(limit)
+    # sliding-window layers attend to their window at any length: the whole context runs
+    config.scheduler = config.scheduler.resolved(mc.max_position_embeddings)
     tok = config.model.tokenizer
     m = config.model
     pooler = resolve_pooler(path, hf, m.pooling_type, m.pooling_normalize) if m.runner == "pooling" else None
@@ -129,6 +128,9 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_blocks, cc.block_size)
         self.executor.compile_or_warm_up(sc.max_num_seqs, sc.max_model_len)
         spec = {"speculative": config.speculative} if config.speculative is not None else {}
+        windows = kv_cache_layout(self.model_config).windows
+        if windows != (None,):  # sliding-window layers: the hybrid KV cache manager
+            spec["kv_cache_groups"] = windows
         self.scheduler = _import_class(sc.scheduler_cls)(sc, cc, self.num_blocks, **spec)
         # The live view's step records (core/snapshot.py STEP_FIELDS), kept only when
         # snapshots are on: None costs the step one attribute test.
@@ -168,7 +170,8 @@ class EngineCore:
                 f"the KV cache budget of {budget} bytes holds no KV block ({per_block} bytes per block of "
                 f"{cc.block_size} tokens); raise kv_cache_memory_bytes or gpu_memory_utilization."
             )
-        useful = sc.max_num_seqs * cdiv(sc.max_model_len, cc.block_size) + 1
+        lay = kv_cache_layout(self.model_config)  # every group's blocks, at most
+        useful = sc.max_num_seqs * cdiv(sc.max_model_len, cc.block_size) * lay.num_groups + 1
         return int(min(n, useful))
 
     # -- requests ---------------------------------------------------------------------

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.core.admission import check_fits
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_cache_manager import make_kv_cache_manager
 from pagedserve.core.policies import POLICIES
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.spec_decode import SpecDecodeState
@@ -69,13 +69,22 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         speculative: SpeculativeConfig | None = None,
+        kv_cache_groups: tuple[int | None, ...] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """`clock`: the wall clock the policy ages and meets deadlines by (tests pass a fake)."""
+        """`kv_cache_groups`: per KV cache group, its sliding window or None (full
+        attention); None: one full-attention group (the hybrid KV cache manager's input).
+        `clock`: the wall clock the policy ages and meets deadlines by (tests pass a fake)."""
         self.config = sched_config.resolved()
         self.spec = SpecDecodeState(speculative) if speculative is not None else None
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = make_kv_cache_manager(
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            kv_cache_groups,
+            self.config.max_num_batched_tokens,
+        )
         self.policy = POLICIES[sched_config.scheduling_policy](self.config, clock)
         self.waiting = self.policy.waiting
         self.running: list[Request] = []
@@ -97,7 +106,8 @@ class Scheduler:
         """Queue a request, or raise ValueError if it could never run."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use.")
-        check_fits(req.num_prompt_tokens, req.max_tokens, self.config.max_model_len, self.block_size, self.kv.num_total_blocks)
+        cap = self.kv.request_capacity_blocks
+        check_fits(req.num_prompt_tokens, req.max_tokens, self.config.max_model_len, self.block_size, cap)
         params = req.sampling_params
         req.stop_token_set = frozenset(params.stop_token_ids).union(
             () if params.ignore_eos else req.eos_token_ids

@@ -2,6 +2,12 @@
 the scheduler's deltas (a running request costs only its new tokens and new block ids to
 send), and the flattening of one step into model inputs.
 
+KV cache groups (sliding-window models): a request's `block_ids` is the scheduler's flat
+table, `num_groups` entries per block (entry j * G + g: group g's block j); each group gets
+its own block table and slot mapping, `meta.groups[g]`. Entries a sliding group gave back
+(the null block, or a stale id: the scheduler does not resend them) lie before every
+window and are never read.
+
 Invariants: `requests` holds exactly the requests scheduled since they were last new
 (first scheduling or resumption) and not finished or preempted since; a request's
 `block_ids` is its whole block table; its `output_token_ids` are the tokens sampled so
@@ -10,6 +16,7 @@ far (appended by the runner as it samples, so penalties see them next step).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -52,6 +59,7 @@ class InputBatch:
     def __init__(self, device: torch.device, block_size: int) -> None:
         self.device = device
         self.block_size = block_size
+        self.num_groups = 1  # KV cache groups (set with the KV cache)
         self.requests: dict[str, RequestState] = {}
         # seeded generators survive preemption (so seeds stay exact); dropped at the end
         self.generators: dict[str, torch.Generator] = {}
@@ -83,6 +91,19 @@ class InputBatch:
             gen.manual_seed(params.seed % 2**63)  # any int64 (or larger) seed
         return gen
 
+    def _block_tables(self, states: list[RequestState], max_blocks: int) -> np.ndarray:
+        """[G, n, max_blocks] block tables, one per KV cache group (zeros: the null block)."""
+        G = self.num_groups
+        tables = np.zeros((G, len(states), max_blocks), dtype=np.int64)
+        for i, st in enumerate(states):
+            ids = st.block_ids[: max_blocks * G]  # a draft pass may see fewer positions than allocated
+            if G == 1:
+                tables[0, i, : len(ids)] = ids
+            else:
+                m = len(ids) // G
+                tables[:, i, :m] = np.asarray(ids, dtype=np.int64).reshape(m, G).T
+        return tables
+
     def prepare(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled requests (decodes first, as the attention contract wants)
         into token ids, positions and attention metadata."""
@@ -100,10 +121,8 @@ class InputBatch:
         req_idx = np.repeat(np.arange(n), q_lens)
         positions = np.arange(total, dtype=np.int64) - cu[:-1][req_idx] + starts[req_idx]
         max_blocks = int((seq_lens.max() + bs - 1) // bs)
-        block_table = np.zeros((n, max_blocks), dtype=np.int64)
-        for i, st in enumerate(states):
-            ids = st.block_ids[:max_blocks]  # a draft pass may see fewer positions than allocated
-            block_table[i, : len(ids)] = ids
+        tables = self._block_tables(states, max_blocks)
+        block_table = tables[0]
         slots = block_table[req_idx, positions // bs] * bs + positions % bs
         dev = self.device
         meta = AttentionMetadata(
@@ -119,6 +138,16 @@ class InputBatch:
             query_start_loc_list=cu.tolist(),
             seq_lens_list=seq_lens.tolist(),
         )
+        if len(tables) > 1:
+            meta.groups = [meta] + [
+                dataclasses.replace(
+                    meta,
+                    block_tables=torch.from_numpy(t).to(dev),
+                    slot_mapping=torch.from_numpy(t[req_idx, positions // bs] * bs + positions % bs).to(dev),
+                    backend_cache={},
+                )
+                for t in tables[1:]
+            ]
         return StepInputs(
             order, states, cu, torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
         )

@@ -3,15 +3,24 @@ bytes the cache may take.
 
 Layout, per layer: K and V of shape [num_blocks, block_size, kv_heads, head_dim] in the
 KV cache dtype; block 0 is the null block (padding), never handed to a request.
+
+With sliding-window layers the layers form KV cache groups (`KVCacheLayout`, the hybrid KV
+cache manager's other half): each group holds layers of one attention kind, every group
+the same number of layers ("slots", padded), and slot s of every group shares one tensor
+pair. A block id belongs to one group at a time, so a block costs `num_slots` layers'
+K/V, and a group's blocks are managed (freed out of the window) on their own.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from pagedserve.executor.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +49,40 @@ def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     return lazy_zeros(shape, dtype)
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    windows: tuple[int | None, ...]  # per group: None (full attention) or its window
+    group_of_layer: tuple[int, ...]
+    slot_of_layer: tuple[int, ...]
+    num_slots: int  # layers per group: tensor pairs allocated
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+
+def kv_cache_layout(cfg: ModelConfig) -> KVCacheLayout:
+    """Layers grouped by attention kind (full, or one window), groups of min-count layers
+    (vLLM's rule: no padding when one kind's count divides the others'). A model without
+    sliding layers: one group of all layers, today's layout."""
+    n = cfg.num_hidden_layers
+    kinds: dict[int | None, list[int]] = {}
+    for i in range(n):
+        kinds.setdefault(cfg.layer_window(i), []).append(i)
+    if len(kinds) == 1:
+        (w,) = kinds
+        return KVCacheLayout((w,), (0,) * n, tuple(range(n)), n)
+    size = min(len(v) for v in kinds.values())
+    windows, group, slot = [], [0] * n, [0] * n
+    for w in sorted(kinds, key=lambda x: (x is not None, x or 0)):  # full attention first
+        layers = kinds[w]
+        for c in range(0, len(layers), size):
+            for s, i in enumerate(layers[c : c + size]):
+                group[i], slot[i] = len(windows), s
+            windows.append(w)
+    return KVCacheLayout(tuple(windows), tuple(group), tuple(slot), size)
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -67,6 +67,12 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
         self.input_batch = InputBatch(self.device, block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_layout = kv_cache.kv_cache_layout(model_config)
+        if drafter_factory and self.kv_layout.num_groups > 1:
+            raise ValueError(
+                f"speculative method 'draft_model' with {model_config.architecture}'s sliding-window layers "
+                "(several KV cache groups) is not supported; use method 'ngram'."
+            )
         self.drafter = drafter_factory(model_config, self.dtype, self.device, self.backend) if drafter_factory else None
         self.vocab_size = model_config.vocab_size
         self.pooler = Pooler(pooler) if pooler is not None else None  # runner "pooling"
@@ -88,17 +94,22 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
-        own = kv_cache.kv_bytes_per_block(c.num_hidden_layers, block_size, self.num_kv_heads, c.head_dim, self.kv_dtype)
+        # one block is one group's layers (all of them without sliding-window layers)
+        own = kv_cache.kv_bytes_per_block(self.kv_layout.num_slots, block_size, self.num_kv_heads, c.head_dim, self.kv_dtype)
         draft = self.drafter.kv_bytes_per_block(block_size, self.kv_dtype.itemsize) if self.drafter is not None else 0
         return own + draft
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """K and V per layer: [num_blocks, block_size, kv_heads, head_dim], zeroed (on the CPU
-        committed page by page as blocks are first written: kv_cache.lazy_zeros)."""
-        c = self.model_config
+        committed page by page as blocks are first written: kv_cache.lazy_zeros). With KV
+        cache groups, slot s of every group shares one pair (kv_cache.KVCacheLayout)."""
+        c, lay = self.model_config, self.kv_layout
         shape = (num_blocks, block_size, self.num_kv_heads, c.head_dim)
         self.input_batch.block_size = block_size
-        self.kv_caches = kv_cache.allocate(c.num_hidden_layers, shape, self.kv_dtype, self.device)
+        self.input_batch.num_groups = lay.num_groups
+        self.model.kv_group_of_layer = list(lay.group_of_layer)
+        slots = kv_cache.allocate(lay.num_slots, shape, self.kv_dtype, self.device)
+        self.kv_caches = [slots[s] for s in lay.slot_of_layer]
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, block_size, lambda s: kv_cache.zeros(s, self.kv_dtype, self.device))
 
@@ -113,6 +124,9 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Decode-only steps replay CUDA graphs (Triton backend on CUDA, unless enforce_eager)."""
         if self.enforce_eager or self.device.type != "cuda" or self.backend.name != "triton":
+            return
+        if self.kv_layout.num_groups > 1:  # graphs replay one block table
+            logger.info("CUDA graphs off: %d KV cache groups", self.kv_layout.num_groups)
             return
         from pagedserve.executor.cuda_graphs import CudaGraphRunner, capture_sizes
 
@@ -155,7 +169,9 @@ class ModelRunner:
         if pooled:
             self._pool(inp, hidden, pooled, out)
         if spec_rows:
-            verify_drafts(self.model, inp, hidden, spec_rows, self.block_size, self.sampler.generator, out)
+            verify_drafts(
+                self.model, inp, hidden, spec_rows, self.block_size, self.sampler.generator, out, self.kv_layout.num_groups
+            )
         if rows:
             self._sample(so, inp, hidden, rows, sample_states, batch, out)
         return out

@@ -13,10 +13,13 @@ from pagedserve.messages import ModelRunnerOutput
 from pagedserve.sampling_params import SamplingParams
 
 
-def verify_drafts(model, inp, hidden, spec_rows, block_size: int, generator, out: ModelRunnerOutput) -> None:
+def verify_drafts(
+    model, inp, hidden, spec_rows, block_size: int, generator, out: ModelRunnerOutput, num_groups: int = 1
+) -> None:
     """For the requests at `spec_rows` of `inp.order`: the accepted guesses plus one more
     token into `out.spec_token_ids`, appended to their states' outputs. Their block tables
-    drop blocks that held only rejected guesses, as the scheduler does."""
+    drop blocks that held only rejected guesses, as the scheduler does (`num_groups` KV
+    cache groups: the flat table has that many entries per block)."""
     order, states, cu = inp.order, inp.states, inp.cu
     spans = [(int(cu[i + 1]) - len(order[i].draft_token_ids) - 1, int(cu[i + 1])) for i in spec_rows]
     idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(hidden.device)
@@ -34,7 +37,7 @@ def verify_drafts(model, inp, hidden, spec_rows, block_size: int, generator, out
         out.spec_token_ids[sr.req_id] = toks
         st.output_token_ids.extend(toks)
         keep = -(-(sr.num_computed_tokens + len(toks)) // block_size)
-        del st.block_ids[keep:]
+        del st.block_ids[keep * num_groups :]  # the flat table: num_groups entries a block
 
 
 def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -144,3 +144,38 @@ def test_short_queries_through_decode_kernel_match_sdpa(heads, kv_heads):
     out = fast.forward(q, k, v, kc0.clone(), vc0.clone(), meta2, d**-0.5)
     assert meta2.backend_cache["short"][0] is not None  # the short requests took the kernel
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [5, 16, 40])  # inside a block, one block, several blocks
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (2, 1, 12)])  # AVX2 path; portable path
+def test_cpp_decode_sliding_window_and_softcap(dtype, tol, window, softcap, heads, kv_heads, d):
+    """A window: each row attends to its last `window` positions, reading no block wholly
+    before them (their table entries here point at NaN blocks, as a block handed back to the
+    pool may hold anything); a soft cap: tanh-capped scores. Against the reference's masks,
+    one row per length (batch-1 rows take the split-context path)."""
+    g = torch.Generator().manual_seed(window + heads)
+    bs, nb = 8, 96
+    kc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype) * 2
+    vc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype)
+    kc[1], vc[1] = float("nan"), float("nan")  # the stale block
+    for lens in ([1, 4, 5, 6, 16, 17, 41, 100], [150]):
+        n = len(lens)
+        lens_t = torch.tensor(lens)
+        nblk = -(-max(lens) // bs)
+        bt = torch.stack([torch.randperm(nb - 2, generator=g)[:nblk] + 2 for _ in range(n)])
+        for i, L in enumerate(lens):  # blocks before the window: the NaN block
+            bt[i, : max(0, L - window) // bs] = 1
+        q = torch.randn(n, heads, d, generator=g).to(dtype)
+        meta = AttentionMetadata(n, n, None, lens_t, bt, None, 1, max(lens), max(lens), None, None)
+        clean = bt.masked_fill(bt == 1, 2)  # the reference gathers every block: give it finite ones
+        ref = TorchAttentionBackend._decode(q, kc, vc, meta.__class__(**{**meta.__dict__, "block_tables": clean}),
+                                            d**-0.5, window, softcap)
+        out = kernels.paged_decode(q, kc, vc, bt, lens_t, d**-0.5, window, softcap or 0.0)
+        assert torch.isfinite(out.float()).all()
+        assert (out.float() - ref.float()).abs().max().item() < tol
+        full = kernels.paged_decode(q, kc, vc, clean, lens_t, d**-0.5, 0, softcap or 0.0)
+        if max(lens) > window:
+            assert (full.float() - ref.float()).abs().max().item() > tol  # the window matters

@@ -29,10 +29,12 @@ def make_runner(path, block_size, num_blocks=200, dtype="float32", kv_cache_dtyp
 def drive(runner, prompts, max_tokens, block_size, num_blocks=200, budget=4096, caching=True, late=None):
     """Run requests through the real scheduler and runner, greedy, recording our logits at
     every sampled position. late: {step: [(rid, prompt, max_tokens)]} added mid-run."""
+    windows = runner.kv_layout.windows  # sliding-window models: the hybrid KV cache manager
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_model_len=2048),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks,
+        kv_cache_groups=windows if windows != (None,) else None,
     )
     reqs = {}
 

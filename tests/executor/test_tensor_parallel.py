@@ -71,6 +71,9 @@ def _children() -> set[int]:
     "arch",
     [
         "llama_tp",  # 4 q heads, 1 KV head (replicated), vocabulary 1001 (padded)
+        # experts split within (each rank 24 of 48 rows), shared expert, a dense layer, sliding
+        # layers (KV cache groups on every rank)
+        "qwen2_moe_tp",
         pytest.param("qwen2_tp", marks=pytest.mark.slow),  # 2 KV heads (split), q/k/v bias, tied LM head
         pytest.param("qwen3_tp", marks=pytest.mark.slow),  # 2 KV heads, q/k norms, head_dim 40
     ],

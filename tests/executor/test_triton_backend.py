@@ -61,9 +61,9 @@ def to_dev(*ts):
     return [t.to(DEV) if isinstance(t, torch.Tensor) else t for t in ts]
 
 
-def run_both(q, k, v, kc, vc, meta, d):
+def run_both(q, k, v, kc, vc, meta, d, **extra):
     ref_kc, ref_vc = kc.clone(), vc.clone()
-    ref = TorchAttentionBackend().forward(q, k, v, ref_kc, ref_vc, meta, d**-0.5)
+    ref = TorchAttentionBackend().forward(q, k, v, ref_kc, ref_vc, meta, d**-0.5, **extra)
     dm = AttentionMetadata(
         **{
             f: (getattr(meta, f).to(DEV) if isinstance(getattr(meta, f), torch.Tensor) else getattr(meta, f))
@@ -71,7 +71,7 @@ def run_both(q, k, v, kc, vc, meta, d):
         }
     )
     qd, kd, vd, kcd, vcd = to_dev(q, k, v, kc.clone(), vc.clone())
-    out = TritonAttentionBackend().forward(qd, kd, vd, kcd, vcd, dm, d**-0.5)
+    out = TritonAttentionBackend().forward(qd, kd, vd, kcd, vcd, dm, d**-0.5, **extra)
     return ref, out.cpu(), (ref_kc, kcd.cpu()), (ref_vc, vcd.cpu())
 
 
@@ -89,6 +89,22 @@ def test_mixed_batch_matches_reference(bs, heads, kv_heads, d):
     ref, out, (rk, ok), (rv, ov) = run_both(q, k, v, kc, vc, meta, d)
     assert torch.equal(rk, ok) and torch.equal(rv, ov)  # the write kernel
     assert (ref - out).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("window", [5, 40, 300])  # inside a tile, several blocks, past a partition
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_sliding_window_and_softcap_match_reference(window, softcap):
+    """Decodes (one past a 256-token partition, so whole partitions fall before the window),
+    a fresh prefill longer than the window and a chunk over a cached prefix, with a window
+    and a soft cap, against the PyTorch backend's masks."""
+    q_lens, ctx = [1, 1, 1, 45, 20], [3, 30, 600, 0, 70]
+    q, k, v, kc, vc, meta = make_batch(q_lens, ctx, 16, 4, 2, 32, torch.float32, seed=window)
+    extra = {"window": window, "softcap": softcap}
+    ref, out, _, _ = run_both(q, k, v, kc, vc, meta, 32, **extra)
+    assert torch.isfinite(out).all()
+    assert (ref - out).abs().max().item() < 1e-4
+    full, _, _, _ = run_both(q, k, v, kc, vc, meta, 32, softcap=softcap)
+    assert (full - ref).abs().max().item() > 1e-3  # the window mattered
 
 
 def test_decode_only_long_context_split_k():

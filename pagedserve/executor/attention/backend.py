@@ -10,6 +10,13 @@ others (prefill chunks, possibly over an already cached prefix) follow. Per requ
     with the null block 0;
   * `slot_mapping[t]` = block * block_size + offset where token t's K/V go.
 KV cache per layer: K and V each of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+Per layer, `forward` may be given a sliding `window` (a query at position p attends to
+positions p - window + 1 .. p: transformers' mask) and a logit `softcap` (scores become
+softcap * tanh(scores / softcap) before the softmax: Gemma 2). A backend that cannot do
+either says so (`supports_sliding_window`, `supports_softcap`) and the model refuses to
+build on it. With a window, blocks wholly before it are never read: their block-table
+entries may already have been given back to the pool (the hybrid KV cache manager).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     # Filled by a backend on the step's first layer, reused by the others (backend-private).
     backend_cache: dict = field(default_factory=dict)
+    # KV cache groups (hybrid KV cache manager): per group, the same step with that group's
+    # block tables and slot mapping (groups[0] is this object); None: one group.
+    groups: list[AttentionMetadata] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +62,9 @@ class AttentionBackend(ABC):
     # True: the KV cache may be narrower than the model's dtype (kv_cache_dtype float16 /
     # bfloat16): K/V are rounded as written and converted back as read.
     supports_narrow_kv_cache: bool = False
+    # forward(..., window=W) and forward(..., softcap=c)
+    supports_sliding_window: bool = False
+    supports_softcap: bool = False
 
     @abstractmethod
     def forward(
@@ -63,5 +76,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...

@@ -7,6 +7,9 @@ Prefill chunks go one request at a time through SDPA (a step holds few of them):
 no cached prefix they attend to their own K/V causally; otherwise over the gathered
 context with an offset causal mask. No loop over tokens.
 
+Sliding windows mask positions before the window and read no block wholly before it;
+logit soft-capping (Gemma 2) replaces SDPA by transformers' eager order of operations.
+
 With the C++ decode kernel, requests with a few query tokens over a cached context
 (speculative verification: the last token and k guesses) go through it too, each query
 token as its own row that sees the context up to itself: the kernel reads K/V in place,
@@ -78,6 +81,8 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_prewritten_kv = True
     supports_narrow_kv_cache = True
+    supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, use_cpp_decode: bool = False) -> None:
         self._cpp = None
@@ -113,56 +118,74 @@ class TorchAttentionBackend(AttentionBackend):
         return tables, lens
 
     def forward(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_written: bool = False
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_written: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
-        if nd == meta.num_reqs and self._cpp is not None and q.device.type == "cpu":
+        cpp = self._cpp if q.device.type == "cpu" else None
+        w, c = window or 0, softcap or 0.0
+        if nd == meta.num_reqs and cpp is not None:
             # a decode-only step (batch-1 latency): the kernel reads q in place (rows of the
             # fused QKV output) and its output is the answer: no scratch, slices or copies
-            return self._cpp.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return cpp.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, w, c)
         out = torch.empty_like(q)
         if nd:
-            if self._cpp is not None and q.device.type == "cpu":
-                out[:nd] = self._cpp.paged_decode(
-                    q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+            if cpp is not None:
+                out[:nd] = cpp.paged_decode(
+                    q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, w, c
                 )
             else:
-                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+                out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
         qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
         rest = range(nd, meta.num_reqs)
-        if self._cpp is not None and q.device.type == "cpu" and meta.num_reqs > nd:
+        if cpp is not None and meta.num_reqs > nd:
             if "short" not in meta.backend_cache:  # once per step, for every layer
                 meta.backend_cache["short"] = short_query_rows(meta)
             short, rest = meta.backend_cache["short"]
             if short is not None:
                 tok, bt, lens = short
-                out.index_copy_(0, tok, self._cpp.paged_decode(q.index_select(0, tok), k_cache, v_cache, bt, lens, scale))
+                out.index_copy_(0, tok, cpp.paged_decode(q.index_select(0, tok), k_cache, v_cache, bt, lens, scale, w, c))
         for r in rest:
             s, e = qsl[r], qsl[r + 1]
             out[s:e] = self._prefill(
-                q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[r], sl[r], scale
+                q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[r], sl[r], scale, window, softcap
             )
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None, softcap=None) -> torch.Tensor:
         n = q.shape[0]
         bs = k_cache.shape[1]
         nblk = -(-meta.max_decode_seq_len // bs)
         bt = meta.block_tables[:n, :nblk]
+        if window:  # entries before the window may be stale (given back): read the null block
+            first = (meta.seq_lens[:n] - window).clamp(min=0) // bs
+            bt = bt.masked_fill(torch.arange(nblk, device=bt.device)[None, :] < first[:, None], 0)
         keys = gather_kv(k_cache, bt, q.dtype).transpose(1, 2)  # [n, kvh, L, d]
         vals = gather_kv(v_cache, bt, q.dtype).transpose(1, 2)
         L = keys.shape[2]
-        valid = torch.arange(L, device=q.device)[None, :] < meta.seq_lens[:n, None]  # [n, L]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, vals, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
-        )
+        pos = torch.arange(L, device=q.device)[None, :]
+        valid = pos < meta.seq_lens[:n, None]  # [n, L]
+        if window:
+            valid &= pos >= meta.seq_lens[:n, None] - window
+        o = attend(q.unsqueeze(2), keys, vals, valid[:, None, None, :], scale, softcap)
         return o.squeeze(2)  # [n, h, d]
 
     @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
+    def _prefill(
+        q, k, v, k_cache, v_cache, block_table, seq_len: int, scale: float, window=None, softcap=None
+    ) -> torch.Tensor:
         ql = q.shape[0]
         ctx = seq_len - ql
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, h, ql, d]
@@ -171,13 +194,40 @@ class TorchAttentionBackend(AttentionBackend):
                 # prompt gives the same numbers whether or not a prefix of it was cached
                 k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
             kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+            first = 0
         else:
+            # the context from the first block the chunk's first query can see
             bs = k_cache.shape[1]
-            bt = block_table[: -(-seq_len // bs)].unsqueeze(0)
-            kt = gather_kv(k_cache, bt, q.dtype)[:, :seq_len].transpose(1, 2)  # [1, kvh, seq, d]
-            vt = gather_kv(v_cache, bt, q.dtype)[:, :seq_len].transpose(1, 2)
+            first = max(0, ctx - window + 1) // bs * bs if window else 0
+            bt = block_table[first // bs : -(-seq_len // bs)].unsqueeze(0)
+            kt = gather_kv(k_cache, bt, q.dtype)[:, : seq_len - first].transpose(1, 2)  # [1, kvh, seq, d]
+            vt = gather_kv(v_cache, bt, q.dtype)[:, : seq_len - first].transpose(1, 2)
+        if ctx == 0 and not window:
+            mask = None  # causal
+        else:
             qpos = torch.arange(ctx, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos  # [ql, seq]
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+            kpos = torch.arange(first, seq_len, device=q.device)[None, :]
+            mask = kpos <= qpos  # [ql, seq]
+            if window:
+                mask &= kpos > qpos - window
+        o = attend(qt, kt, vt, mask, scale, softcap)
         return o[0].transpose(0, 1)  # [ql, h, d]
+
+
+def attend(q, k, v, mask, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q [n, h, lq, d], k / v [n, kvh, L, d], mask (True = attend) broadcast to [n, h, lq, L],
+    None for causal. SDPA; with `softcap` transformers' eager order (scores * scale, soft
+    cap, mask, float32 softmax, P.V), which SDPA cannot do."""
+    if softcap is None:
+        causal = mask is None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        lq, L = s.shape[-2:]
+        mask = torch.ones(lq, L, dtype=torch.bool, device=q.device).tril(L - lq)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)

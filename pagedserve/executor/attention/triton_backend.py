@@ -11,6 +11,11 @@ Kernels:
   * prefill: chunks over a cached prefix, flash-attention style with tl.dot (tensor
     cores): grid (query block, query head, sequence); keys come from the paged cache (the
     chunk's own K/V were written first), with the causal mask offset by the context length.
+A sliding window (runtime `window`, 0: none) starts each program's key loop at the first
+tile a query can see and masks the rest; a soft cap (`softcap`, 0: none) caps the scaled
+scores as cap * tanh(s / cap) (tanh from exp: the interpreter and every GPU have it). A
+running maximum that is still -inf (a row with no visible key yet) is taken as 0, so a
+masked tile adds nothing instead of NaN.
 Keys are addressed per token (block_table[pos // bs] * bs + pos % bs), so any block size
 works with any tile size. Checked on the CPU under TRITON_INTERPRET=1 against the
 PyTorch backend (tests/executor/test_triton_backend.py).
@@ -36,6 +41,12 @@ def _kv_row_offsets(table_ptr, pos, mask, kvh, KVH: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1) (exact at +-inf)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -58,6 +69,8 @@ def _decode_partial_kernel(
     scale,
     max_blocks,
     num_parts,
+    window,
+    softcap,
     H: tl.constexpr,
     KVH: tl.constexpr,
     D: tl.constexpr,
@@ -82,12 +95,18 @@ def _decode_partial_kernel(
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         end = tl.minimum(start + PART, seq_len)
-        for n0 in range(start, end, BLOCK_N):
+        lo = 0
+        if window > 0:
+            lo = tl.maximum(seq_len - window, 0)
+        n_first = tl.maximum(start, lo // BLOCK_N * BLOCK_N)  # a partition before the window: no tile
+        for n0 in range(n_first, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
-            pm = pos < end
+            pm = (pos < end) & (pos >= lo)
             row = _kv_row_offsets(bt_ptr + seq * max_blocks, pos, pm, kvh, KVH, D, BS)
             k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
+            if softcap > 0:
+                s = _softcap(s, softcap)
             s = tl.where(pm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -143,6 +162,8 @@ def _prefill_kernel(
     scale,
     max_blocks,
     first_req,
+    window,
+    softcap,
     H: tl.constexpr,
     KVH: tl.constexpr,
     D: tl.constexpr,
@@ -169,7 +190,10 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         hi = tl.minimum(seq_len, ctx + (mblk + 1) * BLOCK_M)  # causal: no key after the last query
-        for n0 in range(0, hi, BLOCK_N):
+        lo = 0
+        if window > 0:  # no key before the first query's window
+            lo = tl.maximum(ctx + mblk * BLOCK_M - window + 1, 0)
+        for n0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pm = pos < hi
             row = _kv_row_offsets(bt_ptr + r * max_blocks, pos, pm, kvh, KVH, D, BS)
@@ -178,11 +202,16 @@ def _prefill_kernel(
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
             else:
                 s = tl.dot(q, tl.trans(k)) * scale
+            if softcap > 0:
+                s = _softcap(s, softcap)
             ok = pm[None, :] & (pos[None, :] <= qpos[:, None])
+            if window > 0:
+                ok = ok & (pos[None, :] > qpos[:, None] - window)
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
             v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -204,6 +233,8 @@ def _pow2(x: int) -> int:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, block_m: int = 16, block_n: int = 32) -> None:
         self.block_m, self.block_n = block_m, block_n
@@ -215,7 +246,7 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def decode(
-        self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int, scale: float
+        self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int, scale: float, window=0, softcap=0.0
     ) -> torch.Tensor:
         """q [n, h, d] -> [n, h, d]. The grid depends only on n and max_seq_len (fixed for a
         captured CUDA graph: pass the largest length the graph serves)."""
@@ -238,6 +269,8 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             block_tables.shape[1],
             parts,
+            window or 0,
+            float(softcap or 0.0),
             H=h,
             KVH=kvh,
             D=d,
@@ -253,8 +286,11 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_written=False, window=None, softcap=None
+    ) -> torch.Tensor:
+        if not kv_written:
+                self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         out = torch.empty_like(q)
         if nd:
@@ -266,6 +302,8 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens[:nd],
                 meta.max_decode_seq_len,
                 scale,
+                window,
+                softcap,
             )
         n_pre = meta.num_reqs - nd
         if n_pre:
@@ -283,6 +321,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 meta.block_tables.shape[1],
                 nd,
+                window or 0,
+                float(softcap or 0.0),
                 H=h,
                 KVH=kvh,
                 D=d,

@@ -79,6 +79,12 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         problems.append(f"num_key_value_heads={k} (must divide by, or divide, the size)")
     if cfg.intermediate_size % size:
         problems.append(f"intermediate_size={cfg.intermediate_size}")
+    if cfg.is_moe and cfg.moe_intermediate_size % size:
+        problems.append(f"moe_intermediate_size={cfg.moe_intermediate_size}")
+    if cfg.shared_expert_intermediate_size % size:
+        problems.append(f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}")
+    if cfg.qk_norm_full_width:
+        problems.append("q/k norms over all heads (OLMoE) do not split over ranks")
     if problems:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model: {', '.join(problems)}.")
 

@@ -51,7 +51,6 @@ def build_model(
     """Construct the model without initialising weights, then load the checkpoint into it.
     load_format="dummy": random weights made on the device (benchmarks of large shapes)."""
     from pagedserve.executor.models import get_model_class
-    from pagedserve.executor.models.llama import rope_inv_freq
     from pagedserve.executor.quant import resolve_quantization
 
     quant = resolve_quantization(quantization, path, device, load_format)
@@ -63,8 +62,8 @@ def build_model(
     model = model.to(dtype=dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty() may have untied them
         model.lm_head.weight = model.embed_tokens.weight
-    # buffers are not in the checkpoint; inv_freq stays float32 as in transformers
-    model.rotary.inv_freq = rope_inv_freq(cfg).to(device)
+    # buffers are not in the checkpoint; rotary frequencies stay float32 as in transformers
+    model.reset_buffers(device)
     if load_format == "dummy":
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -85,9 +84,14 @@ def build_model(
     else:
         model.load_weights(iterate_weights(path))
     if quant in ("int8", "int4"):
+        from pagedserve.executor.models.moe import FusedExperts
+        from pagedserve.executor.quant.formats import QUANTIZERS
         from pagedserve.executor.quant.layers import quantize_linears
 
         quantize_linears(model, quant)
+        for mod in model.modules():  # MoE experts (stacked tensors, not nn.Linear)
+            if isinstance(mod, FusedExperts):
+                mod.quantize(QUANTIZERS[quant])
     elif quant == "none" and dtype == torch.float32 and device.type == "cpu":
         from pagedserve.executor.quant.layers import use_float_kernels
 

@@ -1,8 +1,10 @@
-"""Llama-architecture GGUF files through the `gguf` library.
+"""GGUF files through the `gguf` library: llama.cpp's llama (Llama, Mistral, and Mixtral
+with experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3 architectures.
 
 Metadata becomes a HF-style config dict, tensors are dequantized to float32 (any type the
 library knows: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...), and llama.cpp's
-rotary permutation of the Q/K rows is undone. The tokenizer is converted by transformers'
+rotary permutation of the Q/K rows is undone (llama architecture only), stacked experts
+are split per expert, Gemma's norms (stored as 1 + w) go back to HF's w. The tokenizer is converted by transformers'
 GGUF support.
 
 Parsing a GGUF's metadata is slow in Python (seconds for a 49k-token vocabulary), so a
@@ -30,7 +32,20 @@ import torch
 
 from pagedserve import envs
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
+
+# llama.cpp's architecture names -> HF architectures ("llama" with experts: Mixtral)
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+_GEMMA = ("gemma2", "gemma3")
 
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,11 +58,36 @@ _LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: fused
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # the router
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+_ARCH_LAYER_NAMES = {  # where an architecture names a tensor differently
+    "gemma2": {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "attn_post_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},  # gate and up, fused
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+# stacked experts [E, rows, cols] (ggml: cols, rows, E) -> per-expert HF names
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
+_OLD_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # blk.N.ffn_gate.E.weight
+# tensors that stay float even in packed mode: the routers are not linear layers
+UNPACKED = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
 def _reader(path: str):
@@ -68,16 +108,19 @@ def _field(reader, key: str, default=None):
 def gguf_to_hf_config(path: str, reader=None) -> dict:
     r = reader or _reader(path)
     arch = _field(r, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama').")
-    p = "llama."
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)}).")
+    p = arch + "."
     heads = _field(r, p + "attention.head_count")
     tensor_names = {t.name for t in r.tensors}
     vocab = _field(r, p + "vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
     hidden = _field(r, p + "embedding_length")
+    experts = _field(r, p + "expert_count") or 0
+    hf_arch = "MixtralForCausalLM" if arch == "llama" and experts else ARCHITECTURES[arch]
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": arch,
+        "pagedserve_gguf_arch": arch,
         "hidden_act": "silu",
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -92,13 +135,77 @@ def gguf_to_hf_config(path: str, reader=None) -> dict:
         "rope_theta": _field(r, p + "rope.freq_base", 10000.0),
         "max_position_embeddings": _field(r, p + "context_length", 2048),
         "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
     }
     scale_type = _field(r, p + "rope.scaling.type")
     if scale_type == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": _field(r, p + "rope.scaling.factor")}
+    elif scale_type == "yarn":
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": _field(r, p + "rope.scaling.factor"),
+            "original_max_position_embeddings": _field(r, p + "rope.scaling.original_context_length"),
+        }
+    if experts:
+        _moe_config(cfg, r, p, arch, experts)
+    _family_config(cfg, r, p, arch)
     return cfg
+
+
+def _moe_config(cfg: dict, r, p: str, arch: str, experts: int) -> None:
+    """llama.cpp's MoE keys; renormalisation as its loaders hard-code it (Mixtral and
+    Qwen3-MoE renormalise the top-k weights, Qwen2-MoE does not)."""
+    key = "num_local_experts" if arch == "llama" else "num_experts"
+    cfg[key] = experts
+    cfg["num_experts_per_tok"] = _field(r, p + "expert_used_count")
+    ff = _field(r, p + "expert_feed_forward_length")
+    if ff:
+        cfg["moe_intermediate_size"] = ff
+        if arch == "llama":
+            cfg["intermediate_size"] = ff
+    cfg["norm_topk_prob"] = arch != "qwen2moe"
+    shared = _field(r, p + "expert_shared_feed_forward_length")
+    if shared:
+        cfg["shared_expert_intermediate_size"] = shared
+
+
+def _family_config(cfg: dict, r, p: str, arch: str) -> None:
+    """Gemma's soft caps, window and pattern; Phi-3's window and LongRoPE factors (stored
+    as tensors). Gemma's query_pre_attn_scalar is llama.cpp's rule: head_dim, but
+    hidden / heads for the 27B models (46 / 62 layers)."""
+    n = cfg["num_hidden_layers"]
+    window = _field(r, p + "attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = window
+    if arch in _GEMMA:
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        for k in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if _field(r, p + k) is not None:
+                cfg[k] = _field(r, p + k)
+        big = {"gemma2": 46, "gemma3": 62}[arch]
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if n == big else cfg["head_dim"]
+        pattern = 2 if arch == "gemma2" else 6
+        cfg["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        if arch == "gemma3":
+            cfg["rope_local_base_freq"] = 10000.0
+    if arch == "phi3":
+        factors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1).tolist() for t in r.tensors
+                   if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+        orig = _field(r, p + "rope.scaling.original_context_length")
+        if factors:
+            cfg["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": factors["rope_factors_long.weight"],
+                "short_factor": factors["rope_factors_short.weight"],
+                "original_max_position_embeddings": orig,
+            }
+            attn = _field(r, p + "rope.scaling.attn_factor")
+            if attn is not None:
+                cfg["rope_scaling"]["attention_factor"] = attn
+        if orig:
+            cfg["original_max_position_embeddings"] = orig
 
 
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -107,28 +214,65 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def hf_name(gname: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor (None: not a weight we load, or stacked experts)."""
+    name = _NAMES.get(gname)
+    if name is None and gname.startswith("blk."):
+        _, idx, rest = gname.split(".", 2)
+        parts = rest.split(".")
+        if len(parts) == 3 and parts[0] in _OLD_EXPERT and parts[1].isdigit():  # one expert's tensor
+            return f"model.layers.{idx}.mlp.experts.{parts[1]}.{_OLD_EXPERT[parts[0]]}.weight"
+        rest = _ARCH_LAYER_NAMES.get(arch, {}).get(rest) or _LAYER_NAMES.get(rest)
+        if rest is not None:
+            name = f"model.layers.{idx}.{rest}"
+    return name
+
+
+def _rope_heads(gname: str, arch: str, heads: int, kv_heads: int) -> int:
+    """Heads to un-permute a Q/K tensor over (llama-architecture files only), else 0."""
+    if arch != "llama":
+        return 0
+    return heads if gname.endswith("attn_q.weight") else kv_heads if gname.endswith("attn_k.weight") else 0
+
+
+def convert_tensor(gname: str, w: np.ndarray, arch: str, heads: int, kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float array) for a dequantized GGUF tensor already in HF shape: Q/K rows
+    un-permuted (llama), stacked experts split, Gemma's stored (1 + w) norms back to w, the
+    shared expert's gate as a [1, H] row."""
+    if gname.startswith("blk.") and gname.split(".", 2)[2] in _EXPERTS:
+        idx, rest = gname.split(".", 2)[1:]
+        for e in range(w.shape[0]):
+            yield f"model.layers.{idx}.mlp.experts.{e}.{_EXPERTS[rest]}.weight", w[e]
+        return
+    name = hf_name(gname, arch)
+    if name is None:
+        return  # e.g. rope_freqs, rope_factors_* (config)
+    n_head = _rope_heads(gname, arch, heads, kv_heads)
+    if n_head:
+        w = unpermute_rope(w, n_head)
+    if arch in _GEMMA and gname.endswith("norm.weight"):
+        w = w - 1.0
+    if gname.endswith("ffn_gate_inp_shexp.weight"):
+        w = w.reshape(1, -1)
+    yield name, w
+
+
+def _heads(r) -> tuple[str, int, int]:
+    arch = _field(r, "general.architecture") or "llama"
+    heads = _field(r, f"{arch}.attention.head_count") or 1
+    return arch, heads, _field(r, f"{arch}.attention.head_count_kv", heads)
+
+
 def iterate_gguf(path: str, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
     r = reader or _reader(path)
-    heads = _field(r, "llama.attention.head_count")
-    kv_heads = _field(r, "llama.attention.head_count_kv", heads)
+    arch, heads, kv_heads = _heads(r)
     for t in r.tensors:
-        name = _NAMES.get(t.name)
-        if name is None and t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest in _LAYER_NAMES:
-                name = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
-        if name is None:
-            continue  # e.g. rope_freqs
         w = gguf.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml lists dims fastest first
-        w = w.reshape(shape)
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute_rope(w, heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute_rope(w, kv_heads)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+        for name, a in convert_tensor(t.name, w.reshape(shape), arch, heads, kv_heads):
+            yield name, torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
 
 
 def cache_dir() -> str:
@@ -214,56 +358,62 @@ def packed_tensor_index(model_dir: str, source: str) -> dict:
 
 def iterate_gguf_packed(source: str, index: dict, config: dict) -> Iterator[tuple[str, object]]:
     """(HF name, tensor) with every 2-D tensor of a block-quantized type kept packed (a
-    PackedWeight copied once out of the file, Q/K rows un-permuted), the rest as float32."""
+    PackedWeight copied once out of the file, Q/K rows un-permuted), stacked experts as one
+    PackedWeight per expert, the rest as float32 (the routers among them)."""
     import gguf
 
     from pagedserve.executor.quant.formats import F32, PACKED_TYPES, PackedWeight
 
+    arch = config.get("pagedserve_gguf_arch", "llama")
     heads = config["num_attention_heads"]
     kv_heads = config["num_key_value_heads"]
     # a fused layer (q/k/v, gate/up) is packed whole if any of its parts is: float parts of it
     # then travel as F32 rows
-    groups = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gu", "ffn_up": "gu"}
+    groups = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gu", "ffn_up": "gu",
+              "ffn_gate_shexp": "gus", "ffn_up_shexp": "gus", "ffn_gate_exps": "exps", "ffn_up_exps": "exps",
+              "ffn_down_exps": "exps"}
 
     def group(gname: str) -> str | None:
         parts = gname.split(".")
+        if len(parts) == 5 and parts[0] == "blk" and parts[3].isdigit():  # one expert's tensor
+            return f"{parts[1]}.e{parts[3]}"
         g = groups.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
         return f"{parts[1]}.{g}" if g else None
 
-    packed_groups = {
-        group(n) for n, i in index.items() if group(n) and i["type"] in PACKED_TYPES and len(i["shape"]) == 2
-    }
+    def packable(gname: str, info: dict) -> bool:
+        dims = 3 if gname.split(".", 2)[-1] in _EXPERTS else 2
+        return info["type"] in PACKED_TYPES and len(info["shape"]) == dims and not gname.endswith(UNPACKED)
+
+    packed_groups = {group(n) for n, i in index.items() if group(n) and packable(n, i)}
     mm = np.memmap(source, dtype=np.uint8, mode="r")
     try:
         for gname, info in index.items():
-            name = _NAMES.get(gname)
-            if name is None and gname.startswith("blk."):
-                _, idx, rest = gname.split(".", 2)
-                if rest in _LAYER_NAMES:
-                    name = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
-            if name is None:
-                continue
             qtype = info["type"]
             raw = mm[info["offset"] : info["offset"] + info["nbytes"]]
             shape = tuple(reversed(info["shape"]))
-            n_head = heads if gname.endswith("attn_q.weight") else kv_heads if gname.endswith("attn_k.weight") else 0
-            if qtype in PACKED_TYPES and len(shape) == 2:
+            name = hf_name(gname, arch)
+            if packable(gname, info) and name is None:  # stacked experts: one weight each
+                per = raw.reshape(shape[0], shape[1], -1)
+                for (hf, _), e in zip(convert_tensor(gname, per, arch, heads, kv_heads), range(shape[0])):
+                    yield hf, PackedWeight(qtype, torch.from_numpy(np.array(per[e], order="C")), shape[1:])
+                continue
+            if packable(gname, info) and name is not None:
                 rows = raw.reshape(shape[0], -1)
+                n_head = _rope_heads(gname, arch, heads, kv_heads)
                 if n_head:
                     rows = unpermute_rope(rows, n_head)
                 data = torch.from_numpy(np.array(rows, order="C"))  # one copy, the file is closed after
                 yield name, PackedWeight(qtype, data, shape)
-            else:
-                bsize = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)][1]
-                w = gguf.quants.dequantize(raw.reshape(-1, bsize), gguf.GGMLQuantizationType(qtype))
-                w = np.asarray(w, dtype=np.float32).reshape(shape)
-                if n_head:
-                    w = unpermute_rope(w, n_head)
-                t = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-                if group(gname) in packed_groups:
-                    yield name, PackedWeight(F32, t.view(torch.uint8).reshape(shape[0], -1), shape)
+                continue
+            bsize = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)][1]
+            w = gguf.quants.dequantize(raw.reshape(-1, bsize), gguf.GGMLQuantizationType(qtype))
+            w = np.asarray(w, dtype=np.float32).reshape(shape)
+            for hf, a in convert_tensor(gname, w, arch, heads, kv_heads):
+                t = torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
+                if group(gname) in packed_groups and t.dim() == 2:
+                    yield hf, PackedWeight(F32, t.view(torch.uint8).reshape(t.shape[0], -1), tuple(t.shape))
                 else:
-                    yield name, t
+                    yield hf, t
     finally:
         del mm
 

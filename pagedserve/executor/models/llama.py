@@ -13,7 +13,6 @@ by one more, and the LM head's logits are all-gathered. At N = 1 none of this ru
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 
@@ -32,6 +31,7 @@ from pagedserve.executor.distributed.parallel_state import (
 )
 from pagedserve.executor.distributed.sharding import TPLayout
 from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -54,54 +54,21 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm_ref(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [D/2], with llama3 / linear scaling applied."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = cfg.rope_scaling
-    if sc is None:
-        return inv
-    kind = sc["rope_type"]
-    if kind == "linear":
-        return inv / sc["factor"]
-    if kind == "llama3":
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        old = sc["original_max_position_embeddings"]
-        lo_wavelen, hi_wavelen = old / lo, old / hi
-        wavelen = 2 * math.pi / inv
-        out = torch.where(wavelen > lo_wavelen, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * out / factor + smooth * out
-        medium = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
-        return torch.where(medium, smoothed, out)
-    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3).")
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, D], computed once per step for all layers."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-
-apply_rope = ops.rotate_ref  # x [T, heads, D], cos/sin [T, 1, D]
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPLayout) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPLayout, layer_idx: int = 0) -> None:
         super().__init__()
         self.h, self.k, self.d = tp.num_heads, tp.num_kv_heads, cfg.head_dim  # this rank's heads
         self.tp_size = tp.size
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.k) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.d**-0.5
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.full_width_norm = cfg.qk_norm_full_width  # OLMoE: one norm over all heads of q (of k)
+        qn, kn = (self.h * self.d, self.k * self.d) if self.full_width_norm else (self.d, self.d)
+        self.q_norm = RMSNorm(qn, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(kn, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.clip = cfg.clip_qkv
+        self.scale = cfg.attention_scale
+        self.window = cfg.layer_window(layer_idx)  # None: full attention
+        self.softcap = cfg.attn_logit_softcapping
         self.backend = backend
 
     def forward(
@@ -109,24 +76,35 @@ class Attention(nn.Module):
     ):
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
-        if kern is not None and self.q_norm is None and qkv.stride(-1) == 1:
+        extra = {"window": self.window, "softcap": self.softcap}
+        if kern is not None and self.q_norm is None and self.clip is None and qkv.stride(-1) == 1:
             # rotary in place on the q and k heads of each row, and (if the backend lets us)
             # the K/V rows written into their cache slots in the same pass
             q, k, v = qkv.split([self.h * self.d, self.k * self.d, self.k * self.d], dim=-1)
             q, k, v = q.view(t, self.h, self.d), k.view(t, self.k, self.d), v.view(t, self.k, self.d)
             if self.backend.supports_prewritten_kv:
                 kern.rotary_cache_(qkv, cos, sin, self.h, self.k, self.d, *kv_cache, meta.slot_mapping)
-                o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=True)
+                o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=True, **extra)
                 return self._out(o.reshape(t, self.h * self.d))
             kern.rotary_(qkv, cos, sin, self.h, self.k, self.d)
         else:
-            q, k, v = qkv.split([self.h * self.d, self.k * self.d, self.k * self.d], dim=-1)
-            q, k, v = q.view(t, self.h, self.d), k.view(t, self.k, self.d), v.view(t, self.k, self.d)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = self._qkv_heads(qkv, t)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **extra)
         return self._out(o.reshape(t, self.h * self.d))
+
+    def _qkv_heads(self, qkv: torch.Tensor, t: int):
+        """q, k, v [T, heads, D] from the fused projection, with the q/k norms (per head, or
+        OLMoE's over the whole row) and OLMoE's clamp, in transformers' order."""
+        q, k, v = qkv.split([self.h * self.d, self.k * self.d, self.k * self.d], dim=-1)
+        if self.q_norm is not None and self.full_width_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (z.clamp(-self.clip, self.clip) for z in (q, k, v))
+        q, k, v = q.reshape(t, self.h, self.d), k.reshape(t, self.k, self.d), v.reshape(t, self.k, self.d)
+        if self.q_norm is not None and not self.full_width_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
         """o_proj, row-parallel: each rank's heads' share, summed over the ranks."""
@@ -135,29 +113,42 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPLayout) -> None:
+    """gate/up (fused, column-parallel) -> act(gate) * up -> down (row-parallel). `intermediate`:
+    this rank's share (default the model's); `reduce=False` leaves the all-reduce to the
+    caller (a MoE block sums its parts first)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPLayout, intermediate: int | None = None, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * tp.intermediate, bias=False)  # column-parallel
-        self.down_proj = nn.Linear(tp.intermediate, cfg.hidden_size, bias=False)  # row-parallel
-        self.tp_size = tp.size
+        inter = tp.intermediate if intermediate is None else intermediate
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)  # column-parallel
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)  # row-parallel
+        self.tp_size = tp.size if reduce else 1
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor, kern=None) -> torch.Tensor:
         gu = self.gate_up_proj.forward(x)
-        if kern is not None:
-            out = self.down_proj.forward(kern.silu_and_mul(gu))
-        else:
-            gate, up = gu.chunk(2, dim=-1)
-            out = self.down_proj.forward(F.silu(gate) * up)
+        out = self.down_proj.forward(act_and_mul(gu, kern, self.gelu))
         return tp_all_reduce(out) if self.tp_size > 1 else out
 
 
+def act_and_mul(gu: torch.Tensor, kern=None, gelu: bool = False) -> torch.Tensor:
+    """[.., 2I] (gate, up) -> act(gate) * up: SiLU (the fused kernel on the CPU) or GELU tanh."""
+    if gelu:
+        gate, up = gu.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+    if kern is not None and gu.dim() == 2 and gu.stride(1) == 1:
+        return kern.silu_and_mul(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPLayout) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPLayout, mlp: nn.Module, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, tp)
+        self.self_attn = Attention(cfg, backend, tp, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = mlp
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, kern=None):
         """vLLM's layout: the residual stream travels beside the layer's output, and each norm
@@ -173,30 +164,67 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm): the differences are config flags.
+    """Also Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm): the differences are config
+    flags. The base of the other families (models/moe.py, gemma.py, phi3.py), which change
+    the layers they build (`_make_layer`) and the checkpoint's names (`_checkpoint_tensors`).
 
     Inside the layer stack, submodules are called through `.forward` (no nn.Module hooks run
     there): `__call__`'s bookkeeping, ~9 calls a layer, is a measurable share of a batch-1
-    decode step on a CPU."""
+    decode step on a CPU.
+
+    KV cache groups (the hybrid KV cache manager): layer i reads and writes its K/V through
+    the block tables of group `kv_group_of_layer[i]` (`meta.groups[g]`; one group, `meta`
+    itself, unless the runner set up several)."""
 
     # The fused C++ ops (executor/ops) on CPU tensors when they build; False: PyTorch only.
     use_fused_ops: bool = True
     # Decode-only and short-query-only CPU steps through `_decode_lean` (the same kernels, no
     # per-layer module calls); False: every step through the layers' forward (A/B, tests).
     use_lean_decode: bool = True
+    # Families whose layers the lean loop does not know (sandwich norms): False.
+    lean_decode_layers: bool = True
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
+        check_backend(cfg, backend)
         # this rank's share (everything at one rank); the process group must exist already
         self.tp = tp = TPLayout.make(cfg, get_tp_rank(), get_tp_world_size())
         self.embed_tokens = nn.Embedding(tp.vocab_per_rank, cfg.hidden_size)  # vocabulary-parallel
-        self.rotary = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers)])
+        self.rotary = RotaryEmbedding(cfg, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3: sliding layers rotate with their own base, unscaled
+        self.rotary_local = RotaryEmbedding(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else None
+        self.layer_rope = [int(self.rotary_local is not None and cfg.layer_window(i) is not None)
+                           for i in range(cfg.num_hidden_layers)]
+        self.layers = nn.ModuleList([self._make_layer(cfg, backend, tp, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_per_rank, bias=False)  # vocabulary-parallel
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.kv_group_of_layer = [0] * cfg.num_hidden_layers
+
+    def _make_layer(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPLayout, i: int) -> nn.Module:
+        return DecoderLayer(cfg, backend, tp, self._make_mlp(cfg, tp, i), i)
+
+    def _make_mlp(self, cfg: ModelConfig, tp: TPLayout, i: int) -> nn.Module:
+        return MLP(cfg, tp)
+
+    def reset_buffers(self, device) -> None:
+        """Recompute the non-persistent buffers (rotary frequencies; float32 as in
+        transformers) after the model was built on the meta device."""
+        for rot in (self.rotary, self.rotary_local):
+            if rot is not None:
+                rot.reset_buffers(device)
+
+    def _cos_sin(self, positions, dtype, meta: AttentionMetadata):
+        seq_lens = None
+        if self.rotary.needs_seq_lens:  # each token's request length (LongRoPE, dynamic NTK)
+            q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+            seq_lens = torch.repeat_interleave(meta.seq_lens, q_lens)
+        out = [self.rotary.cos_sin(positions, dtype, seq_lens)]
+        if self.rotary_local is not None:
+            out.append(self.rotary_local.cos_sin(positions, dtype))
+        return out
 
     def forward(
         self,
@@ -207,22 +235,24 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # hidden states [T, E] after the final norm
         x = self._embed(input_ids)
         kern = ops.kernels_for(x) if self.use_fused_ops else None
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        rope = self._cos_sin(positions, x.dtype, meta)
+        metas = meta.groups or (meta,)
         if kern is not None and self.use_lean_decode:
             plan = self._lean_plan()
             rows = plan[1](meta) if plan is not None else None
             if rows is not None:  # decode-only, or short queries only (speculative verification)
-                return self._decode_lean(plan, rows, x, cos, sin, kv_caches, meta, kern)
+                return self._decode_lean(plan, metas, x, rope[0], kv_caches, kern)
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, cos, sin, kv, meta, kern)
+        for layer, kv, g, r in zip(self.layers, kv_caches, self.kv_group_of_layer, self.layer_rope):
+            x, residual = layer.forward(x, residual, *rope[r], kv, metas[g], kern)
         return self.norm.add_forward(x, residual, kern)[0]
 
     def _lean_plan(self):
-        """Per layer (norm weights, the four projections' forward) and the backend's row and
-        attention functions, or None where the lean decode loop does not apply (tensor
-        parallelism, q/k norms, a backend without the C++ decode-from-QKV kernel). Built on
-        the first CPU step, after loading: the projections are the installed modules'
+        """Per layer (norm weights, the projections' forward or the MoE block's, window, KV
+        group) and the backend's row and attention functions, or None where the lean decode
+        loop does not apply (tensor parallelism, q/k norms, OLMoE's clamp, soft-capping,
+        a family with other layers, a backend without the C++ decode-from-QKV kernel). Built
+        on the first CPU step, after loading: the projections are the installed modules'
         (QuantLinear, FloatLinear or nn.Linear), so a module swapped after that step needs
         `self._plan = None`."""
         plan = self.__dict__.get("_plan")
@@ -231,9 +261,15 @@ class LlamaForCausalLM(nn.Module):
         attn0 = self.layers[0].self_attn
         attend = getattr(attn0.backend, "decode_from_qkv", None)
         rows = getattr(attn0.backend, "decode_rows", None)
+        cfg = self.config
         if (
             self.tp.size > 1
+            or not self.lean_decode_layers
             or attn0.q_norm is not None
+            or attn0.clip is not None
+            or attn0.softcap is not None
+            or self.rotary_local is not None
+            or any(type(layer.mlp) is MLP and layer.mlp.gelu for layer in self.layers)
             or attend is None
             or rows is None
             or not attn0.backend.supports_prewritten_kv
@@ -246,55 +282,67 @@ class LlamaForCausalLM(nn.Module):
                 layer.post_attention_layernorm.weight,
                 layer.self_attn.qkv_proj.forward,
                 layer.self_attn.o_proj.forward,
-                layer.mlp.gate_up_proj.forward,
-                layer.mlp.down_proj.forward,
+                *_lean_mlp(layer.mlp),
+                layer.self_attn.window or 0,
+                g,
             )
-            for layer in self.layers
+            for layer, g in zip(self.layers, self.kv_group_of_layer)
         )
-        self._plan = (layers, rows, attend, attn0.h, attn0.k, attn0.d, attn0.scale, self.config.rms_norm_eps)
+        self._plan = (layers, rows, attend, attn0.h, attn0.k, attn0.d, attn0.scale, cfg.rms_norm_eps)
         return self._plan
 
-    def _decode_lean(self, plan, rows, x, cos, sin, kv_caches, meta, kern) -> torch.Tensor:
+    def _decode_lean(self, plan, metas, x, cos_sin, kv_caches, kern) -> torch.Tensor:
         """A decode-only CPU step, or one of short queries only (speculative verification):
         the layers' own kernels in the layers' order (so the result is the same to the bit),
         from one loop: no module calls, no split or views of QKV (attention reads the query
-        heads in place, one row per query token: `rows` = its block-table rows and causal
-        lengths). At batch 1 the Python around the kernels is a tenth of the step."""
-        layers, _, attend, h, k, d, scale, eps = plan
-        slots, (tables, lens) = meta.slot_mapping, rows
+        heads in place, one row per query token: each KV group's block-table rows and causal
+        lengths). At batch 1 the Python around the kernels is a tenth of the step. A MoE
+        layer's block runs as one call (`gate_up_proj` None)."""
+        layers, rows_of, attend, h, k, d, scale, eps = plan
+        cos, sin = cos_sin
+        group_rows = [(m.slot_mapping, *rows_of(m)) for m in metas]
         residual = None
-        for (w_in, w_post, qkv_proj, o_proj, gate_up_proj, down_proj), (kc, vc) in zip(layers, kv_caches):
+        for (w_in, w_post, qkv_proj, o_proj, gate_up_proj, down_proj, window, g), (kc, vc) in zip(layers, kv_caches):
+            slots, tables, lens = group_rows[g]
             if residual is None:
                 x, residual = kern.rms_norm(x, w_in, eps), x
             else:
                 kern.add_rms_norm_(x, residual, w_in, eps)
             qkv = qkv_proj(x)
             kern.rotary_cache_(qkv, cos, sin, h, k, d, kc, vc, slots)
-            x = o_proj(attend(qkv, h, kc, vc, tables, lens, scale))
+            x = o_proj(attend(qkv, h, kc, vc, tables, lens, scale, window))
             kern.add_rms_norm_(x, residual, w_post, eps)
-            x = down_proj(kern.silu_and_mul(gate_up_proj(x)))
+            x = down_proj(kern.silu_and_mul(gate_up_proj(x))) if gate_up_proj is not None else down_proj(x, kern)
         kern.add_rms_norm_(x, residual, self.norm.weight, eps)
         return x
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: each rank embeds the ids in its rows (zeros for the
-        others) and one all-reduce sums the ranks' rows."""
+        others) and one all-reduce sums the ranks' rows. Gemma scales by sqrt(hidden) (the
+        factor rounded to the model dtype first, as transformers)."""
         tp = self.tp
         if tp.size == 1:
-            return self.embed_tokens(input_ids)
-        local = input_ids - tp.vocab_start
-        outside = (local < 0) | (local >= tp.vocab_per_rank)
-        x = self.embed_tokens(local.masked_fill(outside, 0))
-        x.masked_fill_(outside.unsqueeze(-1), 0.0)
-        return tp_all_reduce(x)
+            x = self.embed_tokens(input_ids)
+        else:
+            local = input_ids - tp.vocab_start
+            outside = (local < 0) | (local >= tp.vocab_per_rank)
+            x = self.embed_tokens(local.masked_fill(outside, 0))
+            x.masked_fill_(outside.unsqueeze(-1), 0.0)
+            x = tp_all_reduce(x)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, E] -> float32 logits [N, V] (computed in the model dtype, like transformers).
-        Tensor-parallel: each rank's vocabulary slice, all-gathered, padding cut off, so
-        every rank holds the same full logits."""
+        """[N, E] -> float32 logits [N, V] (computed in the model dtype, like transformers;
+        Gemma's final soft cap too). Tensor-parallel: each rank's vocabulary slice,
+        all-gathered, padding cut off, so every rank holds the same full logits."""
         logits = self.lm_head(hidden)
         if self.tp.size > 1:
             logits = tp_all_gather(logits, dim=-1)[:, : self.tp.vocab_size]
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     # -- weights ------------------------------------------------------------------
@@ -318,11 +366,14 @@ class LlamaForCausalLM(nn.Module):
         "lm_head": "vocab",
     }
 
-    def _shard_sizes(self, fused: str) -> list[int]:
+    def _shard_sizes(self, fused: str, target: str = "") -> list[int]:
         """Rows of each part of a fused parameter on this rank."""
         c, tp = self.config, self.tp
         if fused == "qkv_proj":
             return [tp.num_heads * c.head_dim, tp.num_kv_heads * c.head_dim, tp.num_kv_heads * c.head_dim]
+        if target:
+            half = self.get_parameter(target).shape[0] // 2
+            return [half, half]
         return [tp.intermediate, tp.intermediate]
 
     def _shard(self, target: str, part: int | None, w):
@@ -342,58 +393,24 @@ class LlamaForCausalLM(nn.Module):
             return sharding.shard_vocab(w, self.tp)
         return w
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+    def _checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """(name without "model.", tensor) of the checkpoint tensors this model loads; the
+        families rename, split or adjust them here."""
         for name, tensor in weights:
             if self._SKIP.search(name):
                 continue
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            parts = name.split(".")
-            target, shard = name, None
-            if len(parts) >= 2 and parts[-2] in self._STACKED:
-                fused, shard = self._STACKED[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-            tensor = self._shard(target, shard, tensor)  # this rank's slice (packed or not)
-            if not isinstance(tensor, torch.Tensor) or self._packed(target):  # quantized, kept packed
-                self._load_packed(target, shard, tensor)
-                loaded.add(f"{target}#{shard}")
-                continue
-            param = params.get(target)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}"
-                )
-            with torch.no_grad():
-                if shard is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(
-                            f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
-                        )
-                    param.copy_(tensor)
-                else:
-                    sizes = self._shard_sizes(target.split(".")[-2])
-                    off = sum(sizes[:shard])
-                    dst = param.narrow(0, off, sizes[shard])
-                    if dst.shape != tensor.shape:
-                        raise ValueError(
-                            f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}"
-                        )
-                    dst.copy_(tensor)
-            loaded.add(f"{target}#{shard}")
-        expected = set()
-        for pname in params:
-            if pname == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            fused = pname.split(".")[-2] if "." in pname else ""
-            if fused in ("qkv_proj", "gate_up_proj"):
-                expected.update(f"{pname}#{i}" for i in range(len(self._shard_sizes(fused))))
-            else:
-                expected.add(f"{pname}#None")
-        missing = sorted(expected - loaded)
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in self._checkpoint_tensors(weights):
+            self._load_tensor(name, tensor, params, loaded)
+        missing = sorted(self._expected_keys(params) - loaded)
         if missing:
             raise ValueError(
                 f"checkpoint is missing weights: {', '.join(m.split('#')[0] for m in missing[:8])}"
@@ -401,6 +418,43 @@ class LlamaForCausalLM(nn.Module):
         from pagedserve.executor.quant.layers import finish_packed
 
         finish_packed(self)
+
+    def _load_tensor(self, name: str, tensor, params: dict, loaded: set[str]) -> None:
+        parts = name.split(".")
+        target, shard = name, None
+        if len(parts) >= 2 and parts[-2] in self._STACKED:
+            fused, shard = self._STACKED[parts[-2]]
+            target = ".".join(parts[:-2] + [fused, parts[-1]])
+        tensor = self._shard(target, shard, tensor)  # this rank's slice (packed or not)
+        # quantized, kept packed (a float bias of a packed layer stays its parameter)
+        if not isinstance(tensor, torch.Tensor) or (self._packed(target) and not target.endswith(".bias")):
+            self._load_packed(target, shard, tensor)
+            loaded.add(f"{target}#{shard}")
+            return
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}")
+        dst = param
+        if shard is not None:
+            sizes = self._shard_sizes(target.split(".")[-2], target)
+            dst = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if dst.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        loaded.add(f"{target}#{shard}")
+
+    def _expected_keys(self, params: dict) -> set[str]:
+        expected = set()
+        for pname in params:
+            if pname == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            fused = pname.split(".")[-2] if "." in pname else ""
+            if fused in ("qkv_proj", "gate_up_proj"):
+                expected.update(f"{pname}#{i}" for i in range(3 if fused == "qkv_proj" else 2))
+            else:
+                expected.add(f"{pname}#None")
+        return expected
 
     def _packed(self, target: str) -> bool:
         from pagedserve.executor.quant.layers import QuantLinear
@@ -411,5 +465,33 @@ class LlamaForCausalLM(nn.Module):
     def _load_packed(self, target: str, shard: int | None, w) -> None:
         from pagedserve.executor.quant.layers import load_packed
 
-        sizes = self._shard_sizes(target.split(".")[-2]) if shard is not None else None
+        sizes = None
+        if shard is not None:
+            mod = self.get_submodule(target.rpartition(".")[0])
+            fused = target.split(".")[-2]
+            if fused == "qkv_proj":
+                sizes = self._shard_sizes(fused)
+            else:  # gate/up halves of this layer (the model's MLP, a shared expert's)
+                sizes = [mod.out_features // 2] * 2
         load_packed(self, target, shard, sizes, w)
+
+
+def _lean_mlp(mlp: nn.Module):
+    """(gate_up forward, down forward) of a dense MLP; (None, the block's forward) else."""
+    if type(mlp) is MLP:
+        return mlp.gate_up_proj.forward, mlp.down_proj.forward
+    return None, mlp.forward
+
+
+def check_backend(cfg: ModelConfig, backend: AttentionBackend) -> None:
+    """A ValueError, naming the config field, for what the attention backend cannot do."""
+    if cfg.has_sliding_layers and not backend.supports_sliding_window:
+        raise ValueError(
+            f"{cfg.architecture} has sliding-window layers (sliding_window={cfg.sliding_window}); the "
+            f"{backend.name} attention backend has no sliding window: use attention_backend='torch'."
+        )
+    if cfg.attn_logit_softcapping and not backend.supports_softcap:
+        raise ValueError(
+            f"{cfg.architecture}: attn_logit_softcapping={cfg.attn_logit_softcapping} is not supported by the "
+            f"{backend.name} attention backend: use attention_backend='torch'."
+        )

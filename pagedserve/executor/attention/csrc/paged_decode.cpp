@@ -9,6 +9,9 @@
 //                                        is read)
 //   v_cache  [num_blocks, bs, kvh, d]
 //   block_tables [n, max_blocks] int64, seq_lens [n] int64
+//   window   > 0: sliding window, each row attends to its last `window` positions only
+//            (blocks wholly before them are never read: their ids may be stale)
+//   softcap  > 0: scores = softcap * tanh(scores / softcap) before the softmax (Gemma 2)
 //   returns  [n, h, d]
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,6 +40,15 @@ static inline float exp_scores(float* sc, int64_t L, float* m_out) {
   return sum;
 }
 
+// sc[0:L] = cap * tanh(sc / cap), in place (cap > 0)
+static inline void softcap_inplace(float* sc, int64_t L, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t t = 0; t < L; ++t) sc[t] = cap * std::tanh(sc[t] * inv);
+}
+
+// first position a row of context length L sees
+static inline int64_t window_start(int64_t L, int64_t window) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; }
+
 // sc[0:L] = softmax(sc[0:L]), in place
 static inline void softmax_inplace(float* sc, int64_t L) {
   float m;
@@ -46,7 +58,8 @@ static inline void softmax_inplace(float* sc, int64_t L) {
 
 template <typename T, typename KV>
 static void decode_kernel(const T* q, const KV* kc, const KV* vc, const int64_t* bt, const int64_t* seq_lens, T* out,
-                          int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t max_blocks, float scale) {
+                          int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t max_blocks, float scale,
+                          int64_t window, float softcap) {
   // One job per sequence, all heads together: a token's K (and V) rows for every KV head
   // are contiguous in the cache ([.., kvh, d]), so each job streams through memory in order.
   const int64_t g = h / kvh;
@@ -59,13 +72,13 @@ static void decode_kernel(const T* q, const KV* kc, const KV* vc, const int64_t*
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(h * d), acc(h * d), scores;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t L = seq_lens[i];
+      const int64_t lo = window_start(seq_lens[i], window), L = seq_lens[i] - lo;
       for (int64_t x = 0; x < h * d; ++x) qf[x] = to_f(q[i * h * d + x]) * scale;
       scores.assign(h * L, 0.f);
-      // pass 1: scores[head, t] = q[head] . k[t, head / g]
+      // pass 1: scores[head, t] = q[head] . k[lo + t, head / g]
       for (int64_t t = 0; t < L; ++t) {
-        const int64_t blk = bt[i * max_blocks + t / bs];
-        const KV* krow = kc + (blk * bs + t % bs) * kvh * d;
+        const int64_t blk = bt[i * max_blocks + (lo + t) / bs];
+        const KV* krow = kc + (blk * bs + (lo + t) % bs) * kvh * d;
         for (int64_t kh = 0; kh < kvh; ++kh) {
           const KV* k = krow + kh * d;
           for (int64_t gi = 0; gi < g; ++gi) {
@@ -76,12 +89,15 @@ static void decode_kernel(const T* q, const KV* kc, const KV* vc, const int64_t*
           }
         }
       }
-      for (int64_t hh = 0; hh < h; ++hh) softmax_inplace(&scores[hh * L], L);
+      for (int64_t hh = 0; hh < h; ++hh) {
+        if (softcap > 0.f) softcap_inplace(&scores[hh * L], L, softcap);
+        softmax_inplace(&scores[hh * L], L);
+      }
       // pass 2: out[head] = sum_t p[head, t] * v[t, head / g]
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const int64_t blk = bt[i * max_blocks + t / bs];
-        const KV* vrow = vc + (blk * bs + t % bs) * kvh * d;
+        const int64_t blk = bt[i * max_blocks + (lo + t) / bs];
+        const KV* vrow = vc + (blk * bs + (lo + t) % bs) * kvh * d;
         for (int64_t kh = 0; kh < kvh; ++kh) {
           const KV* v = vrow + kh * d;
           for (int64_t gi = 0; gi < g; ++gi) {
@@ -189,7 +205,8 @@ static void scores_avx2(const float* q, const KV* const* krows, int64_t L, int64
 // caller merges the parts: flash-decoding).
 template <typename KV>
 static void attend_avx2(const float* qf, const KV* const* krows, const KV* const* vrows, int64_t L, int64_t g,
-                        int64_t d, float* scores, float* out, int64_t ostride, float* part_m, float* part_l) {
+                        int64_t d, float* scores, float* out, int64_t ostride, float* part_m, float* part_l,
+                        float softcap) {
   for (int64_t g0 = 0; g0 < g; g0 += 3) {  // heads in threes (12 accumulators)
     const int64_t gn = std::min<int64_t>(3, g - g0);
     float* sc = scores + g0 * L;
@@ -200,6 +217,7 @@ static void attend_avx2(const float* qf, const KV* const* krows, const KV* const
   }
   for (int64_t gi = 0; gi < g; ++gi) {
     float* sc = scores + gi * L;
+    if (softcap > 0.f) softcap_inplace(sc, L, softcap);
     if (part_m == nullptr) softmax_inplace(sc, L);
     else part_l[gi] = exp_scores(sc, L, &part_m[gi]);
   }
@@ -234,10 +252,13 @@ static void attend_avx2(const float* qf, const KV* const* krows, const KV* const
 template <typename KV>
 static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, const int64_t* bt,
                         const int64_t* seq_lens, float* out, int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs,
-                        int64_t max_blocks, float scale) {
+                        int64_t max_blocks, float scale, int64_t window, float softcap) {
   const int64_t g = h / kvh;
   int64_t total = 0, min_len = std::numeric_limits<int64_t>::max();
-  for (int64_t i = 0; i < n; ++i) total += seq_lens[i], min_len = std::min(min_len, seq_lens[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = seq_lens[i] - window_start(seq_lens[i], window) / bs * bs;  // from the first block read
+    total += len, min_len = std::min(min_len, len);
+  }
   const int64_t nthr = at::get_num_threads();
   int64_t S = 1;
   if (nthr > 1 && n * kvh < 2 * nthr) {
@@ -254,15 +275,17 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
     std::vector<const KV*> krows, vrows;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t s = job % S, i = job / S / kvh, kh = job / S % kvh, L = seq_lens[i];
-      const int64_t nblk = (L + bs - 1) / bs, b0 = nblk * s / S, b1 = nblk * (s + 1) / S;
-      const int64_t t0 = b0 * bs, t1 = std::min(L, b1 * bs), Lp = t1 - t0;
+      const int64_t lo = window_start(L, window), bfirst = lo / bs, nblk = (L + bs - 1) / bs - bfirst;
+      const int64_t b0 = bfirst + nblk * s / S, b1 = bfirst + nblk * (s + 1) / S;
+      const int64_t t0 = std::max(lo, b0 * bs), t1 = std::min(L, b1 * bs), Lp = std::max<int64_t>(0, t1 - t0);
       const float* qrow = q + i * qs + kh * g * d;
       for (int64_t x = 0; x < g * d; ++x) qf[x] = qrow[x] * (scale * kv_unit<KV>);
       krows.resize(Lp);
       vrows.resize(Lp);
       for (int64_t b = b0, t = 0; t < Lp; ++b) {  // block by block: no division per token
-        const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs, Lp - t);
-        for (int64_t o = 0; o < nt; ++o, ++t) {
+        const int64_t o0 = b == b0 ? t0 - b0 * bs : 0;  // a window may start inside the first block
+        const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, Lp - t);
+        for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
           const int64_t off = ((row0 + o) * kvh + kh) * d;
           krows[t] = kc + off;
           vrows[t] = vc + off;
@@ -271,10 +294,10 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
       scores.resize(g * Lp);
       if (S == 1) {
         attend_avx2(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), out + (i * h + kh * g) * d, d,
-                    nullptr, nullptr);
+                    nullptr, nullptr, softcap);
       } else {
         attend_avx2(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), &part_o[job * g * d], d,
-                    &part_m[job * g], &part_l[job * g]);
+                    &part_m[job * g], &part_l[job * g], softcap);
       }
     }
   });
@@ -298,7 +321,7 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
 #endif
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale) {
+                           torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [n,h,d], k_cache [nb,bs,kvh,d]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
@@ -328,14 +351,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       if (d % 8 == 0 && q.stride(2) == 1 && q.stride(1) == d) {  // rows may be strided
         decode_avx2<KV>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(),
                         bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), out.data_ptr<float>(), n, h, kvh, d, bs,
-                        bt.size(1), (float)scale);
+                        bt.size(1), (float)scale, window, (float)softcap);
         return;
       }
     }
 #endif
     auto qc = q.contiguous();
     decode_kernel<T, KV>(qc.data_ptr<T>(), k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(), bt.data_ptr<int64_t>(),
-                         sl.data_ptr<int64_t>(), out.data_ptr<T>(), n, h, kvh, d, bs, bt.size(1), (float)scale);
+                         sl.data_ptr<int64_t>(), out.data_ptr<T>(), n, h, kvh, d, bs, bt.size(1), (float)scale, window,
+                         (float)softcap);
   };
   auto with_q = [&](auto* q_type) {
     using T = std::remove_pointer_t<decltype(q_type)>;
@@ -354,15 +378,20 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // the query heads): a decode-only step's attention straight from the projection, [n, h * d]
 // out, ready for o_proj (models/llama.py's lean decode loop).
 torch::Tensor paged_decode_qkv(torch::Tensor qkv, int64_t h, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                               double softcap) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_cache.dim() == 4, "qkv [n, width], k_cache [nb,bs,kvh,d]");
   const int64_t n = qkv.size(0), d = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) >= h * d, "qkv row shorter than the query heads");
   auto q = qkv.as_strided({n, h, d}, {qkv.stride(0), d, 1});
-  return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale).view({n, h * d});
+  return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap).view({n, h * d});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("paged_decode_qkv", &paged_decode_qkv, "paged decode attention from fused QKV rows (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
+  m.def("paged_decode_qkv", &paged_decode_qkv, "paged decode attention from fused QKV rows (CPU)", py::arg("qkv"),
+        py::arg("h"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
 }

@@ -1,0 +1,228 @@
+"""Mixture-of-experts layers and the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
+
+Routing (transformers' order): router logits in the model dtype, softmax in float32, top-k;
+renormalised over the k (Mixtral always; the others when `norm_topk_prob`); Mixtral keeps
+the weights in float32 for the product, the others cast them to the model dtype. Qwen2-MoE
+adds a shared expert (a dense MLP) under a sigmoid gate.
+
+Experts are stacked per layer: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+A step's (token, choice) pairs are sorted by expert, so each active expert runs one pair of
+products over all of its tokens: its weights are read once per step, idle experts not at
+all, and nothing is computed for an expert a token did not choose.
+
+Tensor parallelism: within experts (each rank holds every expert's 1/N slice of I, as a
+dense MLP is split; the router is replicated), so every rank does the same share of every
+token's work whatever the routing, and the block's output is summed by the one all-reduce
+a dense MLP already needs. Sharding by expert would need an all-to-all of tokens and
+leaves ranks idle when routing is skewed, for little gain at these expert counts (8-128).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.executor.distributed import sharding
+from pagedserve.executor.distributed.parallel_state import tp_all_reduce
+from pagedserve.executor.distributed.sharding import TPLayout
+from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.models.llama import MLP, LlamaForCausalLM, act_and_mul
+
+
+class Router(nn.Module):
+    """A bias-free [out, H] projection that is not an nn.Linear, so that quantization at load
+    (quantize_linears) and the float kernels leave routing exactly as trained."""
+
+    def __init__(self, hidden: int, out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedExperts(nn.Module):
+    """Float experts (w13, w2), or packed ones: per expert a QuantLinear for gate/up (two
+    parts) and one for down (`q13`, `q2`), from a GGUF's blocks or quantized at load
+    (int8 / int4), run by executor/quant's kernels; the float tensors are then dropped."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.q13: nn.ModuleList | None = None
+        self.q2: nn.ModuleList | None = None
+
+    def _packed_layers(self) -> None:
+        from pagedserve.executor.quant.layers import QuantLinear
+
+        if self.q13 is None:
+            e, h, i = self.num_experts, self.hidden, self.intermediate
+            self.q13 = nn.ModuleList(QuantLinear(h, [i, i]) for _ in range(e))
+            self.q2 = nn.ModuleList(QuantLinear(i, [h]) for _ in range(e))
+
+    def set_packed(self, e: int, part: int, w) -> None:
+        """Part 0 (gate), 1 (up) or 2 (down) of expert e, packed (or float rows of a packed layer)."""
+        self._packed_layers()
+        if part == 2:
+            self.q2[e].set_part(0, w)
+        else:
+            self.q13[e].set_part(part, w)
+
+    def quantize(self, quantize) -> bool:
+        """Pack every expert with `quantize` (formats.QUANTIZERS); False (left float) when a
+        dimension is not a multiple of the 32-element blocks."""
+        if self.hidden % 32 or self.intermediate % 32:
+            return False
+        for e in range(self.num_experts):
+            i = self.intermediate
+            self.set_packed(e, 0, quantize(self.w13[e, :i]))
+            self.set_packed(e, 1, quantize(self.w13[e, i:]))
+            self.set_packed(e, 2, quantize(self.w2[e]))
+        self.drop_float()
+        return True
+
+    def drop_float(self) -> None:
+        """After packing: the float tensors are not used (nor kept in memory)."""
+        if self.q13 is not None:
+            self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+            self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, kern=None) -> torch.Tensor:
+        """x [T, H], the routing weights and expert ids [T, k] -> sum_j weights[t, j] *
+        expert_{ids[t, j]}(x[t]), [T, H]."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x.index_select(0, order // k)  # each pair's token
+        ys = torch.empty_like(xs)
+        start = 0
+        packed = self.q13 is not None
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            seg = xs[start : start + n]
+            if packed:
+                ys[start : start + n] = self.q2[e].forward(act_and_mul(self.q13[e].forward(seg), kern))
+            else:
+                ys[start : start + n] = F.linear(act_and_mul(F.linear(seg, self.w13[e]), kern), self.w2[e])
+            start += n
+        # back to (token, choice) order by a gather (a scatter-add is ~30 ms for two rows on
+        # a busy 2-core machine: OpenMP waits), then each token's k outputs weighted and summed
+        pairs = ys.index_select(0, torch.argsort(order)).view(x.shape[0], k, -1)
+        w = weights[..., None]
+        pairs = (pairs.float() * w).to(x.dtype) if w.dtype != x.dtype else pairs * w
+        return pairs.sum(dim=1)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPLayout) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.weights_fp32 = cfg.router_weights_fp32
+        self.gate = Router(cfg.hidden_size, cfg.num_experts)
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // tp.size)
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg, tp, shared // tp.size, reduce=False) if shared else None
+        self.shared_expert_gate = Router(cfg.hidden_size, 1) if shared else None
+        self.tp_size = tp.size
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights [T, k], expert ids [T, k])."""
+        logits = self.gate.forward(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return (weights if self.weights_fp32 else weights.to(x.dtype)), ids
+
+    def forward(self, x: torch.Tensor, kern=None) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.experts.forward(x, weights, ids, kern)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate.forward(x))
+            out = out + gate * self.shared_expert.forward(x, kern)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
+
+
+# checkpoint expert tensors: per expert (HF's files: Mixtral's w1/w3/w2, the others'
+# gate/up/down_proj) or stacked (transformers 5's own layout: gate_up_proj [E, 2I, H],
+# down_proj [E, H, I])
+_PER_EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_EXPERTS = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Llama-style attention (Qwen2-MoE's q/k/v bias, Qwen3-MoE's and OLMoE's q/k norms: config
+    flags) over SparseMoeBlocks (dense MLPs in Qwen-MoE's `mlp_only_layers`)."""
+
+    def _make_mlp(self, cfg: ModelConfig, tp: TPLayout, i: int) -> nn.Module:
+        return SparseMoeBlock(cfg, tp) if cfg.is_moe_layer(i) else MLP(cfg, tp)
+
+    def _checkpoint_tensors(self, weights):
+        for name, tensor in super()._checkpoint_tensors(weights):
+            yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+
+    def _load_tensor(self, name: str, tensor, params: dict, loaded: set[str]) -> None:
+        m = _PER_EXPERT.match(name)
+        if m is not None:
+            return self._load_expert(m.group(1), int(m.group(2)), _PART[m.group(3)], tensor, params, loaded)
+        m = _STACKED_EXPERTS.match(name)
+        if m is None:
+            return super()._load_tensor(name, tensor, params, loaded)
+        if m.group(2) == "down_proj":
+            for e in range(tensor.shape[0]):
+                self._load_expert(m.group(1), e, 2, tensor[e], params, loaded)
+            return None
+        half = tensor.shape[1] // 2
+        for e in range(tensor.shape[0]):
+            self._load_expert(m.group(1), e, 0, tensor[e, :half], params, loaded)
+            self._load_expert(m.group(1), e, 1, tensor[e, half:], params, loaded)
+        return None
+
+    def _load_expert(self, layer: str, e: int, part: int, w, params: dict, loaded: set[str]) -> None:
+        """Part 0 (gate), 1 (up) or 2 (down) of expert e of `layer`, this rank's slice
+        (packed GGUF blocks go to the experts' QuantLinears)."""
+        target = f"{layer}.mlp.experts.{'w2' if part == 2 else 'w13'}"
+        param = params.get(target)
+        if param is None or e >= param.shape[0]:
+            raise ValueError(f"checkpoint expert {e} of {layer} matches no parameter of {self.config.architecture}")
+        w = sharding.shard_row(w, self.tp) if part == 2 else sharding.shard_column(w, self.tp)
+        if not isinstance(w, torch.Tensor):
+            self.get_submodule(f"{layer}.mlp.experts").set_packed(e, part, w)
+            loaded.add(f"{target}#{e}.{part}")
+            return
+        if part == 2:
+            dst = param[e]
+        else:
+            n = param.shape[1] // 2
+            dst = param[e].narrow(0, part * n, n)
+        if dst.shape != w.shape:
+            raise ValueError(f"{layer} expert {e}: checkpoint shape {tuple(w.shape)} != {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(w)
+        loaded.add(f"{target}#{e}.{part}")
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(weights)
+        for mod in self.modules():
+            if isinstance(mod, FusedExperts):
+                mod.drop_float()
+
+    def _expected_keys(self, params: dict) -> set[str]:
+        out = set()
+        for key in super()._expected_keys(params):
+            name = key.split("#")[0]
+            if name.endswith(".experts.w13") or name.endswith(".experts.w2"):
+                parts = (2,) if name.endswith("w2") else (0, 1)
+                out.update(f"{name}#{e}.{p}" for e in range(params[name].shape[0]) for p in parts)
+            else:
+                out.add(key)
+        return out
