@@ -5,6 +5,9 @@ python -m pagedserve.bench.quant tpot    [--model default] [--tokens 128] [--rou
 python -m pagedserve.bench.quant kernels [--rounds 20]
       one linear layer at decode/prefill row counts: packed kernels vs float32 F.linear vs
       torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu
+python -m pagedserve.bench.quant isa     [--isas avx2,avx512,avx512_vnni] [--variants q4_1_act_q8,...]
+      the packed kernels under each instruction-set path in turn (PAGEDSERVE_CPU_ISA's names),
+      interleaved in one process: microseconds per call and the ratios to the first path
 python -m pagedserve.bench.quant rss     [--model default] [--quantization ...]
       resident memory of an engine after start and one generation
 python -m pagedserve.bench.quant ppl     [--variants default,gguf_q8,none] [--kv-cache-dtypes auto,fp8]
@@ -125,6 +128,61 @@ def cmd_kernels(args) -> dict:
         "threads": torch.get_num_threads(),
         "rows": rows,
     }
+
+
+def _isa_fns(x, out, packed: dict, variants: list[str]) -> dict:
+    """Variants "<format>" (float activations), "<format>_act_q8" (int8 activations) and
+    "<format>_bf16" (a bfloat16 model's layer: bf16 activations in and out); formats q8_0, q4_1."""
+    from pagedserve.executor.quant import kernels
+
+    xb, n, fns = x.bfloat16(), out.shape[1], {}
+    for v in variants:
+        p = packed[v.split("_act")[0].removesuffix("_bf16")]
+        if v.endswith("_act_q8"):
+            fns[v] = lambda p=p: kernels.gemm(x, p.data, p.qtype, out, act_q8=True)
+        elif v.endswith("_bf16"):
+            fns[v] = lambda p=p: kernels.load().qlinear(xb, [p.data], [p.qtype], [0], n, None, False)
+        else:
+            fns[v] = lambda p=p: kernels.gemm(x, p.data, p.qtype, out)
+    return fns
+
+
+def cmd_isa(args) -> dict:
+    import torch
+
+    from pagedserve.executor.quant import kernels
+    from pagedserve.executor.quant.formats import quantize_q4_1, quantize_q8_0
+
+    torch.manual_seed(0)
+    isas = [i.strip() for i in args.isas.split(",") if i.strip() in kernels.available_isas()]
+    variants = [v.strip() for v in args.variants.split(",")]
+    rows = []
+    prev = kernels.current_isa()
+    try:
+        for n, k in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
+            w = torch.randn(n, k) * 0.02
+            packed = {"q8_0": quantize_q8_0(w), "q4_1": quantize_q4_1(w)}
+            for m in [int(x) for x in args.rows.split(",")]:
+                x = torch.randn(m, k)
+                out = torch.empty(m, n)
+                fns = _isa_fns(x, out, packed, variants)
+                res: dict = {}
+                for _ in range(args.rounds):  # interleaved: every path and variant each round
+                    for isa in isas:
+                        kernels.set_isa(isa)
+                        for v, fn in fns.items():
+                            t = _time(fn, 3)
+                            key = f"{v}@{isa}"
+                            res[key] = min(res.get(key, t), t)
+                ratio = {
+                    f"{v}@{isa}": round(res[f"{v}@{isas[0]}"] / res[f"{v}@{isa}"], 3) for v in fns for isa in isas[1:]
+                }
+                us = {a: round(b, 1) for a, b in res.items()}
+                rows.append({"N": n, "K": k, "M": m, "us": us, f"speedup_vs_{isas[0]}": ratio})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        kernels.set_isa(prev)
+    return {"bench": "quant_isa", "isas": isas, "threads": torch.get_num_threads(), "rows": rows}
 
 
 def cmd_rss(args) -> dict:
@@ -276,6 +334,12 @@ def main(argv=None) -> None:
     k.add_argument("--shapes", default="1536x576,576x1536,49152x576,2048x2048,5632x2048")
     k.add_argument("--rows", default="1,4,16,64")
     k.add_argument("--rounds", type=int, default=5)
+    i = sub.add_parser("isa")
+    i.add_argument("--isas", default="avx2,avx512,avx512_vnni", help="the first is the baseline")
+    i.add_argument("--variants", default="q4_1_act_q8,q8_0_act_q8")
+    i.add_argument("--shapes", default="1536x576,3072x576,576x1536,49152x576")
+    i.add_argument("--rows", default="1,2,3,5,8,16,64,256")
+    i.add_argument("--rounds", type=int, default=5)
     d = sub.add_parser("demo")
     d.add_argument("--model", default="default")
     d.add_argument("--variants", default="default,none")
@@ -288,7 +352,7 @@ def main(argv=None) -> None:
     q.add_argument("--variants", default="default,gguf_q8,none")
     q.add_argument("--kv-cache-dtypes", default="auto", help="e.g. auto,float16,fp8_e4m3: each with every variant")
     args = p.parse_args(argv)
-    cmds = {"tpot": cmd_tpot, "kernels": cmd_kernels, "rss": cmd_rss, "demo": cmd_demo, "ppl": cmd_ppl}
+    cmds = {"tpot": cmd_tpot, "kernels": cmd_kernels, "isa": cmd_isa, "rss": cmd_rss, "demo": cmd_demo, "ppl": cmd_ppl}
     out = cmds[args.cmd](args)
     print(json.dumps(out, indent=1))
 

@@ -55,19 +55,29 @@ def reference(x, raw, qtype, k):
     return x.double().numpy() @ w.T, np.abs(x.double().numpy()) @ np.abs(w).T
 
 
-def isa_param():
+def isa_param(names=None):
     out = []
-    for isa in kernels.ISAS:
+    for isa in names or kernels.ISAS:
         ok = HAVE_KERNELS and isa in kernels.available_isas()
         out.append(pytest.param(isa, marks=pytest.mark.skipif(not ok, reason=f"this CPU lacks {isa}")))
     return out
 
 
-@pytest.fixture(params=isa_param())
-def isa(request):
+# The levels above avx512 run its float kernels (dequantization, float-activation products):
+# the float tests run the paths that have their own code; the act_q8 tests add avx512_vnni
+# (its integer kernels; avx512_bf16 and the AMX levels run those same ones).
+FLOAT_ISAS = ("scalar", "avx2", "avx512")
+Q8_ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")
+
+
+def _forced(request):
     prev = kernels.set_isa(request.param)
     yield request.param
     kernels.set_isa(prev)
+
+
+isa = pytest.fixture(params=isa_param(FLOAT_ISAS), name="isa")(_forced)
+q8_isa = pytest.fixture(params=isa_param(Q8_ISAS), name="q8_isa")(_forced)
 
 
 def ks_for(qtype):
@@ -123,7 +133,7 @@ def quantize_q8_reference(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 5, 9, 13, 14, 40, 64, 100])
-def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
+def test_gemm_act_q8_matches_quantized_activation_matmul(q8_isa, qtype, m):
     """act_q8 ("gguf_q8"): the integer paths (few rows; many rows over column-interleaved int8
     weights) equal (q8-quantized x) @ dequantized w up to float rounding, and stay near the
     float product. Odd N: whole groups of 8 columns, a pair and a single one, a partial last
@@ -150,7 +160,55 @@ def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
         assert 1e-4 < rel < 2e-2, rel  # quantized activations: close to, not equal to, the float product
 
 
-def test_q8_many_rows_sums_stay_in_range():
+def _act_q8_out(isa, x, raw, qtype, n, many_from):
+    prev = kernels.set_isa(isa)
+    old = kernels.set_q8_many_rows(many_from)
+    oldp = kernels.set_prefill_rows(many_from)  # Q8_0's many-row threshold
+    try:
+        out = torch.full((x.shape[0], n + 2), 7.0)
+        kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 1, act_q8=True)
+    finally:
+        kernels.set_q8_many_rows(old)
+        kernels.set_prefill_rows(oldp)
+        kernels.set_isa(prev)
+    assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
+    return out[:, 1 : 1 + n]
+
+
+def _extreme_blocks(raw, qtype, rng):
+    """Some blocks at the quants' extremes: nibbles all 15 or all 0, Q8_0 bytes -128 / -127 / 127."""
+    be, bb = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(raw.shape[0], -1, bb).copy()
+    first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2}[qtype]
+    values = (0x80, 0x81, 0x7F) if qtype == Q.Q8_0 else (0xFF, 0x00)
+    pick = rng.random(blocks.shape[:2]) < 0.4
+    blocks[pick, first:] = np.uint8(rng.choice(values))
+    return blocks.reshape(raw.shape[0], -1)
+
+
+@pytest.mark.skipif(not HAVE_KERNELS or "avx512_vnni" not in kernels.available_isas(), reason="this CPU lacks avx512_vnni")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_act_q8_vnni_bit_equal_to_avx2(qtype):
+    """vpdpbusd (AVX512-VNNI, few rows: 512-bit over column pairs and 256-bit for an odd one;
+    many rows: 16 columns a register) gives the AVX2 kernels' exact integer block sums and
+    then their float steps lane for lane: the outputs' bits are equal. Odd N (partial groups
+    of 16 and 8 columns, a single column), K of 1 to 48 blocks, row tails of the 4-row
+    micro-kernel, extreme quants against x at +-127 and at random, an all-zero block."""
+    rng = np.random.default_rng(int(qtype))
+    for n, k in ((37, 576), (1, 32), (2, 64), (17, 96), (33, 1536)):
+        raw = _extreme_blocks(random_packed(qtype, n, k, seed=n), qtype, rng)
+        for m in (1, 2, 3, 5, 7, 13, 17, 64):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3
+            x[0, :32] = 0.0
+            x[m // 2, 32:] = torch.where(torch.rand(k - 32, generator=torch.Generator().manual_seed(m)) < 0.5, -1.0, 1.0)
+            for many_from in (1, 10**9):  # the many-row kernel at every m, then the few-row one
+                ref = _act_q8_out("avx2", x, raw, qtype, n, many_from)
+                got = _act_q8_out("avx512_vnni", x, raw, qtype, n, many_from)
+                assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, k, m, many_from, (got - ref).abs().max())
+
+
+@pytest.mark.parametrize("q8_isa", isa_param(Q8_ISAS[1:]), indirect=True)
+def test_q8_many_rows_sums_stay_in_range(q8_isa):
     """The many-row integer kernel sums a block's nibble products in 16 bits: the largest
     quants (15 against +-127 everywhere) must not overflow, for any sign pattern; Q8_0's
     extremes (-127, and -128, which a file may hold) neither."""
@@ -183,7 +241,8 @@ def test_isa_names_are_checked():
 
 
 
-def test_q8_many_rows_over_row_blocks():
+@pytest.mark.parametrize("q8_isa", isa_param(Q8_ISAS[1:]), indirect=True)
+def test_q8_many_rows_over_row_blocks(q8_isa):
     """More rows than one L2 block of activations (48 rows at K = 8192): every block of rows
     meets every chunk of columns."""
     n, k, m = 13, 8192, 50

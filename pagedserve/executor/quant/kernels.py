@@ -1,8 +1,12 @@
 """The packed-weight C++ kernels (csrc/), compiled once per machine (executor/cpp_build.py).
 
-One module holds a portable scalar path, an AVX2+FMA path and an AVX-512 path; the best one the
-CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (scalar | avx2 | avx512; a path the CPU
-lacks is an error). `set_isa()` switches at run time (tests run every available path).
+One module holds a portable scalar path, an AVX2+FMA path, an AVX-512 path and, above it,
+avx512_vnni (vpdpbusd in the int8-activation kernels), avx512_bf16 (and the bf16 many-row
+products of bfloat16 models) and amx_bf16 / amx_int8 (AMX tiles present and granted by Linux:
+bf16 many-row products go to oneDNN, which runs them on the tiles; no kernel here issues tile
+instructions). The best one the CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (those
+names; a path the CPU lacks is an error). `set_isa()` switches at run time (tests run every
+available path).
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from pagedserve import envs
 from pagedserve.executor.cpp_build import load_extension
 
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = ("quant_impl.h",)  # included by quant_kernels.cpp; part of the build key
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+_HEADERS = ("quant_impl.h", "quant_vnni.h")  # included by quant_kernels.cpp; part of the build key
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 4, "amx_bf16": 5, "amx_int8": 6}
 
 
 @functools.cache

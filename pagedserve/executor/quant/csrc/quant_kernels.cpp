@@ -2,9 +2,11 @@
 // Q8_0, Q4_K, Q5_K, Q6_K; F32/F16/BF16 rows too), float activations.
 //
 // The same kernel source (quant_impl.h) is compiled three times in this one translation unit:
-// portable scalar, AVX2+FMA+F16C and AVX-512 (each in its own namespace and target region),
-// and the path is chosen at run time from what the CPU has (or forced with set_isa, which the
-// Python side drives from PAGEDSERVE_CPU_ISA). No -march flags: the module runs on any x86-64.
+// portable scalar, AVX2+FMA+F16C and AVX-512 (each in its own namespace and target region);
+// the levels above AVX-512 add their own kernels on top of its build (quant_vnni.h: AVX512-VNNI
+// integer products), and the path is chosen at run time from what the CPU has (CPUID; or forced
+// with set_isa, which the Python side drives from PAGEDSERVE_CPU_ISA). No -march flags: the
+// module runs on any x86-64.
 //
 //   gemm(x [M,K] f32, w uint8 [N, row_bytes], type, out [M, ldo] f32, col0)
 //       out[:, col0:col0+N] = x @ dequant(w).T
@@ -18,19 +20,26 @@
 //     to int8 per 32-element block first and meet the weights in integer multiply-adds, as
 //     llama.cpp's q8 dot products (faster, not float-exact): few rows, each packed row against
 //     every activation row; many rows (AVX2), chunks of weights repacked so that each 32-bit
-//     lane is one output column, one vpmaddubsw per step for 8 columns.
+//     lane is one output column, one vpmaddubsw per step for 8 columns (AVX512-VNNI: one
+//     vpdpbusd per step for 16 columns; the same bits as the AVX2 kernels).
 //   dequant(w, type, K, rows?) -> float [R, K]   (all rows, or the given row ids: embeddings)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #define QK_X86 1
 #else
@@ -96,6 +105,7 @@ struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 weight
   const float* xd;   // [M, K/32] their scales
   const float* xs;   // [M, K/32] scale * sum(quants) (Q4_1's min term)
   float* out;        // already offset by col0
+  const int32_t* xc = nullptr;  // [M, K/32] -128 * sum(quants) (the VNNI many-row kernel, Q8_0)
 };
 
 namespace scalar {
@@ -138,6 +148,23 @@ namespace avx512 {
 #else
 #pragma GCC pop_options
 #endif
+
+// AVX512-VNNI: the act_q8 integer kernels (quant_vnni.h) on the AVX-512 build's helpers
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
+namespace avx512_vnni {
+using namespace avx512;
+#include "quant_vnni.h"
+}  // namespace avx512_vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 #endif  // QK_X86
 
 // ---- threads ------------------------------------------------------------------------------------
@@ -148,7 +175,74 @@ namespace avx512 {
 // 25 vs 20 ms, a 64-row step 670 vs 470 ms; BENCHMARKS section 19).
 
 // ---- run-time dispatch ------------------------------------------------------------------------
-enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+// Levels, each the one below it plus its own instructions (set_isa forces one; the best one
+// the CPU has is the default):
+//   avx512_vnni: vpdpbusd in the act_q8 integer kernels;
+//   avx512_bf16: and the bf16 many-row products of bfloat16 models (quant_bf16.h);
+//   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
+//     (arch_prctl): the bf16 many-row products go to oneDNN, which runs them on the tiles.
+//     No kernel here issues a tile instruction itself (none could be run where this was
+//     written); otherwise the avx512_bf16 kernels.
+enum Isa {
+  ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3, ISA_AVX512_BF16 = 4, ISA_AMX_BF16 = 5,
+  ISA_AMX_INT8 = 6, ISA_LAST = 6,
+};
+
+#if QK_X86 && (defined(__GNUC__) || defined(__clang__))
+// CPUID leaf 7 bits (subleaf 0: ebx/ecx/edx, subleaf 1: eax)
+static bool cpuid7(int sub, int reg, int bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid_count(7, sub, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1u;
+}
+static uint64_t xcr0() {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid(1, &r[0], &r[1], &r[2], &r[3]) || !((r[2] >> 27) & 1u)) return 0;  // OSXSAVE
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return ((uint64_t)hi << 32) | lo;
+}
+enum { EAX = 0, EBX = 1, ECX = 2, EDX = 3 };
+#endif
+
+// AMX: the tile state needs the kernel's permission per process (Linux 5.16+:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); refused or never asked, the AMX
+// levels are unavailable and the avx512_bf16 one runs. g_amx_perm: -1 not asked yet, 0
+// granted, else the errno of the refusal.
+static int g_amx_perm = -1;
+
+static bool amx_cpuid(bool int8) {
+#if QK_X86 && (defined(__GNUC__) || defined(__clang__))
+  const bool tiles = cpuid7(0, EDX, 24) && cpuid7(0, EDX, 22) && (!int8 || cpuid7(0, EDX, 25));  // tile, bf16, int8
+  return tiles && (xcr0() & (3ull << 17)) == (3ull << 17);  // XTILECFG + XTILEDATA enabled by the OS
+#else
+  (void)int8;
+  return false;
+#endif
+}
+
+// Asks for the tile state (once; again when `again`); simulate_refusal: the refusal path
+// without a syscall (tests). Returns 0 (granted) or the errno.
+int64_t request_amx_permission(bool simulate_refusal, bool again) {
+  if (simulate_refusal) {
+    g_amx_perm = EPERM;
+    return g_amx_perm;
+  }
+  if (g_amx_perm >= 0 && !again) return g_amx_perm;
+#if QK_X86 && defined(__linux__)
+  if (!amx_cpuid(false)) {
+    g_amx_perm = ENODEV;
+    return g_amx_perm;
+  }
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  g_amx_perm = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
+#else
+  g_amx_perm = ENOSYS;
+#endif
+  return g_amx_perm;
+}
+int64_t amx_permission() { return g_amx_perm; }
+bool amx_in_cpu() { return amx_cpuid(false); }
 
 static bool cpu_has(int isa) {
   if (isa == ISA_SCALAR) return true;
@@ -159,11 +253,21 @@ static bool cpu_has(int isa) {
   if (isa == ISA_AVX512)
     return cpu_has(ISA_AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (isa == ISA_AVX512_VNNI) return cpu_has(ISA_AVX512) && cpuid7(0, ECX, 11);
+  if (isa == ISA_AVX512_BF16) return cpu_has(ISA_AVX512_VNNI) && cpuid7(1, EAX, 5);
+  if (isa == ISA_AMX_BF16 || isa == ISA_AMX_INT8) {
+    if (!cpu_has(ISA_AVX512_BF16) || !amx_cpuid(isa == ISA_AMX_INT8)) return false;
+    return request_amx_permission(false, false) == 0;
+  }
 #endif
   return false;
 }
 
-static int best_isa() { return cpu_has(ISA_AVX512) ? ISA_AVX512 : cpu_has(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR; }
+static int best_isa() {
+  for (int i = ISA_LAST; i > ISA_SCALAR; --i)
+    if (cpu_has(i)) return i;
+  return ISA_SCALAR;
+}
 
 static int g_isa = -1;
 static int64_t g_prefill_rows = 12;
@@ -179,13 +283,13 @@ static int current_isa() {
 }
 
 int64_t set_isa(int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa <= 2, "isa: 0 scalar, 1 avx2, 2 avx512");
+  TORCH_CHECK(isa >= 0 && isa <= ISA_LAST, "isa: 0 scalar, 1 avx2, 2 avx512, 3 avx512_vnni, 4 avx512_bf16, 5 amx_bf16, 6 amx_int8");
   TORCH_CHECK(cpu_has((int)isa), "this CPU lacks the requested instruction set");
   g_isa = (int)isa;
   return g_isa;
 }
 int64_t get_isa() { return current_isa(); }
-bool isa_available(int64_t isa) { return cpu_has((int)isa); }
+bool isa_available(int64_t isa) { return isa >= 0 && isa <= ISA_LAST && cpu_has((int)isa); }
 int64_t set_prefill_rows(int64_t m) {
   const int64_t old = g_prefill_rows;
   g_prefill_rows = m;
@@ -199,7 +303,7 @@ int64_t set_q8_many_rows(int64_t m) {
 
 static void isa_gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 #if QK_X86
-  switch (current_isa()) {
+  switch (std::min(current_isa(), (int)ISA_AVX512)) {
     case ISA_AVX512: return avx512::gemm_rows(g, n0, n1);
     case ISA_AVX2: return avx2::gemm_rows(g, n0, n1);
     default: break;
@@ -221,6 +325,7 @@ static void isa_gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 
 static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 #if QK_X86
+  if (current_isa() >= ISA_AVX512_VNNI) return avx512_vnni::gemm_q8_rows(g, n0, n1);
   switch (current_isa()) {
     case ISA_AVX512: return avx512::gemm_q8_rows(g, n0, n1);
     case ISA_AVX2: return avx2::gemm_q8_rows(g, n0, n1);
@@ -232,6 +337,7 @@ static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void isa_gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 #if QK_X86
+  if (current_isa() >= ISA_AVX512_VNNI) return avx512_vnni::gemm_q8_many(g, n0, n1);
   avx2::gemm_q8_many(g, n0, n1);
 #endif
 }
@@ -264,7 +370,7 @@ std::vector<torch::Tensor> quantize_act_q8(torch::Tensor x) {
 static void isa_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, const int64_t* rows, int64_t r0,
                              int64_t r1, float* out) {
 #if QK_X86
-  switch (current_isa()) {
+  switch (std::min(current_isa(), (int)ISA_AVX512)) {
     case ISA_AVX512: return avx512::dequant_rows(type, W, rb, K, rows, r0, r1, out);
     case ISA_AVX2: return avx2::dequant_rows(type, W, rb, K, rows, r0, r1, out);
     default: break;
@@ -350,6 +456,16 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
                  out.data_ptr<float>() + col0};
     const int64_t many_from = type == T_Q8_0 ? g_prefill_rows : g_q8_many_rows;
     if (QK_X86 && current_isa() >= ISA_AVX2 && M >= many_from) {
+#if QK_X86
+      thread_local std::vector<int32_t> xc;
+      if (type == T_Q8_0 && current_isa() >= ISA_AVX512_VNNI) {  // its unsigned weights' offset, taken back
+        xc.resize(M * nb);
+        const int8_t* q = xq.data();  // (thread_local: the pointers, not the names, go to the team)
+        int32_t* c = xc.data();
+        at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) { avx512_vnni::q8_block_corr(q, b0, b1, c); });
+        g.xc = c;
+      }
+#endif
       at::parallel_for(0, (N + 15) / 16, 1,  // tasks of two groups of 8 columns
                        [&](int64_t a, int64_t b) { isa_gemm_q8_many(g, a * 16, std::min(N, b * 16)); });
     } else {
@@ -435,6 +551,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
         py::arg("rows") = py::none());
   m.def("set_isa", &set_isa);
+  m.def("request_amx_permission", &request_amx_permission,
+        "ask Linux for the AMX tile state (0 granted, else the errno); simulate_refusal: tests",
+        py::arg("simulate_refusal") = false, py::arg("again") = false);
+  m.def("amx_permission", &amx_permission, "-1 not asked yet, 0 granted, else the errno of the refusal");
+  m.def("amx_in_cpu", &amx_in_cpu, "CPUID has AMX tiles (bf16) and the OS enables their state");
   m.def("get_isa", &get_isa);
   m.def("isa_available", &isa_available);
   m.def("has_many_rows_kernel", &many_rows_kernel, "whether many-row products use the blocked kernel (ISA now set)");
