@@ -11,6 +11,7 @@ python -m pagedserve.bench.quant isa     [--isas avx2,avx512,avx512_vnni] [--var
 python -m pagedserve.bench.quant rss     [--model default] [--quantization ...]
       resident memory of an engine after start and one generation
 python -m pagedserve.bench.quant ppl     [--variants default,gguf_q8,none] [--kv-cache-dtypes auto,fp8]
+                                         [--dtype float32 | bfloat16] [--bf16-rows N]
       perplexity of the default GGUF on a public-domain text (the Gettysburg Address and the
       opening of the Declaration of Independence), each quantization mode beside transformers
       loading the same GGUF (the numerics contract: within 1%)
@@ -289,13 +290,20 @@ def cmd_ppl(args) -> dict:
     from pagedserve.model_files import default_model_path
 
     path = default_model_path() if args.model == "default" else args.model
+    if args.bf16_rows is not None:
+        from pagedserve.executor.quant import kernels
+
+        kernels.set_bf16_rows(args.bf16_rows)
     out: dict = {"bench": "quant_ppl", "model": os.path.basename(path), "text": "gettysburg+declaration"}
+    out["dtype"] = args.dtype
+    if args.bf16_rows is not None:
+        out["bf16_rows"] = args.bf16_rows
     ids = None
     for v in [q.strip() for q in args.variants.split(",")]:
         for kv in [k.strip() for k in args.kv_cache_dtypes.split(",")]:
             llm = LLM(
                 path,
-                dtype="float32",
+                dtype=args.dtype,
                 quantization=None if v == "default" else v,
                 enable_prefix_caching=False,
                 kv_cache_dtype=kv,
@@ -350,6 +358,8 @@ def main(argv=None) -> None:
     q = sub.add_parser("ppl")
     q.add_argument("--model", default="default", help="a GGUF file (transformers loads the same one)")
     q.add_argument("--variants", default="default,gguf_q8,none")
+    q.add_argument("--dtype", default="float32", help="the engines' dtype (bfloat16: the bf16 products)")
+    q.add_argument("--bf16-rows", type=int, default=None, help="bf16 products from this many rows (1e9: off)")
     q.add_argument("--kv-cache-dtypes", default="auto", help="e.g. auto,float16,fp8_e4m3: each with every variant")
     args = p.parse_args(argv)
     cmds = {"tpot": cmd_tpot, "kernels": cmd_kernels, "isa": cmd_isa, "rss": cmd_rss, "demo": cmd_demo, "ppl": cmd_ppl}

@@ -288,3 +288,122 @@ def test_activation_quantizer_same_bits_on_every_isa():
     for isa, (q2, d2, s2) in results.items():
         assert torch.equal(q2, q) and torch.equal(d2.view(torch.int32), d.view(torch.int32)), isa
         assert torch.equal(s2.view(torch.int32), s.view(torch.int32)), isa
+
+
+HAVE_BF16 = HAVE_KERNELS and "avx512_bf16" in kernels.available_isas()
+needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="this CPU lacks avx512_bf16")
+
+
+def bf16_reference(x, raw, qtype, k):
+    """x (bf16) @ dequantized w (unrounded) in float64, and |x| @ |w|.T for the tolerance."""
+    w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], k)).double()
+    xd = x.double()
+    return (xd @ w.T).numpy(), (xd.abs() @ w.abs().T).numpy()
+
+
+@needs_bf16
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bf16_products_match_dequantized_matmul(qtype):
+    """The bf16 many-row products equal x @ dequant(w).T with the weights unrounded: the
+    vdpbf16ps kernel (exact quants, float group scales and minimums) up to float32 summation;
+    oneDNN over the weights split into bf16 hi + lo up to the split's 2^-17 and its bf16
+    output. Odd N (a partial group of 16 and of the 48-column chunk), K of 3 to 48 blocks,
+    M = 1, 3, 16, 17 (row tiles of 4 and tails), 64, 300; only its own columns written."""
+    prev = kernels.set_isa("avx512_bf16")
+    try:
+        shapes = ((37, 96), (50, 576), (17, 1536)) if gguf.GGML_QUANT_SIZES[qtype][0] == 32 else ((50, 512),)
+        for n, k in shapes:
+            for m in (1, 3, 16, 17, 64, 300):
+                raw = random_packed(qtype, n, k, seed=m)
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).bfloat16()
+                ref, mag = bf16_reference(x, raw, qtype, k)
+                for onednn in (False, True):
+                    out = torch.full((m, n + 3), 7.0)
+                    kernels.gemm_bf16(x, torch.from_numpy(raw), int(qtype), out, 2, onednn=onednn)
+                    got = out[:, 2 : 2 + n].numpy()
+                    tol = 2e-6 * mag + 1e-6 + (np.abs(ref) / 256 + 2e-5 * mag if onednn else 0)
+                    assert np.all(np.abs(got - ref) <= tol), (n, k, m, onednn, np.abs(got - ref).max())
+                    assert torch.all(out[:, :2] == 7.0) and torch.all(out[:, 2 + n :] == 7.0)
+    finally:
+        kernels.set_isa(prev)
+
+
+@needs_bf16
+def test_bf16_products_only_for_bf16_models():
+    """qlinear (the QuantLinear forward) takes the bf16 products for bf16 activations from the
+    row threshold on, on avx512_bf16: the vdpbf16ps kernel, or oneDNN from its threshold on;
+    float32 activations (a float32 model) never: their result is the float kernels' bit for
+    bit whatever the thresholds; act_q8 keeps its integer kernels for Q4_1 and sends Q6_K to
+    bf16; float rows (F32 parts) keep the float path; below avx512_bf16 bf16 activations take
+    the float path. Three segments (Q4_1, Q6_K, F32) and a bias."""
+    mod = kernels.load()
+    k, m = 512, 20
+    raws = [random_packed(Q.Q4_1, 24, k, seed=1), random_packed(Q.Q6_K, 13, k, seed=2)]
+    ws = [torch.from_numpy(r) for r in raws] + [(torch.randn(5, k) * 0.05).view(torch.uint8)]
+    types, cols, n = [int(Q.Q4_1), int(Q.Q6_K), 0], [0, 24, 37], 42
+    bias = torch.randn(n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0))
+    xb = x.bfloat16()
+
+    def qlinear(x, act_q8=False):
+        before = mod.bf16_calls()
+        y = mod.qlinear(x, ws, types, cols, n, bias, act_q8)
+        return y, [a - b for a, b in zip(mod.bf16_calls(), before)]
+
+    def by_hand(bf16_types, act_q8=False, onednn=False):
+        out = torch.empty(m, n)
+        for w, t, c in zip(ws, types, cols):
+            if t in bf16_types:
+                kernels.gemm_bf16(xb, w, t, out, c, onednn=onednn)
+            else:
+                kernels.gemm(xb.float(), w, t, out, c, act_q8=act_q8)
+        return (out + bias).bfloat16()
+
+    def float_path(x):
+        out = torch.empty(m, n)
+        for w, t, c in zip(ws, types, cols):
+            kernels.gemm(x.float(), w, t, out, c)
+        return out + bias
+
+    prev = kernels.set_isa("avx512_bf16")
+    old, old_dnn = kernels.set_bf16_rows(m), kernels.set_bf16_onednn_rows(10**9)
+    try:
+        y, calls = qlinear(xb)
+        assert y.dtype == torch.bfloat16 and calls == [2, 0] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}))
+        y, calls = qlinear(xb, act_q8=True)
+        assert calls == [1, 0] and torch.equal(y, by_hand({int(Q.Q6_K)}, act_q8=True))
+        kernels.set_bf16_onednn_rows(m)
+        y, calls = qlinear(xb)
+        assert calls == [0, 2] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}, onednn=True))
+        for rows in (1, m, 10**9):
+            kernels.set_bf16_rows(rows)
+            y, calls = qlinear(x)
+            assert calls == [0, 0] and torch.equal(y, float_path(x))  # a float32 model: never
+        kernels.set_bf16_rows(m + 1)  # below the threshold: the float path
+        y, calls = qlinear(xb)
+        assert calls == [0, 0] and torch.equal(y, float_path(xb).bfloat16())
+        kernels.set_bf16_rows(m)
+        kernels.set_isa("avx512")
+        y, calls = qlinear(xb)
+        assert calls == [0, 0] and torch.equal(y, float_path(xb).bfloat16())
+    finally:
+        kernels.set_bf16_rows(old)
+        kernels.set_bf16_onednn_rows(old_dnn)
+        kernels.set_isa(prev)
+
+
+def test_amx_refusal_falls_back_with_a_log_line(caplog):
+    """Linux may refuse the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM): simulated here, the
+    AMX levels are unavailable, the path stays below them and a warning says why."""
+    mod = kernels.load()
+    try:
+        assert mod.request_amx_permission(simulate_refusal=True) != 0
+        with caplog.at_level("WARNING", logger=kernels.__name__):
+            assert kernels.check_amx(mod) is False
+        assert "refused" in caplog.text
+        assert not mod.isa_available(kernels.ISAS["amx_bf16"]) and not mod.isa_available(kernels.ISAS["amx_int8"])
+        assert kernels.current_isa() not in ("amx_bf16", "amx_int8")
+        with pytest.raises(RuntimeError, match="lacks"):
+            kernels.set_isa("amx_bf16")
+    finally:
+        mod.request_amx_permission(again=True)  # the real answer again (no AMX here: unavailable)

@@ -21,7 +21,7 @@ from pagedserve import envs
 from pagedserve.executor.cpp_build import load_extension
 
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = ("quant_impl.h", "quant_vnni.h")  # included by quant_kernels.cpp; part of the build key
+_HEADERS = ("quant_impl.h", "quant_vnni.h", "quant_bf16.h")  # included by quant_kernels.cpp; part of the build key
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 4, "amx_bf16": 5, "amx_int8": 6}
 
 
@@ -38,10 +38,30 @@ def load():
         ldflags=("-fopenmp",),
         expected_seconds=40,
     )
+    check_amx(mod)
     isa = (envs.PAGEDSERVE_CPU_ISA or "auto").strip().lower()
     if isa != "auto":
         _set(mod, isa)
     return mod
+
+
+def check_amx(mod) -> bool:
+    """Where the CPU has AMX tiles, ask Linux for their state (arch_prctl ARCH_REQ_XCOMP_PERM);
+    refused, say so once: the AMX levels are then unavailable and avx512_bf16 runs. True when
+    the tiles may be used."""
+    if not mod.amx_in_cpu() and mod.amx_permission() < 0:
+        return False
+    err = mod.amx_permission()
+    if err < 0:
+        err = mod.request_amx_permission()
+    if err != 0:
+        logging.getLogger(__name__).warning(
+            "pagedserve: the CPU has AMX tiles but Linux refused this process their state (%s); "
+            "bf16 products run on avx512_bf16",
+            os.strerror(err),
+        )
+        return False
+    return True
 
 
 def try_load():
@@ -91,6 +111,23 @@ def set_q8_many_rows(m: int) -> int:
     """act_q8 with Q4_0 / Q4_1 weights: from this many rows on, the column-interleaved integer
     kernel; below it, the few-row integer kernel (returns the previous value)."""
     return int(load().set_q8_many_rows(int(m)))
+
+
+def set_bf16_rows(m: int) -> int:
+    """bfloat16 models on avx512_bf16 and up: from this many activation rows, the products round
+    the dequantized weights to bf16 and run on the bf16 units (returns the previous value)."""
+    return int(load().set_bf16_rows(int(m)))
+
+
+def set_bf16_onednn_rows(m: int) -> int:
+    """From this many rows the bf16 products go to oneDNN (bf16 weight tiles, at::mm), below it
+    to the vdpbf16ps kernel (the AMX levels: oneDNN always). Returns the previous value."""
+    return int(load().set_bf16_onednn_rows(int(m)))
+
+
+def gemm_bf16(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, onednn: bool = False):
+    """out[:, col0:col0+N] (float32) = x (bf16) @ bf16(dequant(w)).T on the bf16 units."""
+    load().gemm_bf16(x, w, int(qtype), out, int(col0), bool(onednn))
 
 
 def has_many_rows_kernel() -> bool:

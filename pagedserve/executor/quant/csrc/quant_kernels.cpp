@@ -165,6 +165,23 @@ using namespace avx512;
 #else
 #pragma GCC pop_options
 #endif
+
+// AVX512-BF16: the bf16 many-row products of bfloat16 models (quant_bf16.h)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+#endif
+namespace avx512_bf16 {
+using namespace avx512;
+#include "quant_bf16.h"
+}  // namespace avx512_bf16
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 #endif  // QK_X86
 
 // ---- threads ------------------------------------------------------------------------------------
@@ -277,6 +294,13 @@ static int64_t g_prefill_rows = 12;
 // 35.7 vs 30.0 (BENCHMARKS section 23)
 static int64_t g_q8_many_rows = 6;
 
+// bfloat16 models (x arrives in bf16), avx512_bf16 and up: from this many rows the products of
+// block-type weights run on the bf16 units (quant_bf16.h; the float path below); from
+// g_bf16_onednn_rows on (and at every row count on the AMX levels) split bf16 weight tiles go
+// to oneDNN through at::mm (AMX tiles where the CPU has them), below it the vdpbf16ps kernel.
+static int64_t g_bf16_rows = 12;
+static int64_t g_bf16_onednn_rows = 1 << 30;
+
 static int current_isa() {
   if (g_isa < 0) g_isa = best_isa();
   return g_isa;
@@ -293,6 +317,16 @@ bool isa_available(int64_t isa) { return isa >= 0 && isa <= ISA_LAST && cpu_has(
 int64_t set_prefill_rows(int64_t m) {
   const int64_t old = g_prefill_rows;
   g_prefill_rows = m;
+  return old;
+}
+int64_t set_bf16_rows(int64_t m) {
+  const int64_t old = g_bf16_rows;
+  g_bf16_rows = m;
+  return old;
+}
+int64_t set_bf16_onednn_rows(int64_t m) {
+  const int64_t old = g_bf16_onednn_rows;
+  g_bf16_onednn_rows = m;
   return old;
 }
 int64_t set_q8_many_rows(int64_t m) {
@@ -519,6 +553,76 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_rows(g, n0, n1); });
 }
 
+static bool bf16_products() { return QK_X86 && current_isa() >= ISA_AVX512_BF16; }
+static int64_t g_bf16_calls[2] = {0, 0};  // products on the vdpbf16ps kernel / oneDNN (tests)
+std::vector<int64_t> bf16_calls() { return {g_bf16_calls[0], g_bf16_calls[1]}; }
+
+// Whether a type's products may take the bf16 route (block types: integer quants and group
+// scales, exact in bf16; float rows take the float path)
+static bool bf16_type(int64_t type) {
+#if QK_X86
+  return avx512_bf16::quant_group_size((int)type) > 0;
+#else
+  (void)type;
+  return false;
+#endif
+}
+
+// out[:, col0:col0+N] (float32) = x (bf16 [M, K], K a multiple of 32) @ dequant(w).T on the
+// bf16 units, a block type's weights unrounded (quant_bf16.h): the vdpbf16ps kernel over exact
+// quants and float group scales, or (onednn) at::mm over [x, x] and the weights split into
+// bf16 hi + lo (2K deep).
+void gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool onednn) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_packed(w, type, K);
+  TORCH_CHECK(K % 32 == 0, "bf16 products: K must be a multiple of 32");
+  TORCH_CHECK(bf16_products(), "bf16 products need the avx512_bf16 path (or above)");
+  TORCH_CHECK(bf16_type(type), "bf16 products: block types only (Q4_0 ... Q6_K)");
+  TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
+  if (M == 0 || N == 0) return;
+  ++(onednn ? g_bf16_calls[1] : g_bf16_calls[0]);
+#if QK_X86
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const int64_t rb = w.size(1), ldo = out.size(1);
+  if (onednn) {
+    // tiles of ~2 MB of split bf16 weights in a reused buffer, each multiplied by the BLAS (oneDNN)
+    const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(512) << 10) / K));
+    thread_local torch::Tensor buf;
+    if (!buf.defined() || buf.numel() < tile * 2 * K) buf = torch::empty({tile * 2 * K}, torch::kBFloat16);
+    const torch::Tensor x2 = at::cat({x, x}, 1);
+    for (int64_t t0 = 0; t0 < N; t0 += tile) {
+      const int64_t t1 = std::min(N, t0 + tile);
+      auto wb = buf.narrow(0, 0, (t1 - t0) * 2 * K).view({t1 - t0, 2 * K});
+      uint16_t* o = reinterpret_cast<uint16_t*>(wb.data_ptr<at::BFloat16>());
+      const uint8_t* Wt = W + t0 * rb;
+      at::parallel_for(0, t1 - t0, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
+        avx512_bf16::dequant_rows_bf16x2((int)type, Wt + r0 * rb, rb, K, 0, r1 - r0, o + r0 * 2 * K, 2 * K);
+      });
+      out.narrow(1, col0 + t0, t1 - t0).copy_(at::mm(x2, wb.t()));
+    }
+    return;
+  }
+  const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int gsz = avx512_bf16::quant_group_size((int)type);
+  thread_local std::vector<float> xs;
+  const float* XS = nullptr;
+  if (avx512_bf16::quant_has_min((int)type)) {
+    xs.resize(M * (K / gsz));
+    float* p = xs.data();  // (thread_local: the pointer, not the name, goes to the team)
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K),
+                     [&](int64_t r0, int64_t r1) { avx512_bf16::group_sums(X, K, gsz, r0, r1, p); });
+    XS = p;
+  }
+  float* o = out.data_ptr<float>() + col0;
+  constexpr int64_t NC = 16 * avx512_bf16::BF_G;
+  at::parallel_for(0, (N + NC - 1) / NC, 1, [&](int64_t a, int64_t b) {
+    avx512_bf16::gemm_bf16_cols((int)type, W, rb, K, X, XS, M, o, ldo, a * NC, std::min(N, b * NC));
+  });
+#endif
+}
+
 // A whole QuantLinear forward in one call (the Python version cost ~20 us of tensor ops per
 // layer): x [..., K] of any float dtype -> [..., N] of x's dtype; segments of packed rows
 // (one per run of equal types) write their own output columns; optional float bias.
@@ -527,14 +631,24 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
                       bool act_q8) {
   TORCH_CHECK(ws.size() == types.size() && ws.size() == cols.size(), "segments");
   const bool flat = x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous();  // the common case
-  torch::Tensor x2 = x;
-  if (!flat) {
-    x2 = x.reshape({-1, x.size(-1)});
-    if (x2.scalar_type() != at::kFloat || !x2.is_contiguous()) x2 = x2.to(at::kFloat).contiguous();
-  }
-  torch::Tensor out = at::detail::empty_cpu({x2.size(0), N}, at::kFloat, c10::nullopt, c10::nullopt, c10::nullopt,
+  torch::Tensor x2 = x, xb;
+  if (!flat) x2 = x.reshape({-1, x.size(-1)});
+  const int64_t M = x2.size(0), K = x2.size(1);
+  // a bfloat16 model's many-row products: bf16 weights on the bf16 units (see g_bf16_rows)
+  const bool bf16 = x2.scalar_type() == at::kBFloat16 && M >= g_bf16_rows && K % 32 == 0 && bf16_products();
+  if (bf16) xb = x2.contiguous();
+  torch::Tensor out = at::detail::empty_cpu({M, N}, at::kFloat, c10::nullopt, c10::nullopt, c10::nullopt,
                                             c10::nullopt);
-  for (size_t i = 0; i < ws.size(); ++i) gemm(x2, ws[i], types[i], out, cols[i], act_q8);
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int64_t t = types[i];
+    if (bf16 && bf16_type(t) && !(act_q8 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0))) {
+      const bool onednn = M >= g_bf16_onednn_rows || current_isa() >= ISA_AMX_BF16;
+      gemm_bf16(xb, ws[i], t, out, cols[i], onednn);
+      continue;
+    }
+    if (x2.scalar_type() != at::kFloat || !x2.is_contiguous()) x2 = x2.to(at::kFloat).contiguous();
+    gemm(x2, ws[i], t, out, cols[i], act_q8);
+  }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   if (flat) return out;
   if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
@@ -550,6 +664,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type"), py::arg("out"), py::arg("col0"), py::arg("act_q8") = false);
   m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
         py::arg("rows") = py::none());
+  m.def("gemm_bf16", &gemm_bf16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the bf16 units (vdpbf16ps, or oneDNN)",
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("out"), py::arg("col0") = 0, py::arg("onednn") = false);
+  m.def("set_bf16_rows", &set_bf16_rows);
+  m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN]");
+  m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows);
   m.def("set_isa", &set_isa);
   m.def("request_amx_permission", &request_amx_permission,
         "ask Linux for the AMX tile state (0 granted, else the errno); simulate_refusal: tests",
