@@ -8,6 +8,10 @@ python -m pagedserve.bench.quant kernels [--rounds 20]
 python -m pagedserve.bench.quant isa     [--isas avx2,avx512,avx512_vnni] [--variants q4_1_act_q8,...]
       the packed kernels under each instruction-set path in turn (PAGEDSERVE_CPU_ISA's names),
       interleaved in one process: microseconds per call and the ratios to the first path
+python -m pagedserve.bench.quant bf16    [--shapes ...] [--rows 16,64,256,1024] [--threads N]
+      a bfloat16 model's packed layer (bf16 in, bf16 out) at many rows: the float path (before),
+      the vdpbf16ps kernel, oneDNN over split bf16 weight tiles, and F.linear over already
+      dequantized bf16 weights (oneDNN's best case: no dequantization), interleaved
 python -m pagedserve.bench.quant rss     [--model default] [--quantization ...]
       resident memory of an engine after start and one generation
 python -m pagedserve.bench.quant ppl     [--variants default,gguf_q8,none] [--kv-cache-dtypes auto,fp8]
@@ -186,6 +190,47 @@ def cmd_isa(args) -> dict:
     return {"bench": "quant_isa", "isas": isas, "threads": torch.get_num_threads(), "rows": rows}
 
 
+def cmd_bf16(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from pagedserve.executor.quant import kernels
+    from pagedserve.executor.quant.formats import quantize_q4_1, quantize_q8_0
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mod = kernels.load()
+    torch.manual_seed(0)
+    modes = {"float_path": (1 << 30, 1 << 30), "bf16_kernel": (1, 1 << 30), "bf16_onednn_split": (1, 1)}
+    rows = []
+    old = kernels.set_bf16_rows(12), kernels.set_bf16_onednn_rows(1 << 30)
+    try:
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.split("x"))
+            w = torch.randn(n, k) * 0.02
+            p = quantize_q8_0(w) if n > 8192 else quantize_q4_1(w)  # the LM head is Q8_0 in the default GGUF
+            wb = p.dequantize().bfloat16()
+            for m in [int(v) for v in args.rows.split(",")]:
+                xb = torch.randn(m, k).bfloat16()
+                res: dict = {}
+                for _ in range(args.rounds):
+                    for name, (a, b) in modes.items():
+                        kernels.set_bf16_rows(a)
+                        kernels.set_bf16_onednn_rows(b)
+                        t = _time(lambda p=p, xb=xb, n=n: mod.qlinear(xb, [p.data], [p.qtype], [0], n, None, False), 3)
+                        res[name] = min(res.get(name, t), t)
+                    t = _time(lambda xb=xb, wb=wb: F.linear(xb, wb), 3)
+                    res["dense_bf16_linear"] = min(res.get("dense_bf16_linear", t), t)
+                gf = {a: round(2 * m * n * k / b / 1e3, 1) for a, b in res.items()}
+                us = {a: round(b, 1) for a, b in res.items()}
+                rows.append({"N": n, "K": k, "M": m, "type": "Q8_0" if n > 8192 else "Q4_1", "us": us, "gflops": gf})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        kernels.set_bf16_rows(old[0])
+        kernels.set_bf16_onednn_rows(old[1])
+    return {"bench": "quant_bf16", "isa": kernels.current_isa(), "threads": torch.get_num_threads(), "rows": rows}
+
+
 def cmd_rss(args) -> dict:
     import gc
 
@@ -348,6 +393,11 @@ def main(argv=None) -> None:
     i.add_argument("--shapes", default="1536x576,3072x576,576x1536,49152x576")
     i.add_argument("--rows", default="1,2,3,5,8,16,64,256")
     i.add_argument("--rounds", type=int, default=5)
+    b = sub.add_parser("bf16")
+    b.add_argument("--shapes", default="1536x576,3072x576,576x576,576x1536,49152x576")
+    b.add_argument("--rows", default="16,64,256,1024")
+    b.add_argument("--rounds", type=int, default=5)
+    b.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     d = sub.add_parser("demo")
     d.add_argument("--model", default="default")
     d.add_argument("--variants", default="default,none")
@@ -362,7 +412,7 @@ def main(argv=None) -> None:
     q.add_argument("--bf16-rows", type=int, default=None, help="bf16 products from this many rows (1e9: off)")
     q.add_argument("--kv-cache-dtypes", default="auto", help="e.g. auto,float16,fp8_e4m3: each with every variant")
     args = p.parse_args(argv)
-    cmds = {"tpot": cmd_tpot, "kernels": cmd_kernels, "isa": cmd_isa, "rss": cmd_rss, "demo": cmd_demo, "ppl": cmd_ppl}
+    cmds = {"tpot": cmd_tpot, "kernels": cmd_kernels, "isa": cmd_isa, "bf16": cmd_bf16, "rss": cmd_rss, "demo": cmd_demo, "ppl": cmd_ppl}
     out = cmds[args.cmd](args)
     print(json.dumps(out, indent=1))
 

@@ -114,8 +114,9 @@ def set_q8_many_rows(m: int) -> int:
 
 
 def set_bf16_rows(m: int) -> int:
-    """bfloat16 models on avx512_bf16 and up: from this many activation rows, the products round
-    the dequantized weights to bf16 and run on the bf16 units (returns the previous value)."""
+    """bfloat16 models on avx512_bf16 and up: from this many activation rows (6), block-type
+    products run on the bf16 units, the weights' exact quants against the bf16 activations
+    (returns the previous value)."""
     return int(load().set_bf16_rows(int(m)))
 
 
@@ -126,7 +127,7 @@ def set_bf16_onednn_rows(m: int) -> int:
 
 
 def gemm_bf16(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, onednn: bool = False):
-    """out[:, col0:col0+N] (float32) = x (bf16) @ bf16(dequant(w)).T on the bf16 units."""
+    """out[:, col0:col0+N] (float32) = x (bf16) @ dequant(w).T on the bf16 units (block types)."""
     load().gemm_bf16(x, w, int(qtype), out, int(col0), bool(onednn))
 
 

@@ -158,35 +158,72 @@ static inline __m512i quants_bf16_32(const int8_t* q) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
+// Q4_0 / Q4_1 / Q8_0: a block's 32 quants as bfloat16 straight from the packed bytes (the
+// AVX-512 float kernels' unpacking; Q4_0's centred), its scale and minimum
+template <int TYPE>
+static inline __m512i block_bf16(const uint8_t* blk, float* d, float* mn) {
+  __m512 f[2];
+  unpack32<TYPE>(blk, f);
+  const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+  *d = h2f(hdr[0]);
+  *mn = TYPE == T_Q4_1 ? h2f(hdr[1]) : 0.f;
+  return (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+}
+
 // A group of 16 output columns (ncols valid) in the layout the micro-kernel reads: for each
 // pair of elements (2p, 2p + 1), 64 bytes whose 32-bit lane c holds column c's two quants as
-// bf16; D / Mn [K / GS][16] floats. Scratch: q8 [16 * K] bytes, qb [16 * K] bf16.
-static void bf16_repack16(int type, const uint8_t* W, int64_t rb, int64_t K, int ncols, int8_t* q8, uint16_t* qb,
-                          uint8_t* Q, float* D, float* Mn) {
-  const int64_t ng = K / quant_group_size(type);
-  thread_local std::vector<float> dtmp, mtmp;
-  dtmp.resize(ng);
-  mtmp.resize(ng);
-  for (int c = 0; c < 16; ++c) {
-    if (c < ncols) {
-      row_quants(type, W + c * rb, K, q8 + c * K, dtmp.data(), mtmp.data());
-      for (int64_t k = 0; k < K; k += 32) _mm512_storeu_si512(qb + c * K + k, quants_bf16_32(q8 + c * K + k));
-    } else {
-      std::memset(qb + c * K, 0, K * sizeof(uint16_t));
-      std::fill(dtmp.begin(), dtmp.end(), 0.f);
-      std::fill(mtmp.begin(), mtmp.end(), 0.f);
-    }
-    for (int64_t g = 0; g < ng; ++g) {
-      D[g * 16 + c] = dtmp[g];
-      Mn[g * 16 + c] = mtmp[g];
+// bf16; D / Mn [K / GS][16] floats. Per 32-element block: the 16 columns' quants in registers,
+// one 16 x 16 transpose of their dwords, 16 stores. Scratch q8: [16 * K] bytes (other types'
+// quants, unpacked a row at a time).
+template <int TYPE>
+static void bf16_repack16_t(int type, const uint8_t* W, int64_t rb, int64_t K, int ncols, int8_t* q8, uint8_t* Q,
+                            float* D, float* Mn) {
+  constexpr bool FAST = TYPE == T_Q4_0 || TYPE == T_Q4_1 || TYPE == T_Q8_0;
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int gsz = quant_group_size(type);
+  const int64_t ng = K / gsz;
+  if (!FAST) {
+    thread_local std::vector<float> dtmp, mtmp;
+    dtmp.resize(ng);
+    mtmp.resize(ng);
+    for (int c = 0; c < 16; ++c) {
+      if (c < ncols) {
+        row_quants(type, W + c * rb, K, q8 + c * K, dtmp.data(), mtmp.data());
+      } else {
+        std::memset(q8 + c * K, 0, K);
+        std::fill(dtmp.begin(), dtmp.end(), 0.f);
+        std::fill(mtmp.begin(), mtmp.end(), 0.f);
+      }
+      for (int64_t g = 0; g < ng; ++g) {
+        D[g * 16 + c] = dtmp[g];
+        Mn[g * 16 + c] = mtmp[g];
+      }
     }
   }
-  const int64_t np = K / 2;
-  for (int64_t p0 = 0; p0 < np; p0 += 16) {
+  for (int64_t b = 0; b < K / 32; ++b) {
     __m512i e[16];
-    for (int c = 0; c < 16; ++c) e[c] = _mm512_loadu_si512(qb + c * K + 2 * p0);
+    for (int c = 0; c < 16; ++c) {
+      if (!FAST) {
+        e[c] = quants_bf16_32(q8 + c * K + b * 32);
+      } else if (c < ncols) {
+        e[c] = block_bf16<TYPE>(W + c * rb + b * BB, &D[b * 16 + c], &Mn[b * 16 + c]);
+      } else {
+        e[c] = _mm512_setzero_si512();
+        D[b * 16 + c] = Mn[b * 16 + c] = 0.f;
+      }
+    }
     transpose16x16_epi32(e);
-    for (int s = 0; s < 16; ++s) _mm512_storeu_si512(Q + (p0 + s) * 64, e[s]);
+    for (int s = 0; s < 16; ++s) _mm512_storeu_si512(Q + (b * 16 + s) * 64, e[s]);
+  }
+}
+
+static void bf16_repack16(int type, const uint8_t* W, int64_t rb, int64_t K, int ncols, int8_t* q8, uint8_t* Q,
+                          float* D, float* Mn) {
+  switch (type) {
+    case T_Q4_0: return bf16_repack16_t<T_Q4_0>(type, W, rb, K, ncols, q8, Q, D, Mn);
+    case T_Q4_1: return bf16_repack16_t<T_Q4_1>(type, W, rb, K, ncols, q8, Q, D, Mn);
+    case T_Q8_0: return bf16_repack16_t<T_Q8_0>(type, W, rb, K, ncols, q8, Q, D, Mn);
+    default: return bf16_repack16_t<-1>(type, W, rb, K, ncols, q8, Q, D, Mn);
   }
 }
 
@@ -281,19 +318,17 @@ static void gemm_bf16_cols_t(int type, const uint8_t* W, int64_t rb, int64_t K, 
   thread_local std::vector<uint8_t> qbuf;
   thread_local std::vector<float> dbuf, mbuf;
   thread_local std::vector<int8_t> q8;
-  thread_local std::vector<uint16_t> qb;
   qbuf.resize(BF_G * gs);
   dbuf.resize(BF_G * gf);
   mbuf.resize(BF_G * gf);
   q8.resize(16 * K);
-  qb.resize(16 * K);
   for (int64_t mb = 0; mb < M; mb += MB) {
     const int64_t me = std::min(M, mb + MB);
     for (int64_t c0 = n0; c0 < n1; c0 += NC) {
       const int64_t nc = std::min(NC, n1 - c0), ng = (nc + 15) / 16;
       for (int64_t j = 0; j < ng; ++j)
         bf16_repack16(type, W + (c0 + 16 * j) * rb, rb, K, (int)std::min<int64_t>(16, nc - 16 * j), q8.data(),
-                      qb.data(), qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf);
+                      qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf);
       const int last = (int)(nc - 16 * (ng - 1));
       float* o = out + c0;
       switch (ng) {
