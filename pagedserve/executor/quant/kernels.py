@@ -3,8 +3,8 @@
 One module holds a portable scalar path, an AVX2+FMA path, an AVX-512 path and, above it,
 avx512_vnni (vpdpbusd in the int8-activation kernels), avx512_bf16 (and the bf16 many-row
 products of bfloat16 models) and amx_bf16 / amx_int8 (AMX tiles present and granted by Linux:
-bf16 many-row products go to oneDNN, which runs them on the tiles; no kernel here issues tile
-instructions). The best one the CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (those
+bf16 products of 32+ rows go to oneDNN, which runs them on the tiles; no kernel here issues
+tile instructions). The best one the CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (those
 names; a path the CPU lacks is an error). `set_isa()` switches at run time (tests run every
 available path).
 """
@@ -120,10 +120,12 @@ def set_bf16_rows(m: int) -> int:
     return int(load().set_bf16_rows(int(m)))
 
 
-def set_bf16_onednn_rows(m: int) -> int:
-    """From this many rows the bf16 products go to oneDNN (bf16 weight tiles, at::mm), below it
-    to the vdpbf16ps kernel (the AMX levels: oneDNN always). Returns the previous value."""
-    return int(load().set_bf16_onednn_rows(int(m)))
+def set_bf16_onednn_rows(m: int, amx: bool = False) -> int:
+    """From this many rows the bf16 products go to oneDNN (split bf16 weight tiles, at::mm),
+    below it to the vdpbf16ps kernel; amx: the threshold of the AMX levels (32 rows, where
+    oneDNN runs on the tiles; unmeasured) instead of avx512_bf16's (off: the kernel won every
+    shape measured). Returns the previous value."""
+    return int(load().set_bf16_onednn_rows(int(m), bool(amx)))
 
 
 def gemm_bf16(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, onednn: bool = False):

@@ -197,7 +197,8 @@ using namespace avx512;
 //   avx512_vnni: vpdpbusd in the act_q8 integer kernels;
 //   avx512_bf16: and the bf16 many-row products of bfloat16 models (quant_bf16.h);
 //   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
-//     (arch_prctl): the bf16 many-row products go to oneDNN, which runs them on the tiles.
+//     (arch_prctl): the bf16 many-row products go to oneDNN from g_amx_onednn_rows rows on,
+//     which runs them on the tiles.
 //     No kernel here issues a tile instruction itself (none could be run where this was
 //     written); otherwise the avx512_bf16 kernels.
 enum Isa {
@@ -296,13 +297,16 @@ static int64_t g_q8_many_rows = 6;
 
 // bfloat16 models (x arrives in bf16), avx512_bf16 and up: from this many rows the products of
 // block-type weights run on the bf16 units (quant_bf16.h; the float path below); from
-// g_bf16_onednn_rows on (and at every row count on the AMX levels) split bf16 weight tiles go
-// to oneDNN through at::mm (AMX tiles where the CPU has them), below it the vdpbf16ps kernel.
+// g_bf16_onednn_rows on (g_amx_onednn_rows on the AMX levels) split bf16 weight tiles go to
+// oneDNN through at::mm (AMX tiles where the CPU has them), below it the vdpbf16ps kernel.
 // Measured on a Zen 4 (avx512_bf16, one thread, hot cache), float few-row kernel vs the bf16
 // kernel, us: 4 rows 152 vs 150, 6 rows 234 vs 195, 8 rows 285 vs 197 (Q4_1 1536 x 576); the
 // kernel beat oneDNN at every shape measured, so oneDNN is off by default below AMX.
 static int64_t g_bf16_rows = 6;
 static int64_t g_bf16_onednn_rows = 1 << 30;
+// The AMX levels' threshold: oneDNN's tiles should win from a few dozen rows; not measured
+// (no AMX machine was at hand): set_bf16_onednn_rows(m, amx=true) tunes it there.
+static int64_t g_amx_onednn_rows = 32;
 
 static int current_isa() {
   if (g_isa < 0) g_isa = best_isa();
@@ -327,9 +331,10 @@ int64_t set_bf16_rows(int64_t m) {
   g_bf16_rows = m;
   return old;
 }
-int64_t set_bf16_onednn_rows(int64_t m) {
-  const int64_t old = g_bf16_onednn_rows;
-  g_bf16_onednn_rows = m;
+int64_t set_bf16_onednn_rows(int64_t m, bool amx) {
+  int64_t& v = amx ? g_amx_onednn_rows : g_bf16_onednn_rows;
+  const int64_t old = v;
+  v = m;
   return old;
 }
 int64_t set_q8_many_rows(int64_t m) {
@@ -645,7 +650,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   for (size_t i = 0; i < ws.size(); ++i) {
     const int64_t t = types[i];
     if (bf16 && bf16_type(t) && !(act_q8 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0))) {
-      const bool onednn = M >= g_bf16_onednn_rows || current_isa() >= ISA_AMX_BF16;
+      const bool onednn = M >= (current_isa() >= ISA_AMX_BF16 ? g_amx_onednn_rows : g_bf16_onednn_rows);
       gemm_bf16(xb, ws[i], t, out, cols[i], onednn);
       continue;
     }
@@ -671,7 +676,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("out"), py::arg("col0") = 0, py::arg("onednn") = false);
   m.def("set_bf16_rows", &set_bf16_rows);
   m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN]");
-  m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows);
+  m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows, py::arg("m"), py::arg("amx") = false);
   m.def("set_isa", &set_isa);
   m.def("request_amx_permission", &request_amx_permission,
         "ask Linux for the AMX tile state (0 granted, else the errno); simulate_refusal: tests",
