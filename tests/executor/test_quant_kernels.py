@@ -2,7 +2,9 @@
 
 Every type, odd shapes (N odd, K not a multiple of 256 where the block allows), M = 1, 3, 64,
 300 through both the few-rows kernel and the dequantize-tile + GEMM path, on every instruction
-set this CPU has (the others are skipped with the reason)."""
+set this CPU has (the others are skipped with the reason): the float kernels on scalar / avx2 /
+avx512, the int8-activation ones also on avx512_vnni (bit-equal to avx2's), the bf16 many-row
+products of bfloat16 models on avx512_bf16; the AMX levels' refusal path simulated."""
 
 import numpy as np
 import pytest
