@@ -62,7 +62,8 @@ static void gemm_q8_tile2(const GemmQ8Args& g, int64_t n, int64_t m0) {
   }
 }
 
-// One column (an odd last one): the AVX2 kernel with vpdpbusd on 256-bit registers (AVX512VL).
+// One column (Q8_0's, or a nibble type's odd last one): the AVX2 kernel with vpdpbusd on
+// 256-bit registers (AVX512VL).
 template <int TYPE, int MT>
 static void gemm_q8_tile1(const GemmQ8Args& g, int64_t n, int64_t m0) {
   constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
@@ -96,12 +97,18 @@ static void gemm_q8_tile1(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
 
+// Nibble weights in column pairs; Q8_0 one column at a time: its pairs were faster with the
+// weights in cache (5 rows, 1536 x 576: 59 vs 76 us) but 2-3x slower streaming them from
+// memory (1 row, 49152 x 576, 28 MB: 1852 vs 663 us; AVX2 621), which is how decode meets
+// them (a Q8_0 model or LM head does not fit a cache), and software prefetch did not mend it.
 template <int TYPE>
 static void gemm_q8_vnni(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 2 <= n1; n += 2)
-    row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile2<TYPE, decltype(mt)::value>(g, n, m0); });
-  if (n < n1) row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile1<TYPE, decltype(mt)::value>(g, n, m0); });
+  if (TYPE != T_Q8_0)
+    for (; n + 2 <= n1; n += 2)
+      row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile2<TYPE, decltype(mt)::value>(g, n, m0); });
+  for (; n < n1; ++n)
+    row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile1<TYPE, decltype(mt)::value>(g, n, m0); });
 }
 
 static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
