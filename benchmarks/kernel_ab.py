@@ -8,7 +8,7 @@ applied before each of its runs, so engines that differ only in these share the 
         [--requests 64] [--rounds 2]
     python benchmarks/kernel_ab.py --configs quantization=gguf_q8,isa=avx2 quantization=gguf_q8,isa=avx512_vnni
 
-Prints one JSON line per run, as offline_ab.py.
+Prints one JSON line per run, as offline_ab.py. The prefix cache is reset before every run.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main() -> None:
         work = prompts(r)
         for c in a.configs if r % 2 == 0 else a.configs[::-1]:
             apply(split(c)[1])
+            llms[c].reset_prefix_cache()  # configurations may share an engine: no hits from the last run
             print(json.dumps({"config": c, "round": r} | run(llms[c], work)), flush=True)
 
 
