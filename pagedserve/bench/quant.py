@@ -5,9 +5,17 @@ python -m pagedserve.bench.quant tpot    [--model default] [--tokens 128] [--rou
 python -m pagedserve.bench.quant kernels [--rounds 20]
       one linear layer at decode/prefill row counts: packed kernels vs float32 F.linear vs
       torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu
+python -m pagedserve.bench.quant isa     [--isas avx2,avx512,avx512_vnni] [--variants q4_1_act_q8,...]
+      the packed kernels under each instruction-set path in turn (PAGEDSERVE_CPU_ISA's names),
+      interleaved in one process: microseconds per call and the ratios to the first path
+python -m pagedserve.bench.quant bf16    [--shapes ...] [--rows 16,64,256,1024] [--threads N]
+      a bfloat16 model's packed layer (bf16 in, bf16 out) at many rows: the float path (before),
+      the vdpbf16ps kernel, oneDNN over split bf16 weight tiles, and F.linear over already
+      dequantized bf16 weights (oneDNN's best case: no dequantization), interleaved
 python -m pagedserve.bench.quant rss     [--model default] [--quantization ...]
       resident memory of an engine after start and one generation
 python -m pagedserve.bench.quant ppl     [--variants default,gguf_q8,none] [--kv-cache-dtypes auto,fp8]
+                                         [--dtype float32 | bfloat16] [--bf16-rows N]
       perplexity of the default GGUF on a public-domain text (the Gettysburg Address and the
       opening of the Declaration of Independence), each quantization mode beside transformers
       loading the same GGUF (the numerics contract: within 1%)
@@ -127,6 +135,102 @@ def cmd_kernels(args) -> dict:
     }
 
 
+def _isa_fns(x, out, packed: dict, variants: list[str]) -> dict:
+    """Variants "<format>" (float activations), "<format>_act_q8" (int8 activations) and
+    "<format>_bf16" (a bfloat16 model's layer: bf16 activations in and out); formats q8_0, q4_1."""
+    from pagedserve.executor.quant import kernels
+
+    xb, n, fns = x.bfloat16(), out.shape[1], {}
+    for v in variants:
+        p = packed[v.split("_act")[0].removesuffix("_bf16")]
+        if v.endswith("_act_q8"):
+            fns[v] = lambda p=p: kernels.gemm(x, p.data, p.qtype, out, act_q8=True)
+        elif v.endswith("_bf16"):
+            fns[v] = lambda p=p: kernels.load().qlinear(xb, [p.data], [p.qtype], [0], n, None, False)
+        else:
+            fns[v] = lambda p=p: kernels.gemm(x, p.data, p.qtype, out)
+    return fns
+
+
+def cmd_isa(args) -> dict:
+    import torch
+
+    from pagedserve.executor.quant import kernels
+    from pagedserve.executor.quant.formats import quantize_q4_1, quantize_q8_0
+
+    torch.manual_seed(0)
+    isas = [i.strip() for i in args.isas.split(",") if i.strip() in kernels.available_isas()]
+    variants = [v.strip() for v in args.variants.split(",")]
+    rows = []
+    prev = kernels.current_isa()
+    try:
+        for n, k in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
+            w = torch.randn(n, k) * 0.02
+            packed = {"q8_0": quantize_q8_0(w), "q4_1": quantize_q4_1(w)}
+            for m in [int(x) for x in args.rows.split(",")]:
+                x = torch.randn(m, k)
+                out = torch.empty(m, n)
+                fns = _isa_fns(x, out, packed, variants)
+                res: dict = {}
+                for _ in range(args.rounds):  # interleaved: every path and variant each round
+                    for isa in isas:
+                        kernels.set_isa(isa)
+                        for v, fn in fns.items():
+                            t = _time(fn, 3)
+                            key = f"{v}@{isa}"
+                            res[key] = min(res.get(key, t), t)
+                ratio = {
+                    f"{v}@{isa}": round(res[f"{v}@{isas[0]}"] / res[f"{v}@{isa}"], 3) for v in fns for isa in isas[1:]
+                }
+                us = {a: round(b, 1) for a, b in res.items()}
+                rows.append({"N": n, "K": k, "M": m, "us": us, f"speedup_vs_{isas[0]}": ratio})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        kernels.set_isa(prev)
+    return {"bench": "quant_isa", "isas": isas, "threads": torch.get_num_threads(), "rows": rows}
+
+
+def cmd_bf16(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from pagedserve.executor.quant import kernels
+    from pagedserve.executor.quant.formats import quantize_q4_1, quantize_q8_0
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mod = kernels.load()
+    torch.manual_seed(0)
+    modes = {"float_path": (1 << 30, 1 << 30), "bf16_kernel": (1, 1 << 30), "bf16_onednn_split": (1, 1)}
+    rows = []
+    old = kernels.set_bf16_rows(12), kernels.set_bf16_onednn_rows(1 << 30)
+    try:
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.split("x"))
+            w = torch.randn(n, k) * 0.02
+            p = quantize_q8_0(w) if n > 8192 else quantize_q4_1(w)  # the LM head is Q8_0 in the default GGUF
+            wb = p.dequantize().bfloat16()
+            for m in [int(v) for v in args.rows.split(",")]:
+                xb = torch.randn(m, k).bfloat16()
+                res: dict = {}
+                for _ in range(args.rounds):
+                    for name, (a, b) in modes.items():
+                        kernels.set_bf16_rows(a)
+                        kernels.set_bf16_onednn_rows(b)
+                        t = _time(lambda p=p, xb=xb, n=n: mod.qlinear(xb, [p.data], [p.qtype], [0], n, None, False), 3)
+                        res[name] = min(res.get(name, t), t)
+                    t = _time(lambda xb=xb, wb=wb: F.linear(xb, wb), 3)
+                    res["dense_bf16_linear"] = min(res.get("dense_bf16_linear", t), t)
+                gf = {a: round(2 * m * n * k / b / 1e3, 1) for a, b in res.items()}
+                us = {a: round(b, 1) for a, b in res.items()}
+                rows.append({"N": n, "K": k, "M": m, "type": "Q8_0" if n > 8192 else "Q4_1", "us": us, "gflops": gf})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        kernels.set_bf16_rows(old[0])
+        kernels.set_bf16_onednn_rows(old[1])
+    return {"bench": "quant_bf16", "isa": kernels.current_isa(), "threads": torch.get_num_threads(), "rows": rows}
+
+
 def cmd_rss(args) -> dict:
     import gc
 
@@ -231,13 +335,20 @@ def cmd_ppl(args) -> dict:
     from pagedserve.model_files import default_model_path
 
     path = default_model_path() if args.model == "default" else args.model
+    if args.bf16_rows is not None:
+        from pagedserve.executor.quant import kernels
+
+        kernels.set_bf16_rows(args.bf16_rows)
     out: dict = {"bench": "quant_ppl", "model": os.path.basename(path), "text": "gettysburg+declaration"}
+    out["dtype"] = args.dtype
+    if args.bf16_rows is not None:
+        out["bf16_rows"] = args.bf16_rows
     ids = None
     for v in [q.strip() for q in args.variants.split(",")]:
         for kv in [k.strip() for k in args.kv_cache_dtypes.split(",")]:
             llm = LLM(
                 path,
-                dtype="float32",
+                dtype=args.dtype,
                 quantization=None if v == "default" else v,
                 enable_prefix_caching=False,
                 kv_cache_dtype=kv,
@@ -276,6 +387,17 @@ def main(argv=None) -> None:
     k.add_argument("--shapes", default="1536x576,576x1536,49152x576,2048x2048,5632x2048")
     k.add_argument("--rows", default="1,4,16,64")
     k.add_argument("--rounds", type=int, default=5)
+    i = sub.add_parser("isa")
+    i.add_argument("--isas", default="avx2,avx512,avx512_vnni", help="the first is the baseline")
+    i.add_argument("--variants", default="q4_1_act_q8,q8_0_act_q8")
+    i.add_argument("--shapes", default="1536x576,3072x576,576x1536,49152x576")
+    i.add_argument("--rows", default="1,2,3,5,8,16,64,256")
+    i.add_argument("--rounds", type=int, default=5)
+    b = sub.add_parser("bf16")
+    b.add_argument("--shapes", default="1536x576,3072x576,576x576,576x1536,49152x576")
+    b.add_argument("--rows", default="16,64,256,1024")
+    b.add_argument("--rounds", type=int, default=5)
+    b.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     d = sub.add_parser("demo")
     d.add_argument("--model", default="default")
     d.add_argument("--variants", default="default,none")
@@ -286,9 +408,11 @@ def main(argv=None) -> None:
     q = sub.add_parser("ppl")
     q.add_argument("--model", default="default", help="a GGUF file (transformers loads the same one)")
     q.add_argument("--variants", default="default,gguf_q8,none")
+    q.add_argument("--dtype", default="float32", help="the engines' dtype (bfloat16: the bf16 products)")
+    q.add_argument("--bf16-rows", type=int, default=None, help="bf16 products from this many rows (1e9: off)")
     q.add_argument("--kv-cache-dtypes", default="auto", help="e.g. auto,float16,fp8_e4m3: each with every variant")
     args = p.parse_args(argv)
-    cmds = {"tpot": cmd_tpot, "kernels": cmd_kernels, "rss": cmd_rss, "demo": cmd_demo, "ppl": cmd_ppl}
+    cmds = {"tpot": cmd_tpot, "kernels": cmd_kernels, "isa": cmd_isa, "bf16": cmd_bf16, "rss": cmd_rss, "demo": cmd_demo, "ppl": cmd_ppl}
     out = cmds[args.cmd](args)
     print(json.dumps(out, indent=1))
 

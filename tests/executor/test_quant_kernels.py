@@ -2,7 +2,9 @@
 
 Every type, odd shapes (N odd, K not a multiple of 256 where the block allows), M = 1, 3, 64,
 300 through both the few-rows kernel and the dequantize-tile + GEMM path, on every instruction
-set this CPU has (the others are skipped with the reason)."""
+set this CPU has (the others are skipped with the reason): the float kernels on scalar / avx2 /
+avx512, the int8-activation ones also on avx512_vnni (bit-equal to avx2's), the bf16 many-row
+products of bfloat16 models on avx512_bf16; the AMX levels' refusal path simulated."""
 
 import numpy as np
 import pytest
@@ -55,19 +57,29 @@ def reference(x, raw, qtype, k):
     return x.double().numpy() @ w.T, np.abs(x.double().numpy()) @ np.abs(w).T
 
 
-def isa_param():
+def isa_param(names=None):
     out = []
-    for isa in kernels.ISAS:
+    for isa in names or kernels.ISAS:
         ok = HAVE_KERNELS and isa in kernels.available_isas()
         out.append(pytest.param(isa, marks=pytest.mark.skipif(not ok, reason=f"this CPU lacks {isa}")))
     return out
 
 
-@pytest.fixture(params=isa_param())
-def isa(request):
+# The levels above avx512 run its float kernels (dequantization, float-activation products):
+# the float tests run the paths that have their own code; the act_q8 tests add avx512_vnni
+# (its integer kernels; avx512_bf16 and the AMX levels run those same ones).
+FLOAT_ISAS = ("scalar", "avx2", "avx512")
+Q8_ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")
+
+
+def _forced(request):
     prev = kernels.set_isa(request.param)
     yield request.param
     kernels.set_isa(prev)
+
+
+isa = pytest.fixture(params=isa_param(FLOAT_ISAS), name="isa")(_forced)
+q8_isa = pytest.fixture(params=isa_param(Q8_ISAS), name="q8_isa")(_forced)
 
 
 def ks_for(qtype):
@@ -123,7 +135,7 @@ def quantize_q8_reference(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 5, 9, 13, 14, 40, 64, 100])
-def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
+def test_gemm_act_q8_matches_quantized_activation_matmul(q8_isa, qtype, m):
     """act_q8 ("gguf_q8"): the integer paths (few rows; many rows over column-interleaved int8
     weights) equal (q8-quantized x) @ dequantized w up to float rounding, and stay near the
     float product. Odd N: whole groups of 8 columns, a pair and a single one, a partial last
@@ -150,7 +162,55 @@ def test_gemm_act_q8_matches_quantized_activation_matmul(isa, qtype, m):
         assert 1e-4 < rel < 2e-2, rel  # quantized activations: close to, not equal to, the float product
 
 
-def test_q8_many_rows_sums_stay_in_range():
+def _act_q8_out(isa, x, raw, qtype, n, many_from):
+    prev = kernels.set_isa(isa)
+    old = kernels.set_q8_many_rows(many_from)
+    oldp = kernels.set_prefill_rows(many_from)  # Q8_0's many-row threshold
+    try:
+        out = torch.full((x.shape[0], n + 2), 7.0)
+        kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 1, act_q8=True)
+    finally:
+        kernels.set_q8_many_rows(old)
+        kernels.set_prefill_rows(oldp)
+        kernels.set_isa(prev)
+    assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
+    return out[:, 1 : 1 + n]
+
+
+def _extreme_blocks(raw, qtype, rng):
+    """Some blocks at the quants' extremes: nibbles all 15 or all 0, Q8_0 bytes -128 / -127 / 127."""
+    be, bb = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(raw.shape[0], -1, bb).copy()
+    first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2}[qtype]
+    values = (0x80, 0x81, 0x7F) if qtype == Q.Q8_0 else (0xFF, 0x00)
+    pick = rng.random(blocks.shape[:2]) < 0.4
+    blocks[pick, first:] = np.uint8(rng.choice(values))
+    return blocks.reshape(raw.shape[0], -1)
+
+
+@pytest.mark.skipif(not HAVE_KERNELS or "avx512_vnni" not in kernels.available_isas(), reason="this CPU lacks avx512_vnni")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_act_q8_vnni_bit_equal_to_avx2(qtype):
+    """vpdpbusd (AVX512-VNNI, few rows: 512-bit over column pairs and 256-bit for an odd one;
+    many rows: 16 columns a register) gives the AVX2 kernels' exact integer block sums and
+    then their float steps lane for lane: the outputs' bits are equal. Odd N (partial groups
+    of 16 and 8 columns, a single column), K of 1 to 48 blocks, row tails of the 4-row
+    micro-kernel, extreme quants against x at +-127 and at random, an all-zero block."""
+    rng = np.random.default_rng(int(qtype))
+    for n, k in ((37, 576), (1, 32), (2, 64), (17, 96), (33, 1536)):
+        raw = _extreme_blocks(random_packed(qtype, n, k, seed=n), qtype, rng)
+        for m in (1, 2, 3, 5, 7, 13, 17, 64):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3
+            x[0, :32] = 0.0
+            x[m // 2, 32:] = torch.where(torch.rand(k - 32, generator=torch.Generator().manual_seed(m)) < 0.5, -1.0, 1.0)
+            for many_from in (1, 10**9):  # the many-row kernel at every m, then the few-row one
+                ref = _act_q8_out("avx2", x, raw, qtype, n, many_from)
+                got = _act_q8_out("avx512_vnni", x, raw, qtype, n, many_from)
+                assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, k, m, many_from, (got - ref).abs().max())
+
+
+@pytest.mark.parametrize("q8_isa", isa_param(Q8_ISAS[1:]), indirect=True)
+def test_q8_many_rows_sums_stay_in_range(q8_isa):
     """The many-row integer kernel sums a block's nibble products in 16 bits: the largest
     quants (15 against +-127 everywhere) must not overflow, for any sign pattern; Q8_0's
     extremes (-127, and -128, which a file may hold) neither."""
@@ -183,7 +243,8 @@ def test_isa_names_are_checked():
 
 
 
-def test_q8_many_rows_over_row_blocks():
+@pytest.mark.parametrize("q8_isa", isa_param(Q8_ISAS[1:]), indirect=True)
+def test_q8_many_rows_over_row_blocks(q8_isa):
     """More rows than one L2 block of activations (48 rows at K = 8192): every block of rows
     meets every chunk of columns."""
     n, k, m = 13, 8192, 50
@@ -229,3 +290,122 @@ def test_activation_quantizer_same_bits_on_every_isa():
     for isa, (q2, d2, s2) in results.items():
         assert torch.equal(q2, q) and torch.equal(d2.view(torch.int32), d.view(torch.int32)), isa
         assert torch.equal(s2.view(torch.int32), s.view(torch.int32)), isa
+
+
+HAVE_BF16 = HAVE_KERNELS and "avx512_bf16" in kernels.available_isas()
+needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="this CPU lacks avx512_bf16")
+
+
+def bf16_reference(x, raw, qtype, k):
+    """x (bf16) @ dequantized w (unrounded) in float64, and |x| @ |w|.T for the tolerance."""
+    w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], k)).double()
+    xd = x.double()
+    return (xd @ w.T).numpy(), (xd.abs() @ w.abs().T).numpy()
+
+
+@needs_bf16
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bf16_products_match_dequantized_matmul(qtype):
+    """The bf16 many-row products equal x @ dequant(w).T with the weights unrounded: the
+    vdpbf16ps kernel (exact quants, float group scales and minimums) up to float32 summation;
+    oneDNN over the weights split into bf16 hi + lo up to the split's 2^-17 and its bf16
+    output. Odd N (a partial group of 16 and of the 48-column chunk), K of 3 to 48 blocks,
+    M = 1, 3, 16, 17 (row tiles of 4 and tails), 64, 300; only its own columns written."""
+    prev = kernels.set_isa("avx512_bf16")
+    try:
+        shapes = ((37, 96), (50, 576), (17, 1536)) if gguf.GGML_QUANT_SIZES[qtype][0] == 32 else ((50, 512),)
+        for n, k in shapes:
+            for m in (1, 3, 16, 17, 64, 300):
+                raw = random_packed(qtype, n, k, seed=m)
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).bfloat16()
+                ref, mag = bf16_reference(x, raw, qtype, k)
+                for onednn in (False, True):
+                    out = torch.full((m, n + 3), 7.0)
+                    kernels.gemm_bf16(x, torch.from_numpy(raw), int(qtype), out, 2, onednn=onednn)
+                    got = out[:, 2 : 2 + n].numpy()
+                    tol = 2e-6 * mag + 1e-6 + (np.abs(ref) / 256 + 2e-5 * mag if onednn else 0)
+                    assert np.all(np.abs(got - ref) <= tol), (n, k, m, onednn, np.abs(got - ref).max())
+                    assert torch.all(out[:, :2] == 7.0) and torch.all(out[:, 2 + n :] == 7.0)
+    finally:
+        kernels.set_isa(prev)
+
+
+@needs_bf16
+def test_bf16_products_only_for_bf16_models():
+    """qlinear (the QuantLinear forward) takes the bf16 products for bf16 activations from the
+    row threshold on, on avx512_bf16: the vdpbf16ps kernel, or oneDNN from its threshold on;
+    float32 activations (a float32 model) never: their result is the float kernels' bit for
+    bit whatever the thresholds; act_q8 keeps its integer kernels for Q4_1 and sends Q6_K to
+    bf16; float rows (F32 parts) keep the float path; below avx512_bf16 bf16 activations take
+    the float path. Three segments (Q4_1, Q6_K, F32) and a bias."""
+    mod = kernels.load()
+    k, m = 512, 20
+    raws = [random_packed(Q.Q4_1, 24, k, seed=1), random_packed(Q.Q6_K, 13, k, seed=2)]
+    ws = [torch.from_numpy(r) for r in raws] + [(torch.randn(5, k) * 0.05).view(torch.uint8)]
+    types, cols, n = [int(Q.Q4_1), int(Q.Q6_K), 0], [0, 24, 37], 42
+    bias = torch.randn(n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0))
+    xb = x.bfloat16()
+
+    def qlinear(x, act_q8=False):
+        before = mod.bf16_calls()
+        y = mod.qlinear(x, ws, types, cols, n, bias, act_q8)
+        return y, [a - b for a, b in zip(mod.bf16_calls(), before)]
+
+    def by_hand(bf16_types, act_q8=False, onednn=False):
+        out = torch.empty(m, n)
+        for w, t, c in zip(ws, types, cols):
+            if t in bf16_types:
+                kernels.gemm_bf16(xb, w, t, out, c, onednn=onednn)
+            else:
+                kernels.gemm(xb.float(), w, t, out, c, act_q8=act_q8)
+        return (out + bias).bfloat16()
+
+    def float_path(x):
+        out = torch.empty(m, n)
+        for w, t, c in zip(ws, types, cols):
+            kernels.gemm(x.float(), w, t, out, c)
+        return out + bias
+
+    prev = kernels.set_isa("avx512_bf16")
+    old, old_dnn = kernels.set_bf16_rows(m), kernels.set_bf16_onednn_rows(10**9)
+    try:
+        y, calls = qlinear(xb)
+        assert y.dtype == torch.bfloat16 and calls == [2, 0] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}))
+        y, calls = qlinear(xb, act_q8=True)
+        assert calls == [1, 0] and torch.equal(y, by_hand({int(Q.Q6_K)}, act_q8=True))
+        kernels.set_bf16_onednn_rows(m)
+        y, calls = qlinear(xb)
+        assert calls == [0, 2] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}, onednn=True))
+        for rows in (1, m, 10**9):
+            kernels.set_bf16_rows(rows)
+            y, calls = qlinear(x)
+            assert calls == [0, 0] and torch.equal(y, float_path(x))  # a float32 model: never
+        kernels.set_bf16_rows(m + 1)  # below the threshold: the float path
+        y, calls = qlinear(xb)
+        assert calls == [0, 0] and torch.equal(y, float_path(xb).bfloat16())
+        kernels.set_bf16_rows(m)
+        kernels.set_isa("avx512")
+        y, calls = qlinear(xb)
+        assert calls == [0, 0] and torch.equal(y, float_path(xb).bfloat16())
+    finally:
+        kernels.set_bf16_rows(old)
+        kernels.set_bf16_onednn_rows(old_dnn)
+        kernels.set_isa(prev)
+
+
+def test_amx_refusal_falls_back_with_a_log_line(caplog):
+    """Linux may refuse the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM): simulated here, the
+    AMX levels are unavailable, the path stays below them and a warning says why."""
+    mod = kernels.load()
+    try:
+        assert mod.request_amx_permission(simulate_refusal=True) != 0
+        with caplog.at_level("WARNING", logger=kernels.__name__):
+            assert kernels.check_amx(mod) is False
+        assert "refused" in caplog.text
+        assert not mod.isa_available(kernels.ISAS["amx_bf16"]) and not mod.isa_available(kernels.ISAS["amx_int8"])
+        assert kernels.current_isa() not in ("amx_bf16", "amx_int8")
+        with pytest.raises(RuntimeError, match="lacks"):
+            kernels.set_isa("amx_bf16")
+    finally:
+        mod.request_amx_permission(again=True)  # the real answer again (no AMX here: unavailable)

@@ -62,13 +62,13 @@ def kquant_checkpoint(tmp_path_factory):
     )
 
 
-def run(path, quantization):
+def run(path, quantization, dtype="float32"):
     """Greedy decoding of PROMPTS through the real scheduler and runner: (tokens, logits)."""
     from tests.executor.test_model_parity import drive
 
     model_dir = resolve_model_path(path)
     cfg = ModelConfig.from_hf_dict(load_hf_config_dict(model_dir))
-    runner = ModelRunner(model_dir, cfg, dtype="float32", device="cpu", quantization=quantization)
+    runner = ModelRunner(model_dir, cfg, dtype=dtype, device="cpu", quantization=quantization)
     runner.initialize_kv_cache(64, 16)
     reqs, logits_at, _ = drive(runner, PROMPTS, 10, 16)
     return {rid: r.all_token_ids for rid, r in reqs.items()}, logits_at
@@ -131,6 +131,38 @@ def test_gguf_q8_activations_close_to_float_activations(checkpoint, tmp_path, mo
     assert 0.0 < worst <= 0.05, worst
     with pytest.raises(ValueError, match="GGUF"):
         packed_modules(checkpoint("llama"), "gguf_q8")
+
+
+@pytest.mark.skipif(
+    bool(WHY) or "avx512_bf16" not in kernels.available_isas(), reason=WHY or "this CPU lacks avx512_bf16"
+)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_bf16_model_products_on_bf16_units(checkpoint, tmp_path, monkeypatch, qtype):
+    """A bfloat16 engine of a packed GGUF runs its prefill products on the bf16 kernel (the
+    weights' exact quants against bf16 activations): logits within 2% of the largest logit of
+    the same engine with the bf16 products off where the inputs agree; a float32 engine never
+    takes them."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(checkpoint("llama"), str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    mod = kernels.load()
+    old = kernels.set_bf16_rows(10**9)
+    try:
+        ref = run(path, None, "bfloat16")
+        kernels.set_bf16_rows(6)
+        before = mod.bf16_calls()[0]
+        got = run(path, None, "bfloat16")
+        assert mod.bf16_calls()[0] > before
+        worst, compared = 0.0, 0
+        for (rid, pos), la in ref[1].items():
+            if ref[0][rid][: pos + 1] == got[0][rid][: pos + 1]:
+                compared += 1
+                worst = max(worst, (la - got[1][(rid, pos)]).abs().max().item() / la.abs().max().item())
+        assert compared >= len(PROMPTS) and worst <= 0.02, (compared, worst)
+        before = mod.bf16_calls()[0]
+        run(path, None, "float32")
+        assert mod.bf16_calls()[0] == before
+    finally:
+        kernels.set_bf16_rows(old)
 
 
 def test_packed_tied_embeddings(tmp_path, monkeypatch):

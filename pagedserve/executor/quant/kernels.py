@@ -1,8 +1,12 @@
 """The packed-weight C++ kernels (csrc/), compiled once per machine (executor/cpp_build.py).
 
-One module holds a portable scalar path, an AVX2+FMA path and an AVX-512 path; the best one the
-CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (scalar | avx2 | avx512; a path the CPU
-lacks is an error). `set_isa()` switches at run time (tests run every available path).
+One module holds a portable scalar path, an AVX2+FMA path, an AVX-512 path and, above it,
+avx512_vnni (vpdpbusd in the int8-activation kernels), avx512_bf16 (and the bf16 many-row
+products of bfloat16 models) and amx_bf16 / amx_int8 (AMX tiles present and granted by Linux:
+bf16 products of 32+ rows go to oneDNN, which runs them on the tiles; no kernel here issues
+tile instructions). The best one the CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (those
+names; a path the CPU lacks is an error). `set_isa()` switches at run time (tests run every
+available path).
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from pagedserve import envs
 from pagedserve.executor.cpp_build import load_extension
 
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = ("quant_impl.h",)  # included by quant_kernels.cpp; part of the build key
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+_HEADERS = ("quant_impl.h", "quant_vnni.h", "quant_bf16.h")  # included by quant_kernels.cpp; part of the build key
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 4, "amx_bf16": 5, "amx_int8": 6}
 
 
 @functools.cache
@@ -34,10 +38,30 @@ def load():
         ldflags=("-fopenmp",),
         expected_seconds=40,
     )
+    check_amx(mod)
     isa = (envs.PAGEDSERVE_CPU_ISA or "auto").strip().lower()
     if isa != "auto":
         _set(mod, isa)
     return mod
+
+
+def check_amx(mod) -> bool:
+    """Where the CPU has AMX tiles, ask Linux for their state (arch_prctl ARCH_REQ_XCOMP_PERM);
+    refused, say so once: the AMX levels are then unavailable and avx512_bf16 runs. True when
+    the tiles may be used."""
+    if not mod.amx_in_cpu() and mod.amx_permission() < 0:
+        return False
+    err = mod.amx_permission()
+    if err < 0:
+        err = mod.request_amx_permission()
+    if err != 0:
+        logging.getLogger(__name__).warning(
+            "pagedserve: the CPU has AMX tiles but Linux refused this process their state (%s); "
+            "bf16 products run on avx512_bf16",
+            os.strerror(err),
+        )
+        return False
+    return True
 
 
 def try_load():
@@ -87,6 +111,26 @@ def set_q8_many_rows(m: int) -> int:
     """act_q8 with Q4_0 / Q4_1 weights: from this many rows on, the column-interleaved integer
     kernel; below it, the few-row integer kernel (returns the previous value)."""
     return int(load().set_q8_many_rows(int(m)))
+
+
+def set_bf16_rows(m: int) -> int:
+    """bfloat16 models on avx512_bf16 and up: from this many activation rows (6), block-type
+    products run on the bf16 units, the weights' exact quants against the bf16 activations
+    (returns the previous value)."""
+    return int(load().set_bf16_rows(int(m)))
+
+
+def set_bf16_onednn_rows(m: int, amx: bool = False) -> int:
+    """From this many rows the bf16 products go to oneDNN (split bf16 weight tiles, at::mm),
+    below it to the vdpbf16ps kernel; amx: the threshold of the AMX levels (32 rows, where
+    oneDNN runs on the tiles; unmeasured) instead of avx512_bf16's (off: the kernel won every
+    shape measured). Returns the previous value."""
+    return int(load().set_bf16_onednn_rows(int(m), bool(amx)))
+
+
+def gemm_bf16(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, onednn: bool = False):
+    """out[:, col0:col0+N] (float32) = x (bf16) @ dequant(w).T on the bf16 units (block types)."""
+    load().gemm_bf16(x, w, int(qtype), out, int(col0), bool(onednn))
 
 
 def has_many_rows_kernel() -> bool:

@@ -2,9 +2,11 @@
 // Q8_0, Q4_K, Q5_K, Q6_K; F32/F16/BF16 rows too), float activations.
 //
 // The same kernel source (quant_impl.h) is compiled three times in this one translation unit:
-// portable scalar, AVX2+FMA+F16C and AVX-512 (each in its own namespace and target region),
-// and the path is chosen at run time from what the CPU has (or forced with set_isa, which the
-// Python side drives from PAGEDSERVE_CPU_ISA). No -march flags: the module runs on any x86-64.
+// portable scalar, AVX2+FMA+F16C and AVX-512 (each in its own namespace and target region);
+// the levels above AVX-512 add their own kernels on top of its build (quant_vnni.h: AVX512-VNNI
+// integer products), and the path is chosen at run time from what the CPU has (CPUID; or forced
+// with set_isa, which the Python side drives from PAGEDSERVE_CPU_ISA). No -march flags: the
+// module runs on any x86-64.
 //
 //   gemm(x [M,K] f32, w uint8 [N, row_bytes], type, out [M, ldo] f32, col0)
 //       out[:, col0:col0+N] = x @ dequant(w).T
@@ -18,19 +20,26 @@
 //     to int8 per 32-element block first and meet the weights in integer multiply-adds, as
 //     llama.cpp's q8 dot products (faster, not float-exact): few rows, each packed row against
 //     every activation row; many rows (AVX2), chunks of weights repacked so that each 32-bit
-//     lane is one output column, one vpmaddubsw per step for 8 columns.
+//     lane is one output column, one vpmaddubsw per step for 8 columns (AVX512-VNNI: one
+//     vpdpbusd per step for 16 columns; the same bits as the AVX2 kernels).
 //   dequant(w, type, K, rows?) -> float [R, K]   (all rows, or the given row ids: embeddings)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #define QK_X86 1
 #else
@@ -96,6 +105,7 @@ struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 weight
   const float* xd;   // [M, K/32] their scales
   const float* xs;   // [M, K/32] scale * sum(quants) (Q4_1's min term)
   float* out;        // already offset by col0
+  const int32_t* xc = nullptr;  // [M, K/32] -128 * sum(quants) (the VNNI many-row kernel, Q8_0)
 };
 
 namespace scalar {
@@ -138,6 +148,40 @@ namespace avx512 {
 #else
 #pragma GCC pop_options
 #endif
+
+// AVX512-VNNI: the act_q8 integer kernels (quant_vnni.h) on the AVX-512 build's helpers
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
+namespace avx512_vnni {
+using namespace avx512;
+#include "quant_vnni.h"
+}  // namespace avx512_vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+// AVX512-BF16: the bf16 many-row products of bfloat16 models (quant_bf16.h)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+#endif
+namespace avx512_bf16 {
+using namespace avx512;
+#include "quant_bf16.h"
+}  // namespace avx512_bf16
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 #endif  // QK_X86
 
 // ---- threads ------------------------------------------------------------------------------------
@@ -148,7 +192,75 @@ namespace avx512 {
 // 25 vs 20 ms, a 64-row step 670 vs 470 ms; BENCHMARKS section 19).
 
 // ---- run-time dispatch ------------------------------------------------------------------------
-enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+// Levels, each the one below it plus its own instructions (set_isa forces one; the best one
+// the CPU has is the default):
+//   avx512_vnni: vpdpbusd in the act_q8 integer kernels;
+//   avx512_bf16: and the bf16 many-row products of bfloat16 models (quant_bf16.h);
+//   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
+//     (arch_prctl): the bf16 many-row products go to oneDNN from g_amx_onednn_rows rows on,
+//     which runs them on the tiles.
+//     No kernel here issues a tile instruction itself (none could be run where this was
+//     written); otherwise the avx512_bf16 kernels.
+enum Isa {
+  ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3, ISA_AVX512_BF16 = 4, ISA_AMX_BF16 = 5,
+  ISA_AMX_INT8 = 6, ISA_LAST = 6,
+};
+
+#if QK_X86 && (defined(__GNUC__) || defined(__clang__))
+// CPUID leaf 7 bits (subleaf 0: ebx/ecx/edx, subleaf 1: eax)
+static bool cpuid7(int sub, int reg, int bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid_count(7, sub, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1u;
+}
+static uint64_t xcr0() {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid(1, &r[0], &r[1], &r[2], &r[3]) || !((r[2] >> 27) & 1u)) return 0;  // OSXSAVE
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return ((uint64_t)hi << 32) | lo;
+}
+enum { EAX = 0, EBX = 1, ECX = 2, EDX = 3 };
+#endif
+
+// AMX: the tile state needs the kernel's permission per process (Linux 5.16+:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); refused or never asked, the AMX
+// levels are unavailable and the avx512_bf16 one runs. g_amx_perm: -1 not asked yet, 0
+// granted, else the errno of the refusal.
+static int g_amx_perm = -1;
+
+static bool amx_cpuid(bool int8) {
+#if QK_X86 && (defined(__GNUC__) || defined(__clang__))
+  const bool tiles = cpuid7(0, EDX, 24) && cpuid7(0, EDX, 22) && (!int8 || cpuid7(0, EDX, 25));  // tile, bf16, int8
+  return tiles && (xcr0() & (3ull << 17)) == (3ull << 17);  // XTILECFG + XTILEDATA enabled by the OS
+#else
+  (void)int8;
+  return false;
+#endif
+}
+
+// Asks for the tile state (once; again when `again`); simulate_refusal: the refusal path
+// without a syscall (tests). Returns 0 (granted) or the errno.
+int64_t request_amx_permission(bool simulate_refusal, bool again) {
+  if (simulate_refusal) {
+    g_amx_perm = EPERM;
+    return g_amx_perm;
+  }
+  if (g_amx_perm >= 0 && !again) return g_amx_perm;
+#if QK_X86 && defined(__linux__)
+  if (!amx_cpuid(false)) {
+    g_amx_perm = ENODEV;
+    return g_amx_perm;
+  }
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  g_amx_perm = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
+#else
+  g_amx_perm = ENOSYS;
+#endif
+  return g_amx_perm;
+}
+int64_t amx_permission() { return g_amx_perm; }
+bool amx_in_cpu() { return amx_cpuid(false); }
 
 static bool cpu_has(int isa) {
   if (isa == ISA_SCALAR) return true;
@@ -159,11 +271,21 @@ static bool cpu_has(int isa) {
   if (isa == ISA_AVX512)
     return cpu_has(ISA_AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (isa == ISA_AVX512_VNNI) return cpu_has(ISA_AVX512) && cpuid7(0, ECX, 11);
+  if (isa == ISA_AVX512_BF16) return cpu_has(ISA_AVX512_VNNI) && cpuid7(1, EAX, 5);
+  if (isa == ISA_AMX_BF16 || isa == ISA_AMX_INT8) {
+    if (!cpu_has(ISA_AVX512_BF16) || !amx_cpuid(isa == ISA_AMX_INT8)) return false;
+    return request_amx_permission(false, false) == 0;
+  }
 #endif
   return false;
 }
 
-static int best_isa() { return cpu_has(ISA_AVX512) ? ISA_AVX512 : cpu_has(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR; }
+static int best_isa() {
+  for (int i = ISA_LAST; i > ISA_SCALAR; --i)
+    if (cpu_has(i)) return i;
+  return ISA_SCALAR;
+}
 
 static int g_isa = -1;
 static int64_t g_prefill_rows = 12;
@@ -173,22 +295,46 @@ static int64_t g_prefill_rows = 12;
 // 35.7 vs 30.0 (BENCHMARKS section 23)
 static int64_t g_q8_many_rows = 6;
 
+// bfloat16 models (x arrives in bf16), avx512_bf16 and up: from this many rows the products of
+// block-type weights run on the bf16 units (quant_bf16.h; the float path below); from
+// g_bf16_onednn_rows on (g_amx_onednn_rows on the AMX levels) split bf16 weight tiles go to
+// oneDNN through at::mm (AMX tiles where the CPU has them), below it the vdpbf16ps kernel.
+// Measured on a Zen 4 (avx512_bf16, one thread, hot cache), float few-row kernel vs the bf16
+// kernel, us: 4 rows 152 vs 150, 6 rows 234 vs 195, 8 rows 285 vs 197 (Q4_1 1536 x 576); the
+// kernel beat oneDNN at every shape measured, so oneDNN is off by default below AMX.
+static int64_t g_bf16_rows = 6;
+static int64_t g_bf16_onednn_rows = 1 << 30;
+// The AMX levels' threshold: oneDNN's tiles should win from a few dozen rows; not measured
+// (no AMX machine was at hand): set_bf16_onednn_rows(m, amx=true) tunes it there.
+static int64_t g_amx_onednn_rows = 32;
+
 static int current_isa() {
   if (g_isa < 0) g_isa = best_isa();
   return g_isa;
 }
 
 int64_t set_isa(int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa <= 2, "isa: 0 scalar, 1 avx2, 2 avx512");
+  TORCH_CHECK(isa >= 0 && isa <= ISA_LAST, "isa: 0 scalar, 1 avx2, 2 avx512, 3 avx512_vnni, 4 avx512_bf16, 5 amx_bf16, 6 amx_int8");
   TORCH_CHECK(cpu_has((int)isa), "this CPU lacks the requested instruction set");
   g_isa = (int)isa;
   return g_isa;
 }
 int64_t get_isa() { return current_isa(); }
-bool isa_available(int64_t isa) { return cpu_has((int)isa); }
+bool isa_available(int64_t isa) { return isa >= 0 && isa <= ISA_LAST && cpu_has((int)isa); }
 int64_t set_prefill_rows(int64_t m) {
   const int64_t old = g_prefill_rows;
   g_prefill_rows = m;
+  return old;
+}
+int64_t set_bf16_rows(int64_t m) {
+  const int64_t old = g_bf16_rows;
+  g_bf16_rows = m;
+  return old;
+}
+int64_t set_bf16_onednn_rows(int64_t m, bool amx) {
+  int64_t& v = amx ? g_amx_onednn_rows : g_bf16_onednn_rows;
+  const int64_t old = v;
+  v = m;
   return old;
 }
 int64_t set_q8_many_rows(int64_t m) {
@@ -199,7 +345,7 @@ int64_t set_q8_many_rows(int64_t m) {
 
 static void isa_gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 #if QK_X86
-  switch (current_isa()) {
+  switch (std::min(current_isa(), (int)ISA_AVX512)) {
     case ISA_AVX512: return avx512::gemm_rows(g, n0, n1);
     case ISA_AVX2: return avx2::gemm_rows(g, n0, n1);
     default: break;
@@ -221,6 +367,7 @@ static void isa_gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 
 static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 #if QK_X86
+  if (current_isa() >= ISA_AVX512_VNNI) return avx512_vnni::gemm_q8_rows(g, n0, n1);
   switch (current_isa()) {
     case ISA_AVX512: return avx512::gemm_q8_rows(g, n0, n1);
     case ISA_AVX2: return avx2::gemm_q8_rows(g, n0, n1);
@@ -232,6 +379,7 @@ static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void isa_gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 #if QK_X86
+  if (current_isa() >= ISA_AVX512_VNNI) return avx512_vnni::gemm_q8_many(g, n0, n1);
   avx2::gemm_q8_many(g, n0, n1);
 #endif
 }
@@ -264,7 +412,7 @@ std::vector<torch::Tensor> quantize_act_q8(torch::Tensor x) {
 static void isa_dequant_rows(int type, const uint8_t* W, int64_t rb, int64_t K, const int64_t* rows, int64_t r0,
                              int64_t r1, float* out) {
 #if QK_X86
-  switch (current_isa()) {
+  switch (std::min(current_isa(), (int)ISA_AVX512)) {
     case ISA_AVX512: return avx512::dequant_rows(type, W, rb, K, rows, r0, r1, out);
     case ISA_AVX2: return avx2::dequant_rows(type, W, rb, K, rows, r0, r1, out);
     default: break;
@@ -350,6 +498,16 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
                  out.data_ptr<float>() + col0};
     const int64_t many_from = type == T_Q8_0 ? g_prefill_rows : g_q8_many_rows;
     if (QK_X86 && current_isa() >= ISA_AVX2 && M >= many_from) {
+#if QK_X86
+      thread_local std::vector<int32_t> xc;
+      if (type == T_Q8_0 && current_isa() >= ISA_AVX512_VNNI) {  // its unsigned weights' offset, taken back
+        xc.resize(M * nb);
+        const int8_t* q = xq.data();  // (thread_local: the pointers, not the names, go to the team)
+        int32_t* c = xc.data();
+        at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) { avx512_vnni::q8_block_corr(q, b0, b1, c); });
+        g.xc = c;
+      }
+#endif
       at::parallel_for(0, (N + 15) / 16, 1,  // tasks of two groups of 8 columns
                        [&](int64_t a, int64_t b) { isa_gemm_q8_many(g, a * 16, std::min(N, b * 16)); });
     } else {
@@ -403,6 +561,76 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_rows(g, n0, n1); });
 }
 
+static bool bf16_products() { return QK_X86 && current_isa() >= ISA_AVX512_BF16; }
+static int64_t g_bf16_calls[2] = {0, 0};  // products on the vdpbf16ps kernel / oneDNN (tests)
+std::vector<int64_t> bf16_calls() { return {g_bf16_calls[0], g_bf16_calls[1]}; }
+
+// Whether a type's products may take the bf16 route (block types: integer quants and group
+// scales, exact in bf16; float rows take the float path)
+static bool bf16_type(int64_t type) {
+#if QK_X86
+  return avx512_bf16::quant_group_size((int)type) > 0;
+#else
+  (void)type;
+  return false;
+#endif
+}
+
+// out[:, col0:col0+N] (float32) = x (bf16 [M, K], K a multiple of 32) @ dequant(w).T on the
+// bf16 units, a block type's weights unrounded (quant_bf16.h): the vdpbf16ps kernel over exact
+// quants and float group scales, or (onednn) at::mm over [x, x] and the weights split into
+// bf16 hi + lo (2K deep).
+void gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool onednn) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_packed(w, type, K);
+  TORCH_CHECK(K % 32 == 0, "bf16 products: K must be a multiple of 32");
+  TORCH_CHECK(bf16_products(), "bf16 products need the avx512_bf16 path (or above)");
+  TORCH_CHECK(bf16_type(type), "bf16 products: block types only (Q4_0 ... Q6_K)");
+  TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
+  if (M == 0 || N == 0) return;
+  ++(onednn ? g_bf16_calls[1] : g_bf16_calls[0]);
+#if QK_X86
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const int64_t rb = w.size(1), ldo = out.size(1);
+  if (onednn) {
+    // tiles of ~2 MB of split bf16 weights in a reused buffer, each multiplied by the BLAS (oneDNN)
+    const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(512) << 10) / K));
+    thread_local torch::Tensor buf;
+    if (!buf.defined() || buf.numel() < tile * 2 * K) buf = torch::empty({tile * 2 * K}, torch::kBFloat16);
+    const torch::Tensor x2 = at::cat({x, x}, 1);
+    for (int64_t t0 = 0; t0 < N; t0 += tile) {
+      const int64_t t1 = std::min(N, t0 + tile);
+      auto wb = buf.narrow(0, 0, (t1 - t0) * 2 * K).view({t1 - t0, 2 * K});
+      uint16_t* o = reinterpret_cast<uint16_t*>(wb.data_ptr<at::BFloat16>());
+      const uint8_t* Wt = W + t0 * rb;
+      at::parallel_for(0, t1 - t0, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
+        avx512_bf16::dequant_rows_bf16x2((int)type, Wt + r0 * rb, rb, K, 0, r1 - r0, o + r0 * 2 * K, 2 * K);
+      });
+      out.narrow(1, col0 + t0, t1 - t0).copy_(at::mm(x2, wb.t()));
+    }
+    return;
+  }
+  const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int gsz = avx512_bf16::quant_group_size((int)type);
+  thread_local std::vector<float> xs;
+  const float* XS = nullptr;
+  if (avx512_bf16::quant_has_min((int)type)) {
+    xs.resize(M * (K / gsz));
+    float* p = xs.data();  // (thread_local: the pointer, not the name, goes to the team)
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K),
+                     [&](int64_t r0, int64_t r1) { avx512_bf16::group_sums(X, K, gsz, r0, r1, p); });
+    XS = p;
+  }
+  float* o = out.data_ptr<float>() + col0;
+  constexpr int64_t NC = 16 * avx512_bf16::BF_G;
+  at::parallel_for(0, (N + NC - 1) / NC, 1, [&](int64_t a, int64_t b) {
+    avx512_bf16::gemm_bf16_cols((int)type, W, rb, K, X, XS, M, o, ldo, a * NC, std::min(N, b * NC));
+  });
+#endif
+}
+
 // A whole QuantLinear forward in one call (the Python version cost ~20 us of tensor ops per
 // layer): x [..., K] of any float dtype -> [..., N] of x's dtype; segments of packed rows
 // (one per run of equal types) write their own output columns; optional float bias.
@@ -411,14 +639,24 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
                       bool act_q8) {
   TORCH_CHECK(ws.size() == types.size() && ws.size() == cols.size(), "segments");
   const bool flat = x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous();  // the common case
-  torch::Tensor x2 = x;
-  if (!flat) {
-    x2 = x.reshape({-1, x.size(-1)});
-    if (x2.scalar_type() != at::kFloat || !x2.is_contiguous()) x2 = x2.to(at::kFloat).contiguous();
-  }
-  torch::Tensor out = at::detail::empty_cpu({x2.size(0), N}, at::kFloat, c10::nullopt, c10::nullopt, c10::nullopt,
+  torch::Tensor x2 = x, xb;
+  if (!flat) x2 = x.reshape({-1, x.size(-1)});
+  const int64_t M = x2.size(0), K = x2.size(1);
+  // a bfloat16 model's many-row products: bf16 weights on the bf16 units (see g_bf16_rows)
+  const bool bf16 = x2.scalar_type() == at::kBFloat16 && M >= g_bf16_rows && K % 32 == 0 && bf16_products();
+  if (bf16) xb = x2.contiguous();
+  torch::Tensor out = at::detail::empty_cpu({M, N}, at::kFloat, c10::nullopt, c10::nullopt, c10::nullopt,
                                             c10::nullopt);
-  for (size_t i = 0; i < ws.size(); ++i) gemm(x2, ws[i], types[i], out, cols[i], act_q8);
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int64_t t = types[i];
+    if (bf16 && bf16_type(t) && !(act_q8 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0))) {
+      const bool onednn = M >= (current_isa() >= ISA_AMX_BF16 ? g_amx_onednn_rows : g_bf16_onednn_rows);
+      gemm_bf16(xb, ws[i], t, out, cols[i], onednn);
+      continue;
+    }
+    if (x2.scalar_type() != at::kFloat || !x2.is_contiguous()) x2 = x2.to(at::kFloat).contiguous();
+    gemm(x2, ws[i], t, out, cols[i], act_q8);
+  }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   if (flat) return out;
   if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
@@ -434,7 +672,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type"), py::arg("out"), py::arg("col0"), py::arg("act_q8") = false);
   m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
         py::arg("rows") = py::none());
+  m.def("gemm_bf16", &gemm_bf16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the bf16 units (vdpbf16ps, or oneDNN)",
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("out"), py::arg("col0") = 0, py::arg("onednn") = false);
+  m.def("set_bf16_rows", &set_bf16_rows);
+  m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN]");
+  m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows, py::arg("m"), py::arg("amx") = false);
   m.def("set_isa", &set_isa);
+  m.def("request_amx_permission", &request_amx_permission,
+        "ask Linux for the AMX tile state (0 granted, else the errno); simulate_refusal: tests",
+        py::arg("simulate_refusal") = false, py::arg("again") = false);
+  m.def("amx_permission", &amx_permission, "-1 not asked yet, 0 granted, else the errno of the refusal");
+  m.def("amx_in_cpu", &amx_in_cpu, "CPUID has AMX tiles (bf16) and the OS enables their state");
   m.def("get_isa", &get_isa);
   m.def("isa_available", &isa_available);
   m.def("has_many_rows_kernel", &many_rows_kernel, "whether many-row products use the blocked kernel (ISA now set)");

@@ -1,0 +1,298 @@
+// AVX512-VNNI kernels of the act_q8 products (the named option "gguf_q8"): vpdpbusd, four
+// unsigned x signed byte products summed into each 32-bit lane in one instruction, where the
+// AVX2 kernels take vpmaddubsw + vpmaddwd (few rows) or vpmaddubsw + 16-bit adds (many rows).
+// Included once by quant_kernels.cpp, inside namespace avx512_vnni and a target region that
+// adds avx512vnni to the AVX-512 set; the AVX-512 build's helpers (quant_bytes32, hsum8,
+// row_tiles, h2f) come from `using namespace avx512`. No include guard on purpose.
+//
+// Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
+// (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q8_0's at most 2 * 128 * 127,
+// and vpdpbusd does not saturate at all), and the float steps that follow are the AVX2
+// kernels' own, lane for lane (tests compare the outputs' bits).
+
+// ---- few rows: two output columns per 512-bit register ----------------------------------
+// Lanes 0-7 hold column n's eight partial sums and lanes 8-15 column n + 1's, exactly as the
+// AVX2 kernel's one 256-bit accumulator per column: each activation row's 32 quants are
+// broadcast to both halves, meet both columns' blocks in one vpdpbusd, and the halves are
+// summed at the end as the AVX2 kernel sums its register (hsum8).
+template <int TYPE, int MT>
+static void gemm_q8_tile2(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row0 = g.W + n * g.rb;
+  const uint8_t* row1 = row0 + g.rb;
+  __m512 acc[MT];
+  float accm0[MT], accm1[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    accm0[t] = accm1[t] = 0.f;
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b0 = row0 + i * BB;
+    const uint8_t* b1 = row1 + i * BB;
+    const uint16_t* h0 = reinterpret_cast<const uint16_t*>(b0);
+    const uint16_t* h1 = reinterpret_cast<const uint16_t*>(b1);
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(quant_bytes32<TYPE>(b0)), quant_bytes32<TYPE>(b1), 1);
+    if (TYPE == T_Q4_0) w = _mm512_sub_epi8(w, _mm512_set1_epi8(8));
+    // vpdpbusd multiplies unsigned by signed bytes: signed weights lend their sign to x
+    // (abs(-128) is 0x80, read as unsigned 128: exact, as in the AVX2 kernel)
+    const __m512i wu = TYPE == T_Q4_1 ? w : _mm512_abs_epi8(w);
+    const __mmask64 neg = TYPE == T_Q4_1 ? 0 : _mm512_movepi8_mask(w);
+    const __m512 vdw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(h2f(h0[0]))),
+                                          _mm256_set1_ps(h2f(h1[0])), 1);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t r = (m0 + t) * nb + i;
+      __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32)));
+      if (TYPE != T_Q4_1) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, x);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(vdw, _mm512_set1_ps(g.xd[r])), acc[t]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn0 = h2f(h0[1]), mn1 = h2f(h1[1]);
+      for (int t = 0; t < MT; ++t) {
+        accm0[t] += mn0 * g.xs[(m0 + t) * nb + i];
+        accm1[t] += mn1 * g.xs[(m0 + t) * nb + i];
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t) {
+    float* o = g.out + (m0 + t) * g.ldo + n;
+    o[0] = hsum8(_mm512_castps512_ps256(acc[t])) + accm0[t];
+    o[1] = hsum8(_mm512_extractf32x8_ps(acc[t], 1)) + accm1[t];
+  }
+}
+
+// One column (Q8_0's, or a nibble type's odd last one): the AVX2 kernel with vpdpbusd on
+// 256-bit registers (AVX512VL).
+template <int TYPE, int MT>
+static void gemm_q8_tile1(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    __m256i w = quant_bytes32<TYPE>(blk);
+    if (TYPE == T_Q4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
+    const __m256i wu = TYPE == T_Q4_1 ? w : _mm256_sign_epi8(w, w);
+    const float dw = h2f(hdr[0]);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t r = (m0 + t) * nb + i;
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
+      if (TYPE != T_Q4_1) x = _mm256_sign_epi8(x, w);
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+}
+
+// Nibble weights in column pairs; Q8_0 one column at a time: its pairs were faster with the
+// weights in cache (5 rows, 1536 x 576: 59 vs 76 us) but 2-3x slower streaming them from
+// memory (1 row, 49152 x 576, 28 MB: 1852 vs 663 us; AVX2 621), which is how decode meets
+// them (a Q8_0 model or LM head does not fit a cache), and software prefetch did not mend it.
+template <int TYPE>
+static void gemm_q8_vnni(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (TYPE != T_Q8_0)
+    for (; n + 2 <= n1; n += 2)
+      row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile2<TYPE, decltype(mt)::value>(g, n, m0); });
+  for (; n < n1; ++n)
+    row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile1<TYPE, decltype(mt)::value>(g, n, m0); });
+}
+
+static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  switch (g.type) {
+    case T_Q4_0: gemm_q8_vnni<T_Q4_0>(g, n0, n1); break;
+    case T_Q4_1: gemm_q8_vnni<T_Q4_1>(g, n0, n1); break;
+    default: gemm_q8_vnni<T_Q8_0>(g, n0, n1); break;
+  }
+}
+
+// ---- many rows: 16 output columns per register ----------------------------------------------
+// The AVX2 many-row kernel's layout, 16 lanes wide: a chunk of output columns is repacked into
+// groups of 16; for each 32-element block and each of its 8 steps of 4 elements, 64 bytes whose
+// 32-bit lane c holds column c's 4 quants as unsigned bytes (Q4_0 / Q4_1 nibbles 0..15; Q8_0's
+// signed bytes + 128, i.e. xor 0x80), beside the 16 columns' scales and minimums as floats
+// (Q4_0's min is -8 * scale). Each step is one vpdpbusd per (activation row, group) against
+// the row's 4 quants broadcast to every lane, summed in 32 bits. Q8_0's +128 is taken back
+// exactly: its block sums start from -128 * sum(x quants) (GemmQ8Args::xc). Per block and row:
+// acc += float(sum) * (d_w * d_x) + m_w * (d_x * sum(x quants)), each lane the AVX2 kernel's.
+static inline void transpose8x8_epi32(const __m256i* e, __m256i* o) {  // o[s] lane c = e[c] lane s
+  const __m256i t0 = _mm256_unpacklo_epi32(e[0], e[1]), t1 = _mm256_unpackhi_epi32(e[0], e[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(e[2], e[3]), t3 = _mm256_unpackhi_epi32(e[2], e[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(e[4], e[5]), t5 = _mm256_unpackhi_epi32(e[4], e[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(e[6], e[7]), t7 = _mm256_unpackhi_epi32(e[6], e[7]);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+  o[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+  o[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+  o[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+  o[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+  o[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+  o[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+  o[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+  o[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+template <int TYPE>
+static void q8_repack16(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint8_t* Q, float* D, float* Mn) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i e[16];
+    for (int c = 0; c < 16; ++c) {
+      if (c >= ncols) {
+        e[c] = TYPE == T_Q8_0 ? _mm256_set1_epi8((char)0x80) : _mm256_setzero_si256();  // quants 0
+        D[b * 16 + c] = Mn[b * 16 + c] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = W + c * rb + b * BB;
+      const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+      e[c] = quant_bytes32<TYPE>(blk);
+      if (TYPE == T_Q8_0) e[c] = _mm256_xor_si256(e[c], _mm256_set1_epi8((char)0x80));
+      const float d = h2f(hdr[0]);
+      D[b * 16 + c] = d;
+      Mn[b * 16 + c] = TYPE == T_Q4_1 ? h2f(hdr[1]) : TYPE == T_Q4_0 ? -8.f * d : 0.f;
+    }
+    __m256i lo[8], hi[8];
+    transpose8x8_epi32(e, lo);
+    transpose8x8_epi32(e + 8, hi);
+    __m512i* o = reinterpret_cast<__m512i*>(Q + b * 512);
+    for (int s = 0; s < 8; ++s) _mm512_storeu_si512(o + s, _mm512_inserti64x4(_mm512_castsi256_si512(lo[s]), hi[s], 1));
+  }
+}
+
+// R activation rows x G groups of 16 columns; `Q`, `D`, `Mn` the first group's repacked block 0
+// (groups `gs` bytes / `gf` floats apart); `ncols` valid columns in the last group.
+template <int TYPE, int R, int G>
+static void q8_micro16(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const float* D, const float* Mn, int64_t gs,
+                       int64_t gf, float* out, int ncols) {
+  const int64_t nb = g.K / 32;
+  const int8_t* x = g.xq + m * g.K;
+  __m512 acc[R][G];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < G; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i s[R][G];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i s0 = TYPE == T_Q8_0 ? _mm512_set1_epi32(g.xc[(m + r) * nb + b]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int c = 0; c < G; ++c) s[r][c] = s0;
+    }
+    const uint8_t* qb = Q + b * 512;
+#pragma GCC unroll 8
+    for (int st = 0; st < 8; ++st) {
+      __m512i w[G];
+#pragma GCC unroll 8
+      for (int c = 0; c < G; ++c) w[c] = _mm512_loadu_si512(qb + c * gs + st * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, x + r * g.K + b * 32 + st * 4, 4);
+        const __m512i xb = _mm512_set1_epi32(xv);
+#pragma GCC unroll 8
+        for (int c = 0; c < G; ++c) s[r][c] = _mm512_dpbusd_epi32(s[r][c], w[c], xb);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(g.xd[(m + r) * nb + b]);
+      const __m512 sx = _mm512_set1_ps(g.xs[(m + r) * nb + b]);
+#pragma GCC unroll 8
+      for (int c = 0; c < G; ++c) {
+        const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(D + c * gf + b * 16), dx);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][c]), sc, acc[r][c]);
+        if (TYPE != T_Q8_0) acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(Mn + c * gf + b * 16), sx, acc[r][c]);
+      }
+    }
+  }
+  const __mmask16 tail = (__mmask16)((1u << ncols) - 1u);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < G; ++c) {
+      float* o = out + r * g.ldo + c * 16;
+      if (c == G - 1 && ncols < 16)
+        _mm512_mask_storeu_ps(o, tail, acc[r][c]);
+      else
+        _mm512_storeu_ps(o, acc[r][c]);
+    }
+}
+
+constexpr int Q8_MR = 4;  // activation rows per micro-kernel call
+
+template <int TYPE, int G>
+static void q8_rows16(const GemmQ8Args& g, int64_t m0, int64_t m1, const uint8_t* Q, const float* D, const float* Mn,
+                      int64_t gs, int64_t gf, float* out, int ncols) {
+  int64_t m = m0;
+  for (; m + Q8_MR <= m1; m += Q8_MR) q8_micro16<TYPE, Q8_MR, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols);
+  switch (m1 - m) {
+    case 3: q8_micro16<TYPE, 3, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols); break;
+    case 2: q8_micro16<TYPE, 2, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols); break;
+    case 1: q8_micro16<TYPE, 1, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols); break;
+    default: break;
+  }
+}
+
+// Output columns [n0, n1) for all M rows (int8 activations in g.xq / g.xd / g.xs / g.xc).
+template <int TYPE>
+static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  constexpr int64_t NC = 32;  // columns repacked at a time: 2 groups, nb * 2.3 KB (in L1/L2)
+  const int64_t nb = g.K / 32, gs = nb * 512, gf = nb * 16;
+  const int64_t MB = std::max<int64_t>(48, ((int64_t(384) << 10) / g.K) / 12 * 12);
+  thread_local std::vector<uint8_t> qbuf;
+  thread_local std::vector<float> dbuf, mbuf;
+  qbuf.resize(NC / 16 * gs);
+  dbuf.resize(NC / 16 * gf);
+  mbuf.resize(NC / 16 * gf);
+  for (int64_t mb = 0; mb < g.M; mb += MB) {
+    const int64_t me = std::min(g.M, mb + MB);
+    for (int64_t c0 = n0; c0 < n1; c0 += NC) {
+      const int64_t nc = std::min(NC, n1 - c0), ng = (nc + 15) / 16;
+      for (int64_t j = 0; j < ng; ++j)
+        q8_repack16<TYPE>(g.W + (c0 + 16 * j) * g.rb, g.rb, nb, (int)std::min<int64_t>(16, nc - 16 * j),
+                          qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf);
+      if (ng == 2)
+        q8_rows16<TYPE, 2>(g, mb, me, qbuf.data(), dbuf.data(), mbuf.data(), gs, gf, g.out + c0,
+                           (int)(nc - 16));
+      else
+        q8_rows16<TYPE, 1>(g, mb, me, qbuf.data(), dbuf.data(), mbuf.data(), gs, gf, g.out + c0, (int)nc);
+    }
+  }
+}
+
+static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  switch (g.type) {
+    case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
+    case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;
+    default: gemm_q8_many_t<T_Q8_0>(g, n0, n1); break;
+  }
+}
+
+// -128 * sum of each 32-quant block of x (Q8_0's start value in the many-row kernel)
+static void q8_block_corr(const int8_t* xq, int64_t b0, int64_t b1, int32_t* xc) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t b = b0; b < b1; ++b) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
+    const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, x);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    xc[b] = -128 * _mm_cvtsi128_si32(s4);
+  }
+}
