@@ -94,6 +94,11 @@ class SchedulerConfig:
         "length_aware: share of a step's token budget (and of the running seats) kept for short requests "
         "while any runs or waits; long prefills are chunked around it",
     )
+    long_lane_chunk_tokens: int = setting(
+        256,
+        "length_aware: while short work runs or waits, a long request's prefill chunk per step is at most "
+        "this many tokens (it bounds the step a short request waits behind; 0: the budget share alone)",
+    )
     max_wait_s: float = setting(
         20.0, "length_aware: a request waiting this long is admitted before every request that came after it"
     )
@@ -116,6 +121,8 @@ class SchedulerConfig:
             raise ValueError("short_request_tokens and expected_output_tokens must be >= 1.")
         if not 0.0 <= self.short_budget_share < 1.0:
             raise ValueError(f"short_budget_share must be in [0, 1), got {self.short_budget_share}.")
+        if self.long_lane_chunk_tokens < 0:
+            raise ValueError(f"long_lane_chunk_tokens must be >= 0, got {self.long_lane_chunk_tokens}.")
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}.")
         if self.long_prefill_token_threshold < 0:

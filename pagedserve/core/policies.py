@@ -183,9 +183,11 @@ class LengthAwarePolicy(SchedulingPolicy):
       3. the rest by expected work, least first: prompt tokens + expected output tokens
          (`max_tokens` when the client gave it, else OutputLengthEstimator's estimate).
     Lanes: a request whose expected work is under `short_request_tokens` is short. While
-    any short request waits or runs, long requests compute at most (1 - share) of a
-    step's token budget of prompt and hold at most (1 - share) of the running seats; with
-    no short work they take everything (no budget idles).
+    any short request waits or runs, a long request computes at most (1 - share) of a
+    step's token budget of prompt, and at most `long_lane_chunk_tokens` (the step a short
+    request waits behind, and decodes with, stays short), and long requests hold at most
+    (1 - share) of the running seats; with no short work they take everything (no budget
+    idles).
     Victim: the running request whose preemption costs least, computed tokens to redo
     per expected remaining token (ties: the latest admitted).
     """
@@ -219,7 +221,11 @@ class LengthAwarePolicy(SchedulingPolicy):
         self.now = self.clock()
         self.waiting.touch()
         share = self.config.short_budget_share
-        self.long_cap = max(1, int(budget * (1 - share))) if self.num_short and share else None
+        self.long_cap = None
+        if self.num_short and share:
+            self.long_cap = max(1, int(budget * (1 - share)))
+            if self.config.long_lane_chunk_tokens:
+                self.long_cap = min(self.long_cap, self.config.long_lane_chunk_tokens)
         self.long_running = sum(1 for r in running if not r.is_short)
 
     def prefill_cap(self, req: Request) -> int | None:

@@ -93,6 +93,16 @@ def test_the_short_lane_caps_long_prefills_only_while_short_work_exists():
     assert {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled} == {"doc": 256}
 
 
+def test_the_long_lane_chunk_bounds_a_long_prefill_beside_short_work():
+    clock = Clock()
+    s = make(clock, budget=2048, short_budget_share=0.5, short_request_tokens=100, long_lane_chunk_tokens=200)
+    s.add_request(req("doc", 3000, 10, clock))
+    assert len(s.schedule().scheduled[0].token_ids) == 2048  # alone: the whole budget
+    s.add_request(req("chat", 20, 30, clock, base=50_000))
+    shares = {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled}
+    assert shares == {"doc": 200, "chat": 20}  # min(200, 0.5 x 2048)
+
+
 def test_long_requests_hold_at_most_their_share_of_seats_while_short_work_waits():
     clock = Clock()
     s = make(clock, budget=4096, seqs=4, short_budget_share=0.5, short_request_tokens=100)
