@@ -278,13 +278,15 @@ class KVOffloadConnector:
         self._done: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
         self._outstanding = 0
-        self._queued_keys: set[bytes] = set()
+        # key -> its copied-out bytes until the write is published: served from here meanwhile
+        self._pending: dict[bytes, torch.Tensor] = {}
+        self._cancelled: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="kv-offload-io", daemon=True)
         self._thread.start()
 
     # -- step loop side -------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
-        return self.enabled and self.store.contains(key)
+        return self.enabled and (key in self._pending or self.store.contains(key))
 
     def save(self, entries: list[tuple[bytes, int]]) -> int:
         """Copy the blocks (key, block id) out now (before their slots are reused) and
@@ -292,7 +294,7 @@ class KVOffloadConnector:
         the number queued."""
         if not self.enabled:
             return 0
-        todo = [(k, b) for k, b in entries if k not in self._queued_keys and k not in self.store.index]
+        todo = [(k, b) for k, b in entries if k not in self._pending and k not in self.store.index]
         room = max(0, (self.max_pending_bytes - self.pending_bytes) // self.block_bytes)
         if len(todo) > room:
             self.counters.saves_dropped += len(todo) - room
@@ -301,7 +303,7 @@ class KVOffloadConnector:
             return 0
         buf = self.gather([b for _, b in todo])
         for i, (k, _) in enumerate(todo):
-            self._queued_keys.add(k)
+            self._pending[k] = buf[i]
             self._submit(("save", k, buf[i]))
         self.pending_bytes += len(todo) * self.block_bytes
         return len(todo)
@@ -310,14 +312,22 @@ class KVOffloadConnector:
         """Queue reads of `keys` into `block_ids` (already allocated, held by the caller)."""
         self._submit(("load", job_id, list(keys), list(block_ids)))
 
+    def cancel(self, job_id: int) -> None:
+        """Forget a queued load: its bytes are never copied in (its blocks may be reused)."""
+        self._cancelled.add(job_id)
+
     def poll(self) -> list[LoadResult]:
-        """Finished loads, their verified payloads already copied into their blocks."""
+        """Finished loads, their verified payloads already copied into their blocks
+        (cancelled ones are dropped)."""
         out = []
         while True:
             try:
                 res = self._done.get_nowait()
             except queue.Empty:
                 return out
+            if res.job_id in self._cancelled:
+                self._cancelled.discard(res.job_id)
+                continue
             good = [(b, p) for b, p in zip(res.block_ids, res.payloads) if p is not None]
             if good:
                 self.scatter([b for b, _ in good], [p for _, p in good])
@@ -394,7 +404,7 @@ class KVOffloadConnector:
         except OSError as e:
             self._disable(e)
         finally:
-            self._queued_keys.discard(key)
+            self._pending.pop(key, None)
             self.pending_bytes -= self.block_bytes
 
     def _do_load(self, job_id: int, keys: list[bytes], block_ids: list[int]) -> None:
@@ -402,7 +412,10 @@ class KVOffloadConnector:
         t0 = time.perf_counter()
         for key in keys:
             p = None
-            if self.enabled:
+            pending = self._pending.get(key)
+            if pending is not None:  # still being written: its bytes are here
+                p = pending.numpy().tobytes()
+            elif self.enabled:
                 try:
                     p = self.store.get(key)
                 except OSError as e:
