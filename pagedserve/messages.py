@@ -207,7 +207,7 @@ class EngineStats:
     # full prompt blocks found in neither tier, blocks that could not be served (bad
     # checksum, gone, I/O error), blocks written and saves dropped (write queue full),
     # bytes and seconds of I/O, what the store holds, I/O errors (the first disables it)
-    kv_offload_enabled: bool = False
+    kv_offload_enabled: int = 0  # 1: on (summed over data-parallel replicas: those with it on)
     kv_offload_hit_blocks: int = 0
     kv_offload_miss_blocks: int = 0
     kv_offload_failed_blocks: int = 0
@@ -221,7 +221,6 @@ class EngineStats:
     kv_offload_stored_blocks: int = 0
     kv_offload_stored_bytes: int = 0
     kv_offload_errors: int = 0
-    kv_offload_restored_block_ids: list[int] = field(default_factory=list)
 
     @property
     def spec_acceptance_rate(self) -> float:

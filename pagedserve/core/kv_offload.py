@@ -171,7 +171,7 @@ class KVOffloadManager:
     def fill_stats(self, stats) -> None:
         """The tier's figures into an EngineStats (messages.py)."""
         c, store = self.connector.counters, self.connector.store
-        stats.kv_offload_enabled = self.connector.enabled
+        stats.kv_offload_enabled = int(self.connector.enabled)
         stats.kv_offload_hit_blocks = self.restored_blocks
         stats.kv_offload_miss_blocks = self.miss_blocks
         stats.kv_offload_failed_blocks = self.failed_blocks + store.num_corrupt
@@ -185,4 +185,3 @@ class KVOffloadManager:
         stats.kv_offload_stored_blocks = len(store)
         stats.kv_offload_stored_bytes = store.bytes_used
         stats.kv_offload_errors = c.errors
-        stats.kv_offload_restored_block_ids = sorted(self.restored)

@@ -66,6 +66,12 @@ def test_same_outputs_cold_warm_from_disk_and_after_restart(model_dir, reference
     assert st.kv_offload_hit_blocks == (len(DOCS[3]) - 1) // 8 + (len(DOCS[0]) - 1) // 8
     assert st.prefix_cache_hits == 8 * st.kv_offload_hit_blocks  # the restored blocks served the prompts
     assert audit_idle_kv(_core(again).scheduler.kv) == []
+    # the live view marks the restored blocks (those not evicted since)
+    from pagedserve.engine.live_view import block_view
+
+    snap = _core(again).snapshot()
+    assert 0 < len(snap["restored"]) <= st.kv_offload_hit_blocks
+    assert block_view(snap)["restored"] == snap["restored"]
     again.shutdown()
     assert computed_warm < sum(len(DOCS[d]) for d in order)
 
@@ -179,3 +185,26 @@ def test_hybrid_groups_round_trip_through_the_manager(tmp_path):
     kv.free(a2)
     assert audit_idle_kv(kv) == [] and mgr.loads == {}
     conn.shutdown(1)
+
+
+def test_flags_and_metrics():
+    """--kv-offload-dir / --kv-offload-bytes reach the cache config; /metrics shows the tier."""
+    import argparse
+
+    pytest.importorskip("prometheus_client")
+    from pagedserve.engine_args import EngineArgs
+    from pagedserve.messages import EngineStats
+    from pagedserve.server.metrics import ServerMetrics
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--kv-offload-dir", "/tmp/kvtier", "--kv-offload-bytes", "20GiB"])
+    cc = EngineArgs.from_cli_args(ns).create_engine_config().cache
+    assert cc.kv_offload_dir == "/tmp/kvtier" and cc.kv_offload_bytes == 20 * 2**30
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        LLM("x", kv_offload_bytes=0)
+    stats = EngineStats(*([0] * 16), kv_offload_enabled=1, kv_offload_hit_blocks=7, kv_offload_read_seconds=0.25)
+    text = ServerMetrics(lambda: stats, "m").render().decode()
+    assert 'pagedserve:kv_offload_hits_total{model_name="m"} 7.0' in text
+    assert 'pagedserve:kv_offload_read_seconds_total{model_name="m"} 0.25' in text
+    assert 'pagedserve:kv_offload_enabled{engine="0",model_name="m"} 1.0' in text
