@@ -136,6 +136,42 @@ def restart_bench(a) -> dict:
     return res
 
 
+def decode_overhead_bench(a) -> dict:
+    """Steady-state throughput with the tier on vs off under a load without prefix reuse:
+    --decode-requests random prompts, at most 16 running, a pool that holds the running
+    ones and little more, so finished requests' cached blocks are evicted (and written)
+    while others decode. Runs alternate off / on, twice; best of each."""
+    import tempfile
+
+    from pagedserve import LLM, SamplingParams
+
+    rng = random.Random(1)
+    (plen, olen), n, seqs = a.decode_lens, a.decode_requests, 16
+    blocks = seqs * -(-(plen + olen) // a.block_size) + 8
+    common = dict(dtype=a.dtype, block_size=a.block_size, max_num_seqs=seqs, num_kv_blocks=blocks, max_model_len=plen + olen + 8)
+    root = tempfile.mkdtemp(prefix="pagedserve-kv-decode-")
+    llms = {False: LLM(a.model, **common), True: LLM(a.model, **common, kv_offload_dir=root)}
+    vocab = llms[False].engine.model_config.vocab_size
+    sp = SamplingParams(max_tokens=olen, temperature=0, ignore_eos=True)
+    best = {False: 0.0, True: 0.0}
+    written = 0
+    for _ in range(2):
+        for tier in (False, True):
+            prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(plen)]} for _ in range(n)]
+            t = time.perf_counter()
+            llms[tier].generate(prompts, sp, use_tqdm=False)
+            best[tier] = max(best[tier], n * olen / (time.perf_counter() - t))
+    written = llms[True].get_stats().kv_offload_saved_blocks
+    for llm in llms.values():
+        llm.shutdown()
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    return {"bench": "prefix_tier_decode_overhead", "requests": n, "prompt_len": plen, "output_len": olen,
+            "output_tok_s_off": round(best[False], 1), "output_tok_s_on": round(best[True], 1),
+            "ratio": round(best[True] / best[False], 3), "tier_written_blocks": written}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -157,14 +193,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool-docs", type=float, default=8)
     ap.add_argument("--kv-offload-dir", default=None, help="--restart: the tier's directory (default: a temporary one)")
     ap.add_argument("--kv-offload-bytes", default="16GiB")
+    ap.add_argument("--decode-check", action="store_true", help="the tier's steady-state overhead (with or without --restart)")
+    ap.add_argument("--decode-requests", type=int, default=48)
+    ap.add_argument("--decode-lens", type=int, nargs=2, default=[256, 64], metavar=("PROMPT", "OUTPUT"))
     a = ap.parse_args(argv)
-    if a.restart:
+    if a.restart or a.decode_check:
         given = sys.argv[1:] if argv is None else argv
         if "--question-len" not in given:
             a.question_len = 16
         if "--output-len" not in given:
             a.output_len = 8
-        print(json.dumps(restart_bench(a)), flush=True)
+        if a.restart:
+            print(json.dumps(restart_bench(a)), flush=True)
+        if a.decode_check:
+            print(json.dumps(decode_overhead_bench(a)), flush=True)
         return
     from pagedserve import LLM, SamplingParams
 
