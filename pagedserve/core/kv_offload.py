@@ -155,13 +155,23 @@ class KVOffloadManager:
         self.miss_blocks += max((req.num_tokens - 1) // bs - num_hit // bs, 0)
         self.release(req)
 
+    def release_others(self, head: Request) -> None:
+        """The head of the queue cannot be admitted and nothing runs: drop every other
+        request's holds (restored blocks stay cached and free, so they are still likely
+        hits), so that held blocks never stall the engine."""
+        for rid in [r for r in self.loads if r != head.request_id]:
+            self._drop(self.loads.pop(rid))
+
     def release(self, req: Request) -> None:
         """The request was admitted (it holds its blocks itself now) or ended: drop the
-        manager's holds. A read still in flight is cancelled (its bytes are never copied
-        in), so its blocks go back to the pool at once, uncached."""
+        manager's holds."""
         job = self.loads.pop(req.request_id, None)
-        if job is None:
-            return
+        if job is not None:
+            self._drop(job)
+
+    def _drop(self, job: _Load) -> None:
+        """A read still in flight is cancelled (its bytes are never copied in), so its
+        blocks go back to the pool at once, uncached."""
         if not job.done:
             self._by_job.pop(job.job_id, None)
             self.connector.cancel(job.job_id)

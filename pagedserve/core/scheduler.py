@@ -251,6 +251,8 @@ class Scheduler:
             hit_blocks, num_hit = self.kv.get_computed_blocks(req) if not req.whole_prompt else ([], 0)
             num_new = self._prefill_chunk(req, req.num_tokens - num_hit, step.budget)
             if num_new is None or not self._admit(req, hit_blocks, num_hit, num_new, step):
+                if self.offload is not None and not self.running:  # nothing runs: no hold may block the head
+                    self.offload.release_others(req)
                 break
         for req in reversed(skipped):
             self.waiting.prepend(req)

@@ -302,10 +302,11 @@ class KVOffloadConnector:
         if not todo:
             return 0
         buf = self.gather([b for _, b in todo])
+        with self._idle:
+            self.pending_bytes += len(todo) * self.block_bytes
         for i, (k, _) in enumerate(todo):
             self._pending[k] = buf[i]
             self._submit(("save", k, buf[i]))
-        self.pending_bytes += len(todo) * self.block_bytes
         return len(todo)
 
     def load(self, job_id: int, keys: list[bytes], block_ids: list[int]) -> None:
@@ -405,7 +406,8 @@ class KVOffloadConnector:
             self._disable(e)
         finally:
             self._pending.pop(key, None)
-            self.pending_bytes -= self.block_bytes
+            with self._idle:
+                self.pending_bytes -= self.block_bytes
 
     def _do_load(self, job_id: int, keys: list[bytes], block_ids: list[int]) -> None:
         payloads: list = []

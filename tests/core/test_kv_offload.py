@@ -208,3 +208,38 @@ def test_flags_and_metrics():
     assert 'pagedserve:kv_offload_hits_total{model_name="m"} 7.0' in text
     assert 'pagedserve:kv_offload_read_seconds_total{model_name="m"} 0.25' in text
     assert 'pagedserve:kv_offload_enabled{engine="0",model_name="m"} 1.0' in text
+
+
+def test_holds_never_stall_the_head(tmp_path):
+    """Two requests' prefixes read back; the second's holds are dropped when the head
+    cannot be admitted with nothing running (its restored blocks stay cached)."""
+    import torch
+
+    from pagedserve.core.kv_cache_manager import make_kv_cache_manager
+    from pagedserve.core.kv_offload import KVOffloadManager
+    from pagedserve.core.request import Request
+    from pagedserve.executor.kv_offload_store import KVOffloadConnector, kv_fingerprint
+
+    kv = make_kv_cache_manager(9, 8, True)
+    caches = [tuple(torch.zeros(9, 8, 1, 2) for _ in range(2))]
+    conn = KVOffloadConnector(KVBlockStore(str(tmp_path), kv_fingerprint(t=2), 1 << 30), caches)
+    mgr = KVOffloadManager(kv, conn)
+    for rid, base in (("a", 0), ("b", 100)):  # 3 full blocks each, then evicted
+        r = Request(rid, list(range(base, base + 25)), SamplingParams())
+        kv.allocate_slots(r, 25)
+        kv.free(r)
+    kv.allocate_slots(Request("c", list(range(500, 564)), SamplingParams()), 64)
+    mgr.flush_evictions()
+    kv.free(Request("c", [], SamplingParams()))
+    assert conn.drain(10) and len(conn.store) == 6
+    a2, b2 = (Request(r, list(range(s, s + 25)), SamplingParams()) for r, s in (("a2", 0), ("b2", 100)))
+    assert mgr.start_load(a2) and mgr.start_load(b2)
+    assert kv.pool.num_free_blocks == 8 - 6
+    conn.drain(10)
+    mgr.poll()
+    mgr.release_others(a2)
+    assert list(mgr.loads) == ["a2"] and kv.pool.num_free_blocks == 8 - 3
+    assert kv.get_computed_blocks(b2)[1] == 24  # b2's restored blocks are still cached, free
+    mgr.release(a2)
+    assert audit_idle_kv(kv) == []
+    conn.shutdown(1)
