@@ -243,3 +243,16 @@ def test_holds_never_stall_the_head(tmp_path):
     mgr.release(a2)
     assert audit_idle_kv(kv) == []
     conn.shutdown(1)
+
+
+def test_engine_core_process_saves_at_shutdown(model_dir, reference, tmp_path):
+    """The core in its own process: the tier works there and its shutdown publishes what
+    was still cached in memory, for the next engine."""
+    llm = _tier_llm(model_dir, tmp_path, engine_core_process=True)
+    assert _ask(llm, [0, 1]) == [reference[0], reference[1]]  # nothing evicted: all in memory
+    assert llm.get_stats().kv_offload_enabled == 1
+    llm.shutdown()
+    again = _tier_llm(model_dir, tmp_path)
+    assert _ask(again, [1]) == [reference[1]]
+    assert again.get_stats().kv_offload_hit_blocks == (len(DOCS[1]) - 1) // 8
+    again.shutdown()
