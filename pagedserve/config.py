@@ -191,9 +191,22 @@ class CacheConfig:
         choices=KV_CACHE_DTYPES,
     )
 
+    # the second KV tier (core/kv_offload.py, executor/kv_offload_store.py): evicted cached
+    # blocks go to files under this directory, keyed by their chained hash in a namespace
+    # fingerprinted by the model and the KV settings; prefix misses read them back
+    kv_offload_dir: str | None = setting(
+        None, "directory of the disk KV tier: evicted prefix-cache blocks are kept there and survive restarts (off: none)"
+    )
+    kv_offload_bytes: int = setting(
+        16 << 30, "disk KV tier size bound, e.g. 20GiB (least recently used blocks are deleted)", type=parse_bytes
+    )
+
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
+        self.kv_offload_bytes = parse_bytes(self.kv_offload_bytes)
+        if self.kv_offload_bytes < 1:
+            raise ValueError(f"kv_offload_bytes must be >= 1, got {self.kv_offload_bytes}.")
         check_choices(self)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")

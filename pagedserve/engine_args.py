@@ -89,6 +89,8 @@ class EngineArgs:
     gpu_memory_utilization: float = _from("cache")
     enable_prefix_caching: bool = _from("cache")
     kv_cache_dtype: str = _from("cache")
+    kv_offload_dir: str | None = _from("cache")
+    kv_offload_bytes: int = _from("cache")
     # -- scheduler --------------------------------------------------------------------
     max_model_len: int | None = _from("scheduler")
     max_num_seqs: int = _from("scheduler")

@@ -203,6 +203,24 @@ class EngineStats:
     # the idle-time KV accounting audit (core/kv_audit.py): failures so far, the last one's text
     kv_audit_failures: int = 0
     kv_audit_error: str | None = None
+    # the disk KV tier (core/kv_offload.py): blocks served from it (read back, verified),
+    # full prompt blocks found in neither tier, blocks that could not be served (bad
+    # checksum, gone, I/O error), blocks written and saves dropped (write queue full),
+    # bytes and seconds of I/O, what the store holds, I/O errors (the first disables it)
+    kv_offload_enabled: int = 0  # 1: on (summed over data-parallel replicas: those with it on)
+    kv_offload_hit_blocks: int = 0
+    kv_offload_miss_blocks: int = 0
+    kv_offload_failed_blocks: int = 0
+    kv_offload_corrupt_blocks: int = 0
+    kv_offload_saved_blocks: int = 0
+    kv_offload_dropped_saves: int = 0
+    kv_offload_bytes_written: int = 0
+    kv_offload_bytes_read: int = 0
+    kv_offload_write_seconds: float = 0.0
+    kv_offload_read_seconds: float = 0.0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_stored_bytes: int = 0
+    kv_offload_errors: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -127,6 +127,9 @@ class BlockPool:
         self.cached_blocks: dict[bytes, KVBlock] = {}
         # sum over blocks of max(ref_cnt - 1, 0): the extra holders of shared blocks
         self.num_shared_refs = 0
+        # (hash, block id) of every cached block evicted since the disk KV tier last took
+        # them (core/kv_offload.py); None: no tier, nothing recorded
+        self.evicted: list[tuple[bytes, int]] | None = None
 
     # -- allocation -------------------------------------------------------------
     @property
@@ -194,6 +197,8 @@ class BlockPool:
         h = block.block_hash
         if h is not None and self.cached_blocks.get(h) is block:
             del self.cached_blocks[h]
+            if self.evicted is not None:
+                self.evicted.append((h, block.block_id))
         block.block_hash = None
 
     def reset_prefix_cache(self) -> None:

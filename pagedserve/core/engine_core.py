@@ -132,6 +132,7 @@ class EngineCore:
         if windows != (None,):  # sliding-window layers: the hybrid KV cache manager
             spec["kv_cache_groups"] = windows
         self.scheduler = _import_class(sc.scheduler_cls)(sc, cc, self.num_blocks, **spec)
+        self.kv_offload = self._attach_kv_offload(cc) if cc.kv_offload_dir else None
         # The live view's step records (core/snapshot.py STEP_FIELDS), kept only when
         # snapshots are on: None costs the step one attribute test.
         self.step_records: deque | None = None
@@ -152,6 +153,29 @@ class EngineCore:
             cc.block_size,
             sc.max_model_len,
         )
+
+    def _attach_kv_offload(self, cc):
+        """The disk KV tier under the scheduler's prefix cache (None where it cannot run)."""
+        if not cc.enable_prefix_caching:
+            logger.warning("kv_offload_dir ignored: the disk KV tier extends the prefix cache, which is off")
+            return None
+        try:
+            connector = self.executor.kv_offload_connector(cc.kv_offload_dir, cc.kv_offload_bytes)
+        except OSError as e:
+            logger.error("KV offload tier off: cannot open %s (%s)", cc.kv_offload_dir, e)
+            return None
+        if connector is None:
+            logger.warning("KV offload tier off: this executor (tensor parallel, or a draft model) has none")
+            return None
+        self.scheduler.attach_kv_offload(connector)
+        logger.info(
+            "KV offload tier: %s, %d blocks (%.1f MiB) indexed, bound %.1f GiB",
+            connector.store.dir,
+            len(connector.store),
+            connector.store.bytes_used / 2**20,
+            cc.kv_offload_bytes / 2**30,
+        )
+        return self.scheduler.offload
 
     def _num_kv_blocks(self) -> int:
         """KV sizing, in one place for every device: the user's block count, else the
@@ -228,6 +252,8 @@ class EngineCore:
             ro = self.executor.execute_model(so)
         else:
             ro = ModelRunnerOutput(sampled_token_ids={})
+            if self.kv_offload is not None and self.kv_offload.has_pending():
+                self.kv_offload.connector.wait_for_io(0.005)  # only reads to wait for: nap, don't spin
         outputs = self.scheduler.update_from_output(so, ro)
         if records is not None:
             self._record_step(so, outputs, t0)
@@ -303,6 +329,8 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         stats = self.scheduler.make_stats()
         stats.kv_audit_failures, stats.kv_audit_error = self.kv_audit_failures, self.kv_audit_error
+        if self.kv_offload is not None:
+            self.kv_offload.fill_stats(stats)
         return stats
 
     def info(self) -> CoreInfo:
@@ -317,6 +345,10 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.kv_offload is not None:  # what is still cached in memory survives the restart too
+            self.kv_offload.save_all_cached()
+            self.kv_offload.connector.shutdown()
+            self.kv_offload = None
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
         self.executor.shutdown()

@@ -58,6 +58,10 @@ class KVCacheManager:
             hits.append(b)
         return hits, len(hits) * self.block_size
 
+    def cache_keys(self, block_hash: bytes) -> list[bytes]:
+        """The prefix-cache keys of one logical block (one per KV cache group)."""
+        return [block_hash]
+
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
@@ -227,6 +231,9 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _key(self, h: bytes, g: int) -> bytes:
         return h if g == 0 else h + bytes((g,))
+
+    def cache_keys(self, block_hash: bytes) -> list[bytes]:
+        return [self._key(block_hash, g) for g in range(self.num_groups)]
 
     def _first_visible_block(self, num_tokens: int, window: int) -> int:
         """The first block a query at position `num_tokens` can see through `window`."""

@@ -14,9 +14,10 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_GRAMMAR = 1  # structured outputs: queued, its grammar still compiling
     RUNNING = 2
     PREEMPTED = 3  # back in the waiting queue after its blocks were freed
-    FINISHED_STOPPED = 4  # EOS, a stop token or a stop string
-    FINISHED_LENGTH = 5  # max_tokens or max_model_len
-    FINISHED_ABORTED = 6
+    WAITING_FOR_KV = 4  # queued, its cached prefix being read back from the disk KV tier
+    FINISHED_STOPPED = 5  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 6  # max_tokens or max_model_len
+    FINISHED_ABORTED = 7
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.core.admission import check_fits
 from pagedserve.core.kv_cache_manager import make_kv_cache_manager
+from pagedserve.core.kv_offload import KVOffloadManager
 from pagedserve.core.policies import POLICIES
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.spec_decode import SpecDecodeState
@@ -92,6 +93,7 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._preempted_since_last_step: set[str] = set()
         self._grammar_failed: list[EngineCoreOutput] = []  # reported by the next update_from_output
+        self.offload: KVOffloadManager | None = None  # the disk KV tier (attach_kv_offload)
         # counters
         self.num_preemptions = 0
         self.num_steps = 0
@@ -100,6 +102,10 @@ class Scheduler:
         self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
         self.last_batch_size = 0
         self.last_num_scheduled_tokens = 0
+
+    def attach_kv_offload(self, connector) -> None:
+        """Put the disk KV tier (an executor's KVOffloadConnector) under the prefix cache."""
+        self.offload = KVOffloadManager(self.kv, connector)
 
     # -- admission --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -125,10 +131,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """One step: running requests first, then waiting ones unless memory ran short."""
         step = StepState(self.config.max_num_batched_tokens)
+        offload = self.offload
+        if offload is not None:  # reads finished since the last step: their blocks are cached now
+            offload.poll()
         self.policy.begin_step(self.running, step.budget)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
+        if offload is not None:  # blocks evicted this step: K/V copied out before the forward
+            offload.flush_evictions()
         total = self.config.max_num_batched_tokens - step.budget
         self.num_computed_tokens_total += total
         self.num_steps += 1
@@ -233,14 +244,34 @@ class Scheduler:
             req = self.waiting.peek()
             if req.status is RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(req, skipped):
                 continue
+            if self.offload is not None and self._waits_for_kv(req, skipped):
+                continue
             if not self.policy.may_admit(req, len(self.running)):
                 break
             hit_blocks, num_hit = self.kv.get_computed_blocks(req) if not req.whole_prompt else ([], 0)
             num_new = self._prefill_chunk(req, req.num_tokens - num_hit, step.budget)
             if num_new is None or not self._admit(req, hit_blocks, num_hit, num_new, step):
+                if self.offload is not None and not self.running:  # nothing runs: no hold may block the head
+                    self.offload.release_others(req)
                 break
         for req in reversed(skipped):
             self.waiting.prepend(req)
+
+    def _waits_for_kv(self, req: Request, skipped: list[Request]) -> bool:
+        """The disk KV tier: whether the head of the queue must wait for a read of its
+        prefix (just queued, or still in flight); if so it leaves the head into `skipped`."""
+        offload = self.offload
+        if req.status is RequestStatus.WAITING_FOR_KV:
+            if not offload.ready(req):
+                skipped.append(self.waiting.pop())
+                return True
+            req.status = RequestStatus.WAITING
+            return False
+        if req.whole_prompt or not offload.start_load(req):
+            return False
+        req.status = RequestStatus.WAITING_FOR_KV
+        skipped.append(self.waiting.pop())
+        return True
 
     def _prefill_chunk(self, req: Request, num_left: int, budget: int) -> int | None:
         """Tokens of `req`'s prompt (or recompute) to run this step, under the threshold,
@@ -281,6 +312,8 @@ class Scheduler:
         new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks, num_hit)
         if new_blocks is None:
             return False
+        if self.offload is not None:  # it holds its restored prefix itself now
+            self.offload.on_admitted(req, num_hit)
         self.waiting.pop()
         self.running.append(req)
         req.status = RequestStatus.RUNNING
@@ -400,6 +433,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus, out: EngineCoreOutput | None = None) -> None:
         req.status = status
         self.kv.free(req)
+        if self.offload is not None:
+            self.offload.release(req)
         self.policy.on_finished(req, status is not RequestStatus.FINISHED_ABORTED)
         del self.requests[req.request_id]
         self._finished_since_last_step.add(req.request_id)

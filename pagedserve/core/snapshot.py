@@ -33,6 +33,7 @@ _STATUS = {
     RequestStatus.WAITING: "waiting",
     RequestStatus.RUNNING: "running",
     RequestStatus.PREEMPTED: "preempted",
+    RequestStatus.WAITING_FOR_KV: "waiting_for_kv",
 }
 
 
@@ -63,6 +64,8 @@ def build_snapshot(core) -> dict:
         "num_waiting": len(waiting),
         "num_preempted": num_preempted,
         "cached_free": cached_free,
+        # blocks whose K/V were read back from the disk KV tier (until evicted again)
+        "restored": sorted(sched.offload.restored) if getattr(sched, "offload", None) is not None else [],
         "stats": dataclasses.asdict(core.get_stats()),
         "steps": steps,
         "cost_s": 0.0,  # filled in by the publisher (the time this call took)

@@ -54,6 +54,7 @@ def block_view(snap: dict) -> dict:
         "ref": ref,
         "tokens": tokens,
         "owners": shared,
+        "restored": list(snap.get("restored", ())),  # ids: K/V read back from the disk tier
         "_counts": (used, len(shared), stored),
     }
 

@@ -17,6 +17,7 @@ tensor_parallel_size > 1).
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 from pagedserve.config import EngineConfig
@@ -49,6 +50,11 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def kv_offload_connector(self, offload_dir: str, capacity_bytes: int):
+        """The disk KV tier's connector over this executor's KV tensors
+        (executor/kv_offload_store.py), or None where this executor cannot offer one."""
+        return None
+
     def shutdown(self) -> None:  # noqa: B027 (optional hook)
         pass
 
@@ -62,6 +68,14 @@ class UniProcExecutor(Executor):
 
         mc = config.model
         self.model_config = model_config
+        # what makes this executor's K/V bytes what they are, beyond the runner's own view
+        self.config_fingerprint = {
+            "model_path": os.path.realpath(model_path),
+            "load_format": mc.load_format,
+            "seed": mc.seed if mc.load_format == "dummy" else None,
+            "quantization": mc.quantization,
+            "tp_rank": 0,
+        }
         self.runner = ModelRunner(
             model_path,
             model_config,
@@ -94,6 +108,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def kv_offload_connector(self, offload_dir: str, capacity_bytes: int):
+        return self.runner.kv_offload_connector(offload_dir, capacity_bytes, self.config_fingerprint)
 
 
 def draft_model_factory(spec):

@@ -113,6 +113,29 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, block_size, lambda s: kv_cache.zeros(s, self.kv_dtype, self.device))
 
+    def kv_offload_connector(self, offload_dir: str, capacity_bytes: int, fingerprint: dict):
+        """The disk KV tier over this runner's KV tensors, in a namespace of the model files,
+        dtypes, block size and layout (None with a draft model: its K/V would be missing)."""
+        if self.drafter is not None:
+            logger.warning("KV offload tier off: speculative method 'draft_model' keeps K/V the tier does not carry")
+            return None
+        from pagedserve.executor import kv_offload_store as kvs
+
+        c, lay = self.model_config, self.kv_layout
+        fp = kvs.kv_fingerprint(
+            **fingerprint,
+            model_files=kvs.model_files_identity(fingerprint["model_path"]),
+            dtype=str(self.dtype),
+            kv_dtype=str(self.kv_dtype),
+            block_size=self.block_size,
+            layers=c.num_hidden_layers,
+            kv_heads=self.num_kv_heads,
+            head_dim=c.head_dim,
+            layout=(lay.windows, lay.group_of_layer, lay.slot_of_layer),
+            architecture=c.architecture,
+        )
+        return kvs.KVOffloadConnector(kvs.KVBlockStore(offload_dir, fp, capacity_bytes), self.kv_caches)
+
     def determine_available_kv_memory(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
         """Bytes the KV cache may take. GPU: profiled (kv_cache.profile_gpu_kv_bytes). CPU:
         kv_cache.DEFAULT_CPU_KV_BYTES (committed lazily, so a large figure costs RSS only as

@@ -68,6 +68,7 @@ class _StatsCollector:
             "Idle-time KV accounting audits that found a leaked or inconsistent block (details on /health).",
             s.kv_audit_failures,
         )
+        yield from _kv_offload_metrics(s, gauge, counter)
         yield counter("prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
         # speculative decoding, vLLM's names and meanings
@@ -82,6 +83,28 @@ class _StatsCollector:
         for i, v in enumerate(s.spec_accepted_per_position):
             per_pos.add_metric(val + [str(i)], v)
         yield per_pos
+
+
+def _kv_offload_metrics(s, gauge, counter):
+    """The disk KV tier (--kv-offload-dir): hits and misses in blocks, I/O bytes and seconds
+    (mean latency = seconds / blocks), what it holds, failures and errors."""
+    yield gauge("kv_offload_enabled", "1 while the disk KV tier is on (0: off, or disabled by an I/O error).", "kv_offload_enabled")
+    yield gauge("kv_offload_stored_blocks", "Blocks held by the disk KV tier.", "kv_offload_stored_blocks")
+    yield gauge("kv_offload_stored_bytes", "Bytes held by the disk KV tier.", "kv_offload_stored_bytes")
+    for name, doc, v in (
+        ("kv_offload_hits", "KV blocks served from the disk tier (read back and verified).", s.kv_offload_hit_blocks),
+        ("kv_offload_misses", "Full prompt blocks found in neither the memory nor the disk tier.", s.kv_offload_miss_blocks),
+        ("kv_offload_failed_blocks", "Blocks the disk tier could not serve (bad checksum, gone, I/O error).", s.kv_offload_failed_blocks),
+        ("kv_offload_corrupt_blocks", "Disk-tier entries dropped for a bad header or checksum (torn writes).", s.kv_offload_corrupt_blocks),
+        ("kv_offload_written_blocks", "KV blocks written to the disk tier.", s.kv_offload_saved_blocks),
+        ("kv_offload_dropped_saves", "Evicted blocks not written (the write queue was full).", s.kv_offload_dropped_saves),
+        ("kv_offload_written_bytes", "Bytes written to the disk tier.", s.kv_offload_bytes_written),
+        ("kv_offload_read_bytes", "Bytes read from the disk tier.", s.kv_offload_bytes_read),
+        ("kv_offload_write_seconds", "Seconds spent writing blocks (off the step loop).", s.kv_offload_write_seconds),
+        ("kv_offload_read_seconds", "Seconds spent reading blocks (off the step loop).", s.kv_offload_read_seconds),
+        ("kv_offload_errors", "I/O errors of the disk tier (the first one disables it).", s.kv_offload_errors),
+    ):
+        yield counter(name, doc, v)
 
 
 class _FrontendCollector:

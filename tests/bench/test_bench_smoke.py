@@ -281,3 +281,16 @@ def test_embed_bench_offline_smoke(checkpoint, capsys):
     embed.main(["--offline", "--model", checkpoint("llama"), "--num", "12", "--len", "4", "40", "--batch", "4", "--vocab", "1000"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["pagedserve_inputs_per_s"] > 0 and out["min_cosine_vs_baseline"] > 0.9999
+
+
+def test_prefix_restart_bench_smoke(checkpoint, capsys, tmp_path):
+    prefix.main(
+        ["--restart", "--model", checkpoint("llama"), "--dtype", "float32", "--docs", "4", "--asks", "2",
+         "--doc-min", "40", "--doc-max", "64", "--pool-docs", "1.5", "--kv-offload-dir", str(tmp_path),
+         "--decode-check", "--decode-requests", "2", "--decode-lens", "24", "4"]
+    )
+    r, d = last_json(capsys)
+    assert d["output_tok_s_on"] > 0 and d["output_tok_s_off"] > 0
+    assert r["with_tier"]["prompt_tokens_computed"] < r["lru_only"]["prompt_tokens_computed"]
+    assert r["with_tier"]["tier_hit_blocks"] > 0
+    assert r["after_restart"]["hit_blocks"] == (64 + 16 - 1) // 16 and r["restart_indexed_blocks"] > 0

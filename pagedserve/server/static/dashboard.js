@@ -169,6 +169,7 @@
       tile("step time", `${fmt(t.mean_step_ms)} ms`, `mean, last ${t.window_s} s`),
       tile("TTFT", p(lat.ttft), n(lat.ttft)),
       tile("TPOT", p(lat.tpot), n(lat.tpot)),
+      tile("disk KV tier", doc.stats.kv_offload_enabled ? `${doc.stats.kv_offload_hit_blocks} hits` : "off", doc.stats.kv_offload_enabled ? `${doc.stats.kv_offload_stored_blocks} blocks stored · ${doc.stats.kv_offload_miss_blocks} misses` : "--kv-offload-dir"),
       tile("prefix cache hits", `${fmt(doc.stats.prefix_cache_queries ? (100 * doc.stats.prefix_cache_hits) / doc.stats.prefix_cache_queries : 0)} %`, `${doc.stats.prefix_cache_hits} of ${doc.stats.prefix_cache_queries} tokens`),
     ].join("");
   }
@@ -193,6 +194,7 @@
     ctx.fillRect(0, 0, cv.clientWidth, cv.clientHeight);
     const b = doc.blocks, reqs = doc.requests;
     const colors = reqs.map((r) => reqColor(r.id));
+    const restored = new Set(b.restored || []);
     const s = L.cell - L.gap;
     for (let id = 1; id <= n; id++) {
       const k = id - 1, x = (k % L.cols) * L.cell, y = Math.floor(k / L.cols) * L.cell;
@@ -211,6 +213,12 @@
         ctx.lineTo(x, y + c);
         ctx.closePath();
         ctx.fill();
+      }
+      if (restored.has(id) && s >= 4) {
+        // restored from the disk tier: a green dot in the lower right corner
+        const d = Math.max(2, Math.floor(s / 3));
+        ctx.fillStyle = "#3ddc84";
+        ctx.fillRect(x + s - d, y + s - d, d, d);
       }
     }
     $("mapinfo").textContent = `· ${n} blocks of ${doc.block_size} tokens · ${doc.kv.stored_tokens} tokens stored · hover a cell`;
@@ -236,6 +244,7 @@
     } else if (st === STATE.CACHED) {
       html += `<br>holds a cached prefix (${doc.block_size} tokens); reused on a prefix hit until evicted`;
     }
+    if ((b.restored || []).includes(id)) html += "<br>K/V restored from the disk KV tier";
     return html;
   }
   const escapeHtml = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
