@@ -265,6 +265,30 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters over the base model, per request (vLLM's names): at most `max_loras`
+    adapters resident (in one step), ranks up to `max_lora_rank`, `max_cpu_loras` read
+    adapters kept in memory (default: max_loras)."""
+
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT directories), chosen per request")
+    max_loras: int = setting(1, "LoRA: adapters resident at once (the most in one step)")
+    max_lora_rank: int = setting(16, "LoRA: the largest adapter rank accepted (slots are this wide)")
+    max_cpu_loras: int | None = setting(None, "LoRA: adapters kept read in memory (default: max_loras)")
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}.")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass
 class ObservabilityConfig:
     """The live view (`/dashboard`): the engine core publishes a snapshot of its state
     (KV page map, queues, recent steps) at most every `snapshot_interval_ms` (0: never)."""
@@ -340,8 +364,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("enable_lora runs with tensor_parallel_size=1 only in this version.")
         s = self.speculative
         if s is not None and s.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
             raise ValueError(

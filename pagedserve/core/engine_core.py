@@ -132,6 +132,9 @@ class EngineCore:
         if windows != (None,):  # sliding-window layers: the hybrid KV cache manager
             spec["kv_cache_groups"] = windows
         self.scheduler = _import_class(sc.scheduler_cls)(sc, cc, self.num_blocks, **spec)
+        if config.lora.enable_lora:
+            self.scheduler.max_loras = config.lora.max_loras
+        self._loras_unloading: set[int] = set()  # removed adapters still used by requests
         # The live view's step records (core/snapshot.py STEP_FIELDS), kept only when
         # snapshots are on: None costs the step one attribute test.
         self.step_records: deque | None = None
@@ -186,7 +189,10 @@ class EngineCore:
             req.cache_salt,
             req.max_tokens,
             req.eos_token_ids,
+            req.lora_request,
         )
+        if req.lora_request is not None:  # read and checked into the executor's CPU cache
+            self.executor.add_lora(req.lora_request)
         # mean / CLS pooling read every prompt position: no prefix-cache hit
         request.whole_prompt = req.sampling_params.pooling is not None and self.pooler.pooling_type != "last"
         so_params = req.sampling_params.structured_outputs
@@ -229,9 +235,23 @@ class EngineCore:
         else:
             ro = ModelRunnerOutput(sampled_token_ids={})
         outputs = self.scheduler.update_from_output(so, ro)
+        if self._loras_unloading:
+            self._drop_unused_loras()
         if records is not None:
             self._record_step(so, outputs, t0)
         return outputs
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unload an adapter: at once if no request uses it, else after the last one ends
+        (running and queued requests finish with it; the front end admits no new ones)."""
+        self._loras_unloading.add(lora_int_id)
+        self._drop_unused_loras()
+
+    def _drop_unused_loras(self) -> None:
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values()}
+        for i in self._loras_unloading - in_use:
+            self.executor.remove_lora(i)
+            self._loras_unloading.discard(i)
 
     def enable_step_records(self, maxlen: int = 512) -> None:
         """Keep the last `maxlen` steps' records for the live view (core/snapshot.py)."""

@@ -100,6 +100,7 @@ class Scheduler:
         self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
         self.last_batch_size = 0
         self.last_num_scheduled_tokens = 0
+        self.max_loras = 0  # LoRA: the most adapters among running requests (0: adapters off)
 
     # -- admission --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -223,6 +224,7 @@ class Scheduler:
             sampling_params=req.sampling_params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=list(req.output_token_ids),
+            lora_request=req.lora_request,
         )
 
     def _schedule_waiting(self, step: StepState) -> None:
@@ -235,12 +237,20 @@ class Scheduler:
                 continue
             if not self.policy.may_admit(req, len(self.running)):
                 break
+            if req.lora_request is not None and not self._lora_fits(req):
+                skipped.append(self.waiting.pop())  # its adapter waits for a free slot
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req) if not req.whole_prompt else ([], 0)
             num_new = self._prefill_chunk(req, req.num_tokens - num_hit, step.budget)
             if num_new is None or not self._admit(req, hit_blocks, num_hit, num_new, step):
                 break
         for req in reversed(skipped):
             self.waiting.prepend(req)
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether admitting `req` keeps the running requests' adapters within max_loras."""
+        loras = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return req.lora_int_id in loras or len(loras) < self.max_loras
 
     def _prefill_chunk(self, req: Request, num_left: int, budget: int) -> int | None:
         """Tokens of `req`'s prompt (or recompute) to run this step, under the threshold,

@@ -52,6 +52,13 @@ class Executor(ABC):
     def shutdown(self) -> None:  # noqa: B027 (optional hook)
         pass
 
+    def add_lora(self, lora_request) -> None:
+        """Read and check a LoRA adapter (ValueError naming what is wrong)."""
+        raise ValueError("this executor serves no LoRA adapters (start the engine with enable_lora).")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return False
+
 
 class UniProcExecutor(Executor):
     def __init__(
@@ -75,6 +82,7 @@ class UniProcExecutor(Executor):
             block_size=config.cache.block_size,
             drafter_factory=draft_model_factory(config.speculative),
             pooler=pooler,
+            lora=config.lora,
         )
         self.dtype_name = str(self.runner.dtype).removeprefix("torch.")
         self.device = str(self.runner.device)
@@ -94,6 +102,14 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def add_lora(self, lora_request) -> None:
+        if self.runner.lora is None:
+            super().add_lora(lora_request)
+        self.runner.lora.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.runner.lora is not None and self.runner.lora.remove_lora(lora_int_id)
 
 
 def draft_model_factory(spec):
