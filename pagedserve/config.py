@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields, replace
 
 
-def setting(default, help: str, *, choices=None, type=None, alias: str | None = None, factory=None):
+def setting(default, help: str, *, choices=None, type=None, alias: str | None = None, factory=None, nargs=None):
     """A config field with its user-facing description. `choices`: the accepted values
     (checked by `check_choices`); `type`: how the command line parses it (default: the
-    annotation); `alias`: a second flag spelling."""
+    annotation); `alias`: a second flag spelling; `nargs`: argparse's (a list flag)."""
     md = {"help": help, "choices": tuple(choices) if choices is not None else None, "type": type, "alias": alias}
+    if nargs is not None:
+        md["nargs"] = nargs
     if factory is not None:
         return field(default_factory=factory, metadata=md)
     return field(default=default, metadata=md)
@@ -52,6 +54,8 @@ def add_fields_to_parser(group, fields_, positional: tuple[str, ...] = ()) -> No
         if f.type in ("bool", "bool | None"):
             kw["action"] = argparse.BooleanOptionalAction
         else:
+            if md.get("nargs"):
+                kw["nargs"] = md["nargs"]
             kw["type"] = md.get("type") or {"int": int, "float": float, "str": str}[f.type.replace(" | None", "")]
             if md.get("choices"):
                 kw["choices"] = [c for c in md["choices"] if c is not None]

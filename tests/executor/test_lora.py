@@ -32,14 +32,14 @@ ADAPTERS = {  # name -> (targets, r, alpha, rslora)
 }
 
 
-@pytest.fixture(scope="module")
-def adapters(checkpoint, tmp_path_factory):
-    """(base path, {name: adapter dir}) with random A and B (init_lora_weights=False)."""
+def make_adapters(path, tmp_path_factory, names=tuple(ADAPTERS)):
+    """{name: adapter dir} of PEFT adapters on the checkpoint at `path`, random A and B
+    (init_lora_weights=False: B is not zero)."""
     from peft import LoraConfig, get_peft_model
 
-    path = checkpoint("llama")
     out = {}
-    for i, (name, (targets, r, alpha, rs)) in enumerate(ADAPTERS.items()):
+    for i, name in enumerate(names):
+        targets, r, alpha, rs = ADAPTERS[name]
         torch.manual_seed(100 + i)
         cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rs, init_lora_weights=False,
                          lora_dropout=0.0)
@@ -47,7 +47,14 @@ def adapters(checkpoint, tmp_path_factory):
         d = str(tmp_path_factory.mktemp(f"lora_{name}"))
         model.save_pretrained(d)
         out[name] = d
-    return path, out
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory):
+    """(base path, {name: adapter dir})."""
+    path = checkpoint("llama")
+    return path, make_adapters(path, tmp_path_factory)
 
 
 def hf_with_adapters(path, dirs):
@@ -259,6 +266,16 @@ def test_llm_generate_per_prompt_adapters(adapters):
         for _ in range(5):
             ids.append(int(hf_logits(model, lora.lora_name if lora else None, ids)[-1].argmax()))
         assert list(out.outputs[0].token_ids) == ids[20:]
+    # unloading an adapter in use: its running request finishes with it, then it is gone
+    engine, manager = llm.engine, llm.engine.engine_core.executor.runner.lora
+    rid = engine.add_request(None, prompts[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                             lora_request=loras[0])
+    engine.step()
+    engine.remove_lora(1)
+    assert 1 in manager.cpu and 1 in manager.resident
+    outs = [o for _ in range(20) if engine.has_unfinished_requests() for o in engine.step()]
+    assert [o.request_id for o in outs if o.finished] == [rid] and len(outs[-1].outputs[0].token_ids) == 8
+    assert 1 not in manager.cpu and 1 not in manager.resident and len(manager.free_slots) >= 1
     with pytest.raises(ValueError, match="rank 16 is over"):
         LLM(path, enable_lora=True, max_lora_rank=8, skip_tokenizer_init=True, num_kv_blocks=16).generate(
             prompts[:1], sp, use_tqdm=False, lora_request=LoRARequest("all", 2, dirs["all"]))
