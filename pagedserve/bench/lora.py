@@ -98,6 +98,97 @@ def run(args) -> dict:
     }
 
 
+# -- served: pagedserve beside vLLM CPU, one client (vLLM's bench serve), same adapters --------
+ANCHORS = os.path.expanduser("~/.cache/pagedserve-anchors")
+
+
+def _wait_up(url: str, proc, limit_s: float = 600.0) -> float:
+    import urllib.request
+
+    t0 = time.time()
+    while True:
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2)
+            return time.time() - t0
+        except OSError:
+            if proc.poll() is not None or time.time() - t0 > limit_s:
+                raise RuntimeError(f"server did not start (exit {proc.poll()})") from None
+            time.sleep(1)
+
+
+def _client(args, port: int, names: list[str] | None) -> dict:
+    import subprocess
+
+    out = tempfile.mkdtemp(prefix="pagedserve-bench-lora-client-")
+    cmd = [args.anchors_python, args.client, "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+           "--endpoint", "/v1/completions", "--model", "smollm2", "--tokenizer", args.hf_model,
+           "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+           str(args.output_len), "--num-prompts", str(args.num_streams), "--max-concurrency", str(args.num_streams),
+           "--ignore-eos", "--seed", str(args.seed), "--request-rate", "inf", "--save-result", "--result-dir", out,
+           "--result-filename", "r.json"]
+    if names:
+        cmd += ["--lora-modules", *names, "--lora-assignment", "round-robin"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+    with open(os.path.join(out, "r.json")) as f:
+        r = json.load(f)
+    keep = ("completed", "failed", "duration", "output_throughput", "median_ttft_ms", "median_tpot_ms")
+    return {k: round(r[k], 2) if isinstance(r.get(k), float) else r.get(k) for k in keep}
+
+
+def _served(args, system: str, modules: list[str], names: list[str], base_too: bool) -> dict:
+    import subprocess
+    import sys
+
+    port = 8740 + (system == "vllm")
+    lora_flags = ["--enable-lora", "--max-loras", str(len(names)), "--max-lora-rank", str(max(16, args.rank)),
+                  "--lora-modules", *modules]
+    if system == "pagedserve":
+        cmd = [sys.executable, "-m", "pagedserve.frontend.cli", "serve", args.model, "--port", str(port),
+               "--served-model-name", "smollm2", "--max-num-seqs", str(args.num_streams), "--no-dashboard"]
+        env = dict(os.environ)
+    else:
+        cmd = [args.anchors_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model,
+               "--served-model-name", "smollm2", "--port", str(port), "--dtype", args.vllm_dtype,
+               "--max-num-seqs", str(args.num_streams)]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    log = open(os.path.join(tempfile.gettempdir(), f"pagedserve-bench-lora-{system}.log"), "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd + lora_flags, env={**env, "HF_HUB_OFFLINE": "1"}, stdout=log, stderr=log)
+    try:
+        res = {"load_s": round(_wait_up(f"http://127.0.0.1:{port}", proc), 1)}
+        res["lora"] = _client(args, port, names)
+        if base_too:
+            res["base"] = _client(args, port, None)
+        return res
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def run_served(args) -> dict:
+    from pagedserve.executor.loader import load_hf_config_dict
+    from pagedserve.executor.model_config import ModelConfig
+    from pagedserve.lora import BaseDims
+
+    dims = BaseDims.of(ModelConfig.from_hf_dict(load_hf_config_dict(args.hf_model)))
+    tmp = tempfile.mkdtemp(prefix="pagedserve-bench-lora-")
+    names = [f"a{i}" for i in range(args.num_adapters)]
+    modules = [f"{n}={write_random_adapter(os.path.join(tmp, n), dims, args.rank, args.targets, i)}"
+               for i, n in enumerate(names)]
+    ours = _served(args, "pagedserve", modules, names, base_too=True)
+    res = {"bench": "lora", "mode": "served", "streams": args.num_streams, "adapters": args.num_adapters,
+           "rank": args.rank, "input_len": args.input_len, "output_len": args.output_len, "pagedserve": ours,
+           "ratio_lora_over_base": round(ours["lora"]["output_throughput"] / ours["base"]["output_throughput"], 3)}
+    if not args.no_vllm:
+        theirs = _served(args, "vllm", modules, names, base_too=False)
+        res["vllm"] = theirs
+        res["ratio_vs_vllm"] = round(ours["lora"]["output_throughput"] / theirs["lora"]["output_throughput"], 3)
+    return res
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="pagedserve bench lora", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -110,8 +201,17 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--serve", action="store_true",
+                    help="served: pagedserve serve (adapters and base) beside vLLM CPU --enable-lora, vLLM's client")
+    ap.add_argument("--no-vllm", action="store_true", help="--serve: pagedserve only")
+    ap.add_argument("--hf-model", default=os.path.join(ANCHORS, "models", "smollm2"),
+                    help="--serve: the HF directory vLLM serves (and the client's tokenizer)")
+    ap.add_argument("--anchors-python", default=os.path.join(ANCHORS, "venv", "bin", "python"))
+    ap.add_argument("--client", default=os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "anchors",
+                                                     "vllm_bench_serve.py"))
+    ap.add_argument("--vllm-dtype", default="bfloat16")
     args = ap.parse_args(argv)
-    res = run(args)
+    res = run_served(args) if args.serve else run(args)
     print(json.dumps(res))
     if args.output_json:
         with open(args.output_json, "w") as f:

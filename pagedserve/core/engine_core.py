@@ -134,6 +134,7 @@ class EngineCore:
         self.scheduler = _import_class(sc.scheduler_cls)(sc, cc, self.num_blocks, **spec)
         if config.lora.enable_lora:
             self.scheduler.max_loras = config.lora.max_loras
+            self.scheduler.lora_ready = self.executor.lora_ready
         self._loras_unloading: set[int] = set()  # removed adapters still used by requests
         # The live view's step records (core/snapshot.py STEP_FIELDS), kept only when
         # snapshots are on: None costs the step one attribute test.
@@ -191,8 +192,8 @@ class EngineCore:
             req.eos_token_ids,
             req.lora_request,
         )
-        if req.lora_request is not None:  # read and checked into the executor's CPU cache
-            self.executor.add_lora(req.lora_request)
+        if req.lora_request is not None:  # read on the executor's loader thread meanwhile
+            self.executor.prefetch_lora(req.lora_request)
         # mean / CLS pooling read every prompt position: no prefix-cache hit
         request.whole_prompt = req.sampling_params.pooling is not None and self.pooler.pooling_type != "last"
         so_params = req.sampling_params.structured_outputs
@@ -227,6 +228,8 @@ class EngineCore:
         records = self.step_records
         t0 = time.perf_counter() if records is not None else 0.0
         self._audited = False
+        if self.config.lora.enable_lora:
+            self._abort_failed_loras()
         so = self.scheduler.schedule()
         if so.scheduled:
             if self.structured_outputs is not None:  # the constrained rows' legal next tokens
@@ -234,12 +237,23 @@ class EngineCore:
             ro = self.executor.execute_model(so)
         else:
             ro = ModelRunnerOutput(sampled_token_ids={})
+            if self.config.lora.enable_lora:  # requests wait for adapters being read: not a busy loop
+                self.executor.wait_lora_loading(0.005)
         outputs = self.scheduler.update_from_output(so, ro)
         if self._loras_unloading:
             self._drop_unused_loras()
         if records is not None:
             self._record_step(so, outputs, t0)
         return outputs
+
+    def _abort_failed_loras(self) -> None:
+        """Requests whose adapter failed to read (the front end checked its header; its
+        tensors did not load) end aborted, with the reason logged."""
+        failed = self.executor.lora_failures()
+        if failed:
+            for i, why in failed.items():
+                logger.error("LoRA adapter %d failed to load: %s; its requests are aborted", i, why)
+            self.scheduler.fail_requests([r.request_id for r in self.scheduler.requests.values() if r.lora_int_id in failed])
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Unload an adapter: at once if no request uses it, else after the last one ends

@@ -101,6 +101,7 @@ class Scheduler:
         self.last_batch_size = 0
         self.last_num_scheduled_tokens = 0
         self.max_loras = 0  # LoRA: the most adapters among running requests (0: adapters off)
+        self.lora_ready: Callable[[int], bool] = lambda lora_int_id: True  # its weights are read
 
     # -- admission --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -248,7 +249,10 @@ class Scheduler:
             self.waiting.prepend(req)
 
     def _lora_fits(self, req: Request) -> bool:
-        """Whether admitting `req` keeps the running requests' adapters within max_loras."""
+        """Whether `req`'s adapter is read (else it waits, the others run) and admitting it
+        keeps the running requests' adapters within max_loras."""
+        if not self.lora_ready(req.lora_int_id):
+            return False
         loras = {r.lora_int_id for r in self.running if r.lora_request is not None}
         return req.lora_int_id in loras or len(loras) < self.max_loras
 
@@ -433,6 +437,12 @@ class Scheduler:
             self._finish(req, status)
             done.append(req)
         return done
+
+    def fail_requests(self, req_ids: Iterable[str]) -> None:
+        """Abort requests the engine cannot run (their LoRA adapter failed to load); the
+        next update_from_output reports them finished ("abort") to the front end."""
+        for req in self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED):
+            self._grammar_failed.append(EngineCoreOutput(req.request_id, [], finish_reason="abort"))
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)

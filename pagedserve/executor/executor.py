@@ -59,6 +59,20 @@ class Executor(ABC):
     def remove_lora(self, lora_int_id: int) -> bool:
         return False
 
+    def prefetch_lora(self, lora_request) -> None:
+        """Start reading an adapter off the step loop (default: read it now)."""
+        self.add_lora(lora_request)
+
+    def lora_ready(self, lora_int_id: int) -> bool:
+        return True
+
+    def lora_failures(self) -> dict[int, str]:
+        """Adapters whose background read failed (id -> message); their requests are aborted."""
+        return {}
+
+    def wait_lora_loading(self, timeout: float) -> None:  # noqa: B027 (optional)
+        pass
+
 
 class UniProcExecutor(Executor):
     def __init__(
@@ -110,6 +124,21 @@ class UniProcExecutor(Executor):
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.runner.lora is not None and self.runner.lora.remove_lora(lora_int_id)
+
+    def prefetch_lora(self, lora_request) -> None:
+        if self.runner.lora is None:
+            super().add_lora(lora_request)
+        self.runner.lora.prefetch(lora_request)
+
+    def lora_ready(self, lora_int_id: int) -> bool:
+        return self.runner.lora is None or self.runner.lora.ready(lora_int_id)
+
+    def lora_failures(self) -> dict[int, str]:
+        return self.runner.lora.take_failures() if self.runner.lora is not None else {}
+
+    def wait_lora_loading(self, timeout: float) -> None:
+        if self.runner.lora is not None:
+            self.runner.lora.wait_loading(timeout)
 
 
 def draft_model_factory(spec):

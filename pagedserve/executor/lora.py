@@ -14,14 +14,17 @@ groups' rows, one batched shrink (x @ A) and one batched expand (@ B) (`torch.bm
 the longest group would waste much (a long prefill chunk beside decodes), it runs one
 shrink/expand pair per group instead (segments of the sorted tokens). No per-token Python.
 
-Adapters are read (and checked) into a CPU cache of `max_cpu_loras` (LRU) when a request
-arrives (`add_lora`), and copied into a resident slot (LRU over `max_loras`) at the first
-step that needs them; the scheduler never puts more than `max_loras` adapters in a step.
+Adapters are read (and checked) into a CPU cache of `max_cpu_loras` (LRU) on a loader
+thread when a request arrives (`prefetch`; the scheduler holds the request back, and runs
+the others, until `ready`), and copied into a resident slot (LRU over `max_loras`) at the
+first step that needs them; the scheduler never puts more than `max_loras` adapters in a
+step.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -127,6 +130,9 @@ class LoRAManager:
         self.paths: dict[int, str] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recent first
         self.free_slots = list(range(max_loras))
+        self.loading: dict[int, Future] = {}  # lora id -> its read on the loader thread
+        self.failed: dict[int, str] = {}  # lora id -> why its read failed (until reported)
+        self._pool: ThreadPoolExecutor | None = None
 
     def _wrap(self, layer: nn.Module, dtype) -> dict[str, LoRALinear]:
         d, out = self.dims, {}
@@ -149,6 +155,9 @@ class LoRAManager:
         known = self.paths.get(req.lora_int_id)
         if known is not None and known != req.lora_path:
             raise ValueError(f"lora_int_id {req.lora_int_id} is already adapter {known!r}, not {req.lora_path!r}.")
+        if req.lora_int_id in self.loading:  # being read: wait for it
+            self.loading[req.lora_int_id].result()
+            self.ready(req.lora_int_id)
         adapter = self.cpu.get(req.lora_int_id)
         if adapter is None:
             adapter = load_peft_adapter(req.lora_name, req.lora_path, self.dims, self.max_rank)
@@ -158,6 +167,52 @@ class LoRAManager:
                 self.cpu.popitem(last=False)
         self.cpu.move_to_end(req.lora_int_id)
         return adapter
+
+    def prefetch(self, req: LoRARequest) -> None:
+        """Start reading the adapter on the loader thread (nothing if it is read or being read)."""
+        known = self.paths.get(req.lora_int_id)
+        if known is not None and known != req.lora_path:
+            raise ValueError(f"lora_int_id {req.lora_int_id} is already adapter {known!r}, not {req.lora_path!r}.")
+        if req.lora_int_id in self.cpu or req.lora_int_id in self.loading:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-lora")
+        self.paths[req.lora_int_id] = req.lora_path
+        self.loading[req.lora_int_id] = self._pool.submit(
+            load_peft_adapter, req.lora_name, req.lora_path, self.dims, self.max_rank
+        )
+
+    def ready(self, lora_int_id: int) -> bool:
+        """Whether a request of this adapter may be scheduled (its read finished, or none ran)."""
+        fut = self.loading.get(lora_int_id)
+        if fut is None:
+            return True
+        if not fut.done():
+            return False
+        del self.loading[lora_int_id]
+        try:
+            self.cpu[lora_int_id] = fut.result()
+        except Exception as e:  # noqa: BLE001 (reported by take_failures: its requests are aborted)
+            self.failed[lora_int_id] = f"{type(e).__name__}: {e}"
+            self.paths.pop(lora_int_id, None)
+            return False
+        while len(self.cpu) > self.max_cpu_loras:
+            self.cpu.popitem(last=False)
+        return True
+
+    def take_failures(self) -> dict[int, str]:
+        """Adapters whose read failed since the last call (lora id -> message)."""
+        for i in [i for i, f in self.loading.items() if f.done()]:
+            self.ready(i)
+        failed, self.failed = self.failed, {}
+        return failed
+
+    def wait_loading(self, timeout: float) -> None:
+        """Block up to `timeout` s for a pending read (an idle core waiting on adapters)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        if self.loading:
+            wait(list(self.loading.values()), timeout, return_when=FIRST_COMPLETED)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (its slot frees); the caller ensures no running request uses it."""

@@ -248,6 +248,41 @@ def test_refusals_name_what_is_wrong(adapters, tmp_path):
     assert LoRAManager is not None
 
 
+def _loading_off_the_step_loop(llm, prompt, want, mlp_dir):
+    """An adapter read on the loader thread: its request waits while a base request runs;
+    then it runs with the right tokens. A read that fails aborts its request alone."""
+    import threading
+
+    import pagedserve.executor.lora as lora_mod
+
+    engine, gate, real = llm.engine, threading.Event(), lora_mod.load_peft_adapter
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    def slow(*a, **kw):
+        assert gate.wait(30)
+        return real(*a, **kw)
+
+    lora_mod.load_peft_adapter = slow
+    try:
+        slow_id = engine.add_request(None, prompt, sp, lora_request=LoRARequest("mlp2", 7, mlp_dir))
+        base_id = engine.add_request(None, prompt, sp)
+        done = {}
+        for _ in range(12):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert base_id in done and slow_id not in done  # the base request ran meanwhile
+        gate.set()
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert list(done[slow_id].outputs[0].token_ids) == want
+        lora_mod.load_peft_adapter = lambda *a, **kw: (_ for _ in ()).throw(OSError("disk gone"))
+        bad = engine.add_request(None, prompt, sp, lora_request=LoRARequest("mlp3", 8, mlp_dir))
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert done[bad].outputs[0].finish_reason == "abort"
+    finally:
+        lora_mod.load_peft_adapter = real
+
+
 def test_llm_generate_per_prompt_adapters(adapters):
     """The offline API: one LoRARequest per prompt (and None: the base), greedy tokens as
     transformers + PEFT's; a bad adapter is a ValueError before anything runs."""
@@ -261,6 +296,7 @@ def test_llm_generate_per_prompt_adapters(adapters):
     prompts = [{"prompt_token_ids": [(5 * i + k) % 1000 for i in range(20)]} for k in range(3)]
     sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
+    outs_by_prompt = [o.outputs[0].token_ids for o in outs]
     for p, lora, out in zip(prompts, loras, outs):
         ids = list(p["prompt_token_ids"])
         for _ in range(5):
@@ -276,6 +312,7 @@ def test_llm_generate_per_prompt_adapters(adapters):
     outs = [o for _ in range(20) if engine.has_unfinished_requests() for o in engine.step()]
     assert [o.request_id for o in outs if o.finished] == [rid] and len(outs[-1].outputs[0].token_ids) == 8
     assert 1 not in manager.cpu and 1 not in manager.resident and len(manager.free_slots) >= 1
+    _loading_off_the_step_loop(llm, prompts[2], list(outs_by_prompt[2]), dirs["mlp"])
     with pytest.raises(ValueError, match="rank 16 is over"):
         LLM(path, enable_lora=True, max_lora_rank=8, skip_tokenizer_init=True, num_kv_blocks=16).generate(
             prompts[:1], sp, use_tqdm=False, lora_request=LoRARequest("all", 2, dirs["all"]))
