@@ -182,11 +182,12 @@ def test_grouped_products_equal_a_per_token_loop():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_int8_base_gets_the_same_delta(adapters):
-    """Over a QuantLinear (int8 packed) the adapter's delta is added to the packed layer's
-    output: wrapper(x) - base(x) == x @ A^T @ B^T * scale."""
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_packed_base_gets_the_same_delta(adapters, quantization):
+    """Over a QuantLinear (int8 / int4 packed) the adapter's delta is added to the packed
+    layer's output: wrapper(x) - base(x) == x @ A^T @ B^T * scale."""
     path, dirs = adapters
-    runner = lora_runner(path, quantization="int8")
+    runner = lora_runner(path, quantization=quantization)
     lin = runner.lora.layers[1]["qkv_proj"]
     assert type(lin.base).__name__ == "QuantLinear"
     req = LoRARequest("all", 1, dirs["all"])
