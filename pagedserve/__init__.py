@@ -2,6 +2,7 @@
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.frontend.llm import LLM
+from pagedserve.lora import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import (
     BeamSearchParams,
@@ -17,6 +18,7 @@ __all__ = [
     "BeamSearchParams",
     "CompletionOutput",
     "LLMEngine",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",

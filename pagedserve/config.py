@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields, replace
 
 
-def setting(default, help: str, *, choices=None, type=None, alias: str | None = None, factory=None):
+def setting(default, help: str, *, choices=None, type=None, alias: str | None = None, factory=None, nargs=None):
     """A config field with its user-facing description. `choices`: the accepted values
     (checked by `check_choices`); `type`: how the command line parses it (default: the
-    annotation); `alias`: a second flag spelling."""
+    annotation); `alias`: a second flag spelling; `nargs`: argparse's (a list flag)."""
     md = {"help": help, "choices": tuple(choices) if choices is not None else None, "type": type, "alias": alias}
+    if nargs is not None:
+        md["nargs"] = nargs
     if factory is not None:
         return field(default_factory=factory, metadata=md)
     return field(default=default, metadata=md)
@@ -52,6 +54,8 @@ def add_fields_to_parser(group, fields_, positional: tuple[str, ...] = ()) -> No
         if f.type in ("bool", "bool | None"):
             kw["action"] = argparse.BooleanOptionalAction
         else:
+            if md.get("nargs"):
+                kw["nargs"] = md["nargs"]
             kw["type"] = md.get("type") or {"int": int, "float": float, "str": str}[f.type.replace(" | None", "")]
             if md.get("choices"):
                 kw["choices"] = [c for c in md["choices"] if c is not None]
@@ -285,6 +289,30 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters over the base model, per request (vLLM's names): at most `max_loras`
+    adapters resident (in one step), ranks up to `max_lora_rank`, `max_cpu_loras` read
+    adapters kept in memory (default: max_loras)."""
+
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT directories), chosen per request")
+    max_loras: int = setting(1, "LoRA: adapters resident at once (the most in one step)")
+    max_lora_rank: int = setting(16, "LoRA: the largest adapter rank accepted (slots are this wide)")
+    max_cpu_loras: int | None = setting(None, "LoRA: adapters kept read in memory (default: max_loras)")
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}.")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass
 class ObservabilityConfig:
     """The live view (`/dashboard`): the engine core publishes a snapshot of its state
     (KV page map, queues, recent steps) at most every `snapshot_interval_ms` (0: never)."""
@@ -360,8 +388,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("enable_lora runs with tensor_parallel_size=1 only in this version.")
         s = self.speculative
         if s is not None and s.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
             raise ValueError(

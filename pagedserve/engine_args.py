@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelLoadConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -34,6 +35,7 @@ SECTIONS = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "observability": ObservabilityConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -120,6 +122,11 @@ class EngineArgs:
     )
     # -- observability ----------------------------------------------------------------
     snapshot_interval_ms: int = _from("observability")
+    # -- LoRA -------------------------------------------------------------------------
+    enable_lora: bool = _from("lora")
+    max_loras: int = _from("lora")
+    max_lora_rank: int = _from("lora")
+    max_cpu_loras: int | None = _from("lora")
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None:
@@ -183,5 +190,5 @@ def signature() -> inspect.Signature:
 
 # vLLM engine arguments that pagedserve does not implement: named in the error message.
 VLLM_ONLY_ARGS = frozenset(
-    ["trust_remote_code", "revision", "code_revision", "tokenizer_revision", "tokenizer_mode", "download_dir", "pipeline_parallel_size", "distributed_executor_backend", "swap_space", "cpu_offload_gb", "num_gpu_blocks_override", "max_seq_len_to_capture", "disable_custom_all_reduce", "hf_overrides", "mm_processor_kwargs", "limit_mm_per_prompt", "compilation_config", "max_logprobs", "disable_log_stats", "served_model_name", "allowed_local_media_path", "enable_lora", "max_loras", "max_lora_rank", "worker_cls", "override_generation_config", "model_impl"]
+    ["trust_remote_code", "revision", "code_revision", "tokenizer_revision", "tokenizer_mode", "download_dir", "pipeline_parallel_size", "distributed_executor_backend", "swap_space", "cpu_offload_gb", "num_gpu_blocks_override", "max_seq_len_to_capture", "disable_custom_all_reduce", "hf_overrides", "mm_processor_kwargs", "limit_mm_per_prompt", "compilation_config", "max_logprobs", "disable_log_stats", "served_model_name", "allowed_local_media_path", "worker_cls", "override_generation_config", "model_impl"]
 )

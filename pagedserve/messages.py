@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from pagedserve.lora import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class EngineCoreRequest:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter to run it with (None: the base model)
 
 
 DRAFT_PLACEHOLDER = -1  # a guess the executor's draft model fills in
@@ -73,6 +75,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     draft_token_ids: None = None  # never speculative on its first step
+    lora_request: LoRARequest | None = None
 
 
 # One request's share of a step, either kind (`is_new` tells which).
@@ -150,6 +153,7 @@ class CoreRequestType(enum.IntEnum):
     FINISH_STOPPED = 2  # payload: list of request ids (a stop string was found)
     RESET_PREFIX_CACHE = 3  # payload: None
     SHUTDOWN = 4  # payload: None
+    REMOVE_LORA = 5  # payload: a lora_int_id (unloaded once no request uses it)
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pagedserve
 
 ROOT = pathlib.Path(pagedserve.__file__).parent
 
-NEUTRAL = {"config", "errors", "messages", "sampling_params", "outputs", "model_files", "tokenizer", "engine_args"}
+NEUTRAL = {"lora", "config", "errors", "messages", "sampling_params", "outputs", "model_files", "tokenizer", "engine_args"}
 # layer -> the layers it may import (besides itself and the neutral modules)
 # structured_outputs (grammars, matchers, the bitmask) sits under the executor: the engine
 # compiles and advances grammars, the executor applies the bitmask, the server validates.

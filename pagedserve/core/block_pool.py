@@ -86,9 +86,13 @@ class FreeBlockQueue:
         return [b.block_id for b in self]
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra: str | None = None) -> bytes:
-    """Chained 128-bit hash of one full block: (parent hash, its tokens, extra keys)."""
-    h = hashlib.blake2b(digest_size=16)
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], extra: str | None = None, lora_id: int = 0
+) -> bytes:
+    """Chained 128-bit hash of one full block: (parent hash, its tokens, extra keys). A LoRA
+    adapter's blocks (`lora_id` > 0) hash in a domain of their own (blake2b's personalization),
+    so blocks of two adapters, or of an adapter and the base model, never match."""
+    h = hashlib.blake2b(digest_size=16, person=b"lora" + lora_id.to_bytes(8, "little") if lora_id else b"")
     h.update(parent_hash or b"\0" * 16)
     h.update(array("q", token_ids).tobytes())
     if extra:
@@ -97,7 +101,12 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra: str | None = None, limit: int | None = None
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    extra: str | None = None,
+    limit: int | None = None,
+    lora_id: int = 0,
 ) -> list[bytes]:
     """Append to `hashes` (the chain of the first len(hashes) blocks) the hashes of the
     further full blocks of `token_ids`, up to `limit` blocks in all; returns `hashes`."""
@@ -106,7 +115,7 @@ def extend_block_hashes(
         n = min(n, limit)
     for i in range(len(hashes), n):
         parent = hashes[i - 1] if i else None
-        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra))
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra, lora_id))
     return hashes
 
 

@@ -135,6 +135,8 @@ class EngineCoreProc:
             core.finish_requests_stopped(payload)
         elif kind == CoreRequestType.RESET_PREFIX_CACHE:
             core.reset_prefix_cache()
+        elif kind == CoreRequestType.REMOVE_LORA:
+            core.remove_lora(payload)
 
     def _idle_poll_ms(self) -> int:
         if not self._snap_dirty:

@@ -133,6 +133,10 @@ class EngineCore:
             spec["kv_cache_groups"] = windows
         self.scheduler = _import_class(sc.scheduler_cls)(sc, cc, self.num_blocks, **spec)
         self.kv_offload = self._attach_kv_offload(cc) if cc.kv_offload_dir else None
+        if config.lora.enable_lora:
+            self.scheduler.max_loras = config.lora.max_loras
+            self.scheduler.lora_ready = self.executor.lora_ready
+        self._loras_unloading: set[int] = set()  # removed adapters still used by requests
         # The live view's step records (core/snapshot.py STEP_FIELDS), kept only when
         # snapshots are on: None costs the step one attribute test.
         self.step_records: deque | None = None
@@ -158,6 +162,9 @@ class EngineCore:
         """The disk KV tier under the scheduler's prefix cache (None where it cannot run)."""
         if not cc.enable_prefix_caching:
             logger.warning("kv_offload_dir ignored: the disk KV tier extends the prefix cache, which is off")
+            return None
+        if self.config.lora.enable_lora:  # adapters' block hashes carry lora_int_id, assigned per run
+            logger.warning("kv_offload_dir ignored: the disk KV tier does not yet run with LoRA adapters")
             return None
         try:
             connector = self.executor.kv_offload_connector(cc.kv_offload_dir, cc.kv_offload_bytes)
@@ -210,7 +217,10 @@ class EngineCore:
             req.cache_salt,
             req.max_tokens,
             req.eos_token_ids,
+            req.lora_request,
         )
+        if req.lora_request is not None:  # read on the executor's loader thread meanwhile
+            self.executor.prefetch_lora(req.lora_request)
         # mean / CLS pooling read every prompt position: no prefix-cache hit
         request.whole_prompt = req.sampling_params.pooling is not None and self.pooler.pooling_type != "last"
         so_params = req.sampling_params.structured_outputs
@@ -245,6 +255,8 @@ class EngineCore:
         records = self.step_records
         t0 = time.perf_counter() if records is not None else 0.0
         self._audited = False
+        if self.config.lora.enable_lora:
+            self._abort_failed_loras()
         so = self.scheduler.schedule()
         if so.scheduled:
             if self.structured_outputs is not None:  # the constrained rows' legal next tokens
@@ -254,10 +266,35 @@ class EngineCore:
             ro = ModelRunnerOutput(sampled_token_ids={})
             if self.kv_offload is not None and self.kv_offload.has_pending():
                 self.kv_offload.connector.wait_for_io(0.005)  # only reads to wait for: nap, don't spin
+            if self.config.lora.enable_lora:  # requests wait for adapters being read: not a busy loop
+                self.executor.wait_lora_loading(0.005)
         outputs = self.scheduler.update_from_output(so, ro)
+        if self._loras_unloading:
+            self._drop_unused_loras()
         if records is not None:
             self._record_step(so, outputs, t0)
         return outputs
+
+    def _abort_failed_loras(self) -> None:
+        """Requests whose adapter failed to read (the front end checked its header; its
+        tensors did not load) end aborted, with the reason logged."""
+        failed = self.executor.lora_failures()
+        if failed:
+            for i, why in failed.items():
+                logger.error("LoRA adapter %d failed to load: %s; its requests are aborted", i, why)
+            self.scheduler.fail_requests([r.request_id for r in self.scheduler.requests.values() if r.lora_int_id in failed])
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unload an adapter: at once if no request uses it, else after the last one ends
+        (running and queued requests finish with it; the front end admits no new ones)."""
+        self._loras_unloading.add(lora_int_id)
+        self._drop_unused_loras()
+
+    def _drop_unused_loras(self) -> None:
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values()}
+        for i in self._loras_unloading - in_use:
+            self.executor.remove_lora(i)
+            self._loras_unloading.discard(i)
 
     def enable_step_records(self, maxlen: int = 512) -> None:
         """Keep the last `maxlen` steps' records for the live view (core/snapshot.py)."""

@@ -36,7 +36,9 @@ class KVCacheManager:
     # -- prefix cache -----------------------------------------------------------
     def update_block_hashes(self, request: Request) -> None:
         """Extend `request.block_hashes` to every full block of its known tokens."""
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt, lora_id=request.lora_int_id
+        )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest chain of cached full blocks that prefixes the request's tokens.

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from pagedserve.lora import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Request:
     cache_salt: str | None = None
     max_tokens: int = 16  # resolved (never None)
     eos_token_ids: frozenset[int] = frozenset()  # the model's; ignored with ignore_eos
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []
@@ -84,6 +86,11 @@ class Request:
         self.is_short = False
         slo = self.sampling_params.slo
         self.ttft_deadline = self.arrival_time + slo.ttft_ms / 1e3 if slo is not None and slo.ttft_ms else None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model); it keys the request's block hashes."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

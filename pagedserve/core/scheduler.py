@@ -102,6 +102,8 @@ class Scheduler:
         self.num_computed_tokens_total = 0  # tokens run through the model (prefill + decode)
         self.last_batch_size = 0
         self.last_num_scheduled_tokens = 0
+        self.max_loras = 0  # LoRA: the most adapters among running requests (0: adapters off)
+        self.lora_ready: Callable[[int], bool] = lambda lora_int_id: True  # its weights are read
 
     def attach_kv_offload(self, connector) -> None:
         """Put the disk KV tier (an executor's KVOffloadConnector) under the prefix cache."""
@@ -234,6 +236,7 @@ class Scheduler:
             sampling_params=req.sampling_params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=list(req.output_token_ids),
+            lora_request=req.lora_request,
         )
 
     def _schedule_waiting(self, step: StepState) -> None:
@@ -248,6 +251,9 @@ class Scheduler:
                 continue
             if not self.policy.may_admit(req, len(self.running)):
                 break
+            if req.lora_request is not None and not self._lora_fits(req):
+                skipped.append(self.waiting.pop())  # its adapter waits for a free slot
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req) if not req.whole_prompt else ([], 0)
             num_new = self._prefill_chunk(req, req.num_tokens - num_hit, step.budget)
             if num_new is None or not self._admit(req, hit_blocks, num_hit, num_new, step):
@@ -272,6 +278,14 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_KV
         skipped.append(self.waiting.pop())
         return True
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether `req`'s adapter is read (else it waits, the others run) and admitting it
+        keeps the running requests' adapters within max_loras."""
+        if not self.lora_ready(req.lora_int_id):
+            return False
+        loras = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return req.lora_int_id in loras or len(loras) < self.max_loras
 
     def _prefill_chunk(self, req: Request, num_left: int, budget: int) -> int | None:
         """Tokens of `req`'s prompt (or recompute) to run this step, under the threshold,
@@ -458,6 +472,12 @@ class Scheduler:
             self._finish(req, status)
             done.append(req)
         return done
+
+    def fail_requests(self, req_ids: Iterable[str]) -> None:
+        """Abort requests the engine cannot run (their LoRA adapter failed to load); the
+        next update_from_output reports them finished ("abort") to the front end."""
+        for req in self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED):
+            self._grammar_failed.append(EngineCoreOutput(req.request_id, [], finish_reason="abort"))
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)

@@ -98,7 +98,7 @@ class AsyncLLM(FrontEnd):
 
     # -- requests -------------------------------------------------------------------------
     async def add_request(
-        self, prompt, params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt, params: SamplingParams, request_id: str, priority: int = 0, lora_request=None
     ) -> RequestStream:
         """Validate and queue a request; raises InvalidRequestError (nothing queued) if it is
         invalid, EngineDeadError if the core is gone. Iterate the stream for its outputs."""
@@ -109,9 +109,9 @@ class AsyncLLM(FrontEnd):
         self._ensure_output_task()
         process = self.input_processor.process
         if _prompt_size(prompt) > LARGE_PROMPT_CHARS:
-            req = await asyncio.to_thread(process, request_id, prompt, params, None, priority)
+            req = await asyncio.to_thread(process, request_id, prompt, params, None, priority, None, lora_request)
         else:
-            req = process(request_id, prompt, params, None, priority)
+            req = process(request_id, prompt, params, None, priority, None, lora_request)
         if self._dead is not None:
             raise EngineDeadError(f"the engine core died: {self._dead}")
         if request_id in self._streams:
@@ -131,10 +131,10 @@ class AsyncLLM(FrontEnd):
         return RequestStream(self, request_id, queue)
 
     async def generate(
-        self, prompt, params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt, params: SamplingParams, request_id: str, priority: int = 0, lora_request=None
     ) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; closing the iterator early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id, priority)
+        stream = await self.add_request(prompt, params, request_id, priority, lora_request)
         try:
             async for out in stream:
                 yield out
@@ -151,6 +151,11 @@ class AsyncLLM(FrontEnd):
 
     def reset_prefix_cache(self) -> None:
         self._send(CoreRequestType.RESET_PREFIX_CACHE)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unload an adapter in the core(s); requests using it finish with it first."""
+        self.input_processor.lora.forget(lora_int_id)
+        self._send(CoreRequestType.REMOVE_LORA, lora_int_id)
 
     @property
     def is_alive(self) -> bool:

@@ -81,6 +81,9 @@ class InprocClient:
     def reset_prefix_cache(self) -> None:
         self.engine_core.reset_prefix_cache()
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.engine_core.remove_lora(lora_int_id)
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
@@ -126,6 +129,9 @@ class MPClient:
     def reset_prefix_cache(self) -> None:
         self._check()
         self.replicas.broadcast(CoreRequestType.RESET_PREFIX_CACHE)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.replicas.broadcast(CoreRequestType.REMOVE_LORA, lora_int_id)
 
     def get_output(self) -> EngineCoreOutputs:
         self._check()

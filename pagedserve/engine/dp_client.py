@@ -137,7 +137,10 @@ class EngineReplicas:
                 work = n_prompt + min(out, first.max_tokens)
                 for c in children:
                     self._lengths[c.request_id] = [n_prompt, 0]
-            i, reason = self.router.route(first.prompt_token_ids, first.cache_salt, self.loads, work)
+            i, reason = self.router.route(
+                first.prompt_token_ids, first.cache_salt, self.loads, work,
+                first.lora_request.lora_int_id if first.lora_request is not None else 0,
+            )
             self.routed[i, reason] += 1
         self.send(i, CoreRequestType.ADD, children)
         for c in children:

@@ -62,13 +62,14 @@ class DPRouter:
         self.owner: OrderedDict[bytes, int] = OrderedDict()  # block hash -> replica, LRU first
         self._turn = 0
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None, lora_id: int = 0) -> list[bytes]:
         """The chained hashes of the first full blocks of `token_ids` (at most
-        `max_prefix_blocks`), exactly as the KV cache manager computes them."""
-        return extend_block_hashes([], token_ids, self.block_size, cache_salt, self.max_prefix_blocks)
+        `max_prefix_blocks`), exactly as the KV cache manager computes them (keyed by the
+        LoRA adapter too, so an adapter's requests follow its cached prefixes)."""
+        return extend_block_hashes([], token_ids, self.block_size, cache_salt, self.max_prefix_blocks, lora_id)
 
     def route(
-        self, token_ids: list[int], cache_salt: str | None, loads: list[int], work: int | None = None
+        self, token_ids: list[int], cache_salt: str | None, loads: list[int], work: int | None = None, lora_id: int = 0
     ) -> tuple[int, str]:
         """(replica, reason) for a prompt; `loads[i]`: requests in flight on replica i;
         `work`: its expected tokens (policy "length"). Records the choice (the chosen
@@ -77,7 +78,7 @@ class DPRouter:
         if self.policy == "round_robin":
             self._turn = (self._turn + 1) % n
             return (self._turn - 1) % n, ROUND_ROBIN
-        hashes = self.block_hashes(token_ids, cache_salt)
+        hashes = self.block_hashes(token_ids, cache_salt, lora_id)
         if self.policy == "length":
             least, reason = self._by_length(loads, len(token_ids) if work is None else work)
         else:

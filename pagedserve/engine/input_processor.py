@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pagedserve.config import EngineConfig
 from pagedserve.core.admission import check_fits
 from pagedserve.errors import InvalidRequestError
+from pagedserve.lora import LoRAChecker, LoRARequest
 from pagedserve.messages import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_outputs import validate_structured_outputs
@@ -42,6 +43,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.block_size = config.cache.block_size
         self.num_kv_blocks: int | None = None  # set once the engine core has sized its cache
+        self.lora: LoRAChecker | None = None  # set by the front end (enable_lora or not)
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """str | list[int] | {"prompt": str} | {"prompt_token_ids": [...]} -> (text, ids)."""
@@ -102,9 +104,12 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and check one user request; its engine-core requests (n of them)."""
         self._check_runner(params)
+        if lora_request is not None:
+            self._check_lora(lora_request)
         text, ids = self.tokenize(prompt)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]
@@ -130,9 +135,18 @@ class InputProcessor:
                     arrival_time=arrival,
                     priority=priority,
                     cache_salt=cache_salt,
+                    lora_request=lora_request,
                 )
             )
         return ProcessedRequest(request_id, text, ids, params, children, arrival)
+
+    def _check_lora(self, lora_request: LoRARequest) -> None:
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters.", "lora_request")
+        try:
+            self.lora.check(lora_request)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "lora_request") from None
 
     def _check_runner(self, params: SamplingParams) -> None:
         """Embedding requests on a pooling model, text generation on a generating one."""

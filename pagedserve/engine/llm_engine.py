@@ -18,6 +18,7 @@ from pagedserve.core.engine_core import resolve_config
 from pagedserve.engine.core_client import EngineCoreClient, InprocClient, MPClient
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.lora import BaseDims, LoRAChecker, LoRARequest
 from pagedserve.messages import EngineStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class FrontEnd:
             eos = eos_token_ids(self.tokenizer, info.model_path, self.model_config.eos_token_ids)
         self.pooler = info.pooler  # runner "pooling"; None generates
         self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer, eos, info.pooler)
+        lc = config.lora
+        self.input_processor.lora = LoRAChecker(lc.enable_lora, lc.max_lora_rank, BaseDims.of(self.model_config))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def core_ready(self, num_kv_blocks: int) -> None:
@@ -75,6 +78,7 @@ class LLMEngine(FrontEnd):
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; raises InvalidRequestError (a ValueError;
         nothing queued) if it is invalid or could never fit. Returns its id.
@@ -87,7 +91,7 @@ class LLMEngine(FrontEnd):
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        req = self.input_processor.process(request_id, prompt, params, arrival_time, priority, cache_salt)
+        req = self.input_processor.process(request_id, prompt, params, arrival_time, priority, cache_salt, lora_request)
         self.core.add_requests(req.children)
         self.output_processor.add_request(req)
         return request_id
@@ -123,6 +127,11 @@ class LLMEngine(FrontEnd):
 
     def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unload an adapter; requests using it finish with it first."""
+        self.input_processor.lora.forget(lora_int_id)
+        self.core.remove_lora(lora_int_id)
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -58,6 +58,27 @@ class Executor(ABC):
     def shutdown(self) -> None:  # noqa: B027 (optional hook)
         pass
 
+    def add_lora(self, lora_request) -> None:
+        """Read and check a LoRA adapter (ValueError naming what is wrong)."""
+        raise ValueError("this executor serves no LoRA adapters (start the engine with enable_lora).")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return False
+
+    def prefetch_lora(self, lora_request) -> None:
+        """Start reading an adapter off the step loop (default: read it now)."""
+        self.add_lora(lora_request)
+
+    def lora_ready(self, lora_int_id: int) -> bool:
+        return True
+
+    def lora_failures(self) -> dict[int, str]:
+        """Adapters whose background read failed (id -> message); their requests are aborted."""
+        return {}
+
+    def wait_lora_loading(self, timeout: float) -> None:  # noqa: B027 (optional)
+        pass
+
 
 class UniProcExecutor(Executor):
     def __init__(
@@ -89,6 +110,7 @@ class UniProcExecutor(Executor):
             block_size=config.cache.block_size,
             drafter_factory=draft_model_factory(config.speculative),
             pooler=pooler,
+            lora=config.lora,
         )
         self.dtype_name = str(self.runner.dtype).removeprefix("torch.")
         self.device = str(self.runner.device)
@@ -111,6 +133,29 @@ class UniProcExecutor(Executor):
 
     def kv_offload_connector(self, offload_dir: str, capacity_bytes: int):
         return self.runner.kv_offload_connector(offload_dir, capacity_bytes, self.config_fingerprint)
+
+    def add_lora(self, lora_request) -> None:
+        if self.runner.lora is None:
+            super().add_lora(lora_request)
+        self.runner.lora.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.runner.lora is not None and self.runner.lora.remove_lora(lora_int_id)
+
+    def prefetch_lora(self, lora_request) -> None:
+        if self.runner.lora is None:
+            super().add_lora(lora_request)
+        self.runner.lora.prefetch(lora_request)
+
+    def lora_ready(self, lora_int_id: int) -> bool:
+        return self.runner.lora is None or self.runner.lora.ready(lora_int_id)
+
+    def lora_failures(self) -> dict[int, str]:
+        return self.runner.lora.take_failures() if self.runner.lora is not None else {}
+
+    def wait_lora_loading(self, timeout: float) -> None:
+        if self.runner.lora is not None:
+            self.runner.lora.wait_loading(timeout)
 
 
 def draft_model_factory(spec):

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pagedserve.executor.attention import AttentionMetadata
+from pagedserve.lora import LoRARequest
 from pagedserve.messages import PositionLogprobs, ScheduledRequest, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class RequestState:
     # greedy, no penalties, no logprobs, no token mask: a batch of only these samples with
     # one argmax (Sampler.greedy); anything that changes logits must clear it
     plain_greedy: bool = False
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -80,6 +82,7 @@ class InputBatch:
                     sr.sampling_params,
                     list(sr.block_ids),
                     self._generator(sr.req_id, sr.sampling_params),
+                    lora_request=sr.lora_request,
                 )
             elif sr.block_ids:
                 self.requests[sr.req_id].block_ids.extend(sr.block_ids)

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
+from pagedserve.config import LoRAConfig
 from pagedserve.executor import kv_cache
 from pagedserve.executor.attention import get_attention_backend
 from pagedserve.executor.dtypes import resolve_dtype, resolve_kv_dtype
 from pagedserve.executor.input_batch import InputBatch, StepInputs
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.logprobs import collect_prompt_logprobs, collect_sampled_logprobs
+from pagedserve.executor.lora import LoRAManager
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.executor.pooling import Pooler, PoolerConfig
 from pagedserve.executor.sampler import Sampler, make_sampling_batch
@@ -50,9 +53,11 @@ class ModelRunner:
         block_size: int = 16,
         drafter_factory=None,
         pooler: PoolerConfig | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         """`drafter_factory(model_config, dtype, device, backend)`: the draft model of
-        speculative method "draft_model" (it shares this runner's block tables)."""
+        speculative method "draft_model" (it shares this runner's block tables). `lora`
+        with enable_lora: the projections carry adapter slots (executor/lora.py)."""
         self.device = torch.device(device)
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, model_config, self.device)
@@ -76,6 +81,11 @@ class ModelRunner:
         self.drafter = drafter_factory(model_config, self.dtype, self.device, self.backend) if drafter_factory else None
         self.vocab_size = model_config.vocab_size
         self.pooler = Pooler(pooler) if pooler is not None else None  # runner "pooling"
+        self.lora = None
+        if lora is not None and lora.enable_lora:
+            self.lora = LoRAManager(
+                self.model, model_config, lora.max_loras, lora.max_lora_rank, lora.cpu_loras, self.dtype, self.device
+            )
 
     @property
     def requests(self):
@@ -146,7 +156,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Decode-only steps replay CUDA graphs (Triton backend on CUDA, unless enforce_eager)."""
-        if self.enforce_eager or self.device.type != "cuda" or self.backend.name != "triton":
+        if self.enforce_eager or self.device.type != "cuda" or self.backend.name != "triton" or self.lora is not None:
             return
         if self.kv_layout.num_groups > 1:  # graphs replay one block table
             logger.info("CUDA graphs off: %d KV cache groups", self.kv_layout.num_groups)
@@ -210,6 +220,12 @@ class ModelRunner:
                 out.pooled[sr.req_id] = self.pooler.finish(sr.req_id, hidden[b - 1], p.dimensions, p.normalize)
 
     def _forward(self, inp: StepInputs) -> torch.Tensor:
+        if self.lora is not None:  # each token's adapter, grouped for the step
+            self.lora.begin_step([st.lora_request for st in inp.states], np.diff(inp.cu))
+            try:
+                return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            finally:
+                self.lora.end_step()
         m = inp.meta
         if self.graph_runner is not None and m.num_decodes == m.num_reqs:
             hidden = self.graph_runner.run(inp.input_ids, inp.positions, m.slot_mapping, m.block_tables, m.seq_lens)

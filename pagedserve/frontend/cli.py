@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     b.add_argument(
         "what",
-        choices=["scheduler", "throughput", "forward", "prefix", "kv", "serve", "spec", "soak", "dp", "mixed", "embed"],
+        choices=["scheduler", "throughput", "forward", "prefix", "kv", "serve", "spec", "soak", "dp", "mixed", "embed", "lora"],
         help="which benchmark",
     )
     b.add_argument("rest", nargs=argparse.REMAINDER)

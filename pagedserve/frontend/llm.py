@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine_args import EngineArgs, signature
+from pagedserve.lora import LoRARequest
 from pagedserve.messages import EngineStats
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, PoolingParams, RequestOutputKind, SamplingParams
@@ -36,9 +37,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for a str, a list of str, or a list of {"prompt_token_ids": [...]} dicts.
-        Returns RequestOutputs in input order. All requests are validated before any runs."""
+        Returns RequestOutputs in input order. All requests are validated before any runs.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per
+        prompt (engine started with enable_lora)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -54,8 +58,9 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts.")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts.")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         return self._run(
-            [(p, sp, priority[i] if priority else 0) for i, (p, sp) in enumerate(zip(prompts, params))],
+            [(p, sp, priority[i] if priority else 0, loras[i]) for i, (p, sp) in enumerate(zip(prompts, params))],
             use_tqdm,
         )
 
@@ -80,10 +85,10 @@ class LLM:
         engine = self.engine
         ids = []
         try:
-            for prompt, sp, prio in items:
+            for prompt, sp, prio, lora in items:
                 if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
                     sp = replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(engine.add_request(None, prompt, sp, priority=prio))
+                ids.append(engine.add_request(None, prompt, sp, priority=prio, lora_request=lora))
         except ValueError:
             engine.abort_request(ids)
             raise
@@ -122,7 +127,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         sp = SamplingParams(max_tokens=0, pooling=pooling_params or PoolingParams())
-        return self._run([(p, sp, 0) for p in prompts], use_tqdm)
+        return self._run([(p, sp, 0, None) for p in prompts], use_tqdm)
 
     def score(self, text_1, text_2, use_tqdm: bool = True) -> list[float]:
         """Cosine similarity of `text_1`'s embedding (one string, or a list paired with
@@ -158,6 +163,15 @@ class LLM:
 
 
 LLM.__init__.__signature__ = signature()  # help(LLM) lists every engine argument
+
+
+def _per_prompt_loras(lora_request, n: int) -> list:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_request entries for {n} prompts.")
+    return loras
 
 
 def cosine(a: list[float], b: list[float]) -> float:

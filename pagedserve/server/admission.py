@@ -78,6 +78,7 @@ class RequestTracker:
         self.abort_reason: str | None = None
         self.abort_error = ("server_error", "shutting_down", 503)  # (type, code, status) of an abort
         self.timer: asyncio.TimerHandle | None = None
+        self.lora = None  # the LoRARequest its prompts run with (None: the base model)
 
     def set_deadline(self, seconds: float) -> None:
         """Abort the request (queued or running: its engine requests end, their blocks are
@@ -96,7 +97,10 @@ class RequestTracker:
 
         async def one(i: int, p) -> None:
             rid = f"{base_id}-{i}" if suffix else base_id
-            st = await self.ctx.llm.add_request(p, params, rid, priority)
+            if self.lora is None:
+                st = await self.ctx.llm.add_request(p, params, rid, priority)
+            else:
+                st = await self.ctx.llm.add_request(p, params, rid, priority, lora_request=self.lora)
             if self.closed or self.abort_reason is not None:
                 st.close()
                 return

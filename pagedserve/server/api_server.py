@@ -42,6 +42,12 @@ from pagedserve.server.server_config import ServerConfig
 from pagedserve.server.serving_base import ServingContext
 from pagedserve.server.serving_chat import OpenAIServingChat
 from pagedserve.server.serving_completion import OpenAIServingCompletion
+from pagedserve.server.serving_lora import (
+    LoadLoRAAdapterRequest,
+    OpenAIServingLoRA,
+    UnloadLoRAAdapterRequest,
+    parse_lora_modules,
+)
 from pagedserve.server.serving_messages import AnthropicServingMessages, MessagesRequest
 from pagedserve.server.serving_models import OpenAIServingModels
 from pagedserve.server.serving_pooling import EmbeddingRequest, RerankRequest, ScoreRequest, ServingPooling
@@ -101,6 +107,7 @@ def build_app(
     )
     install_error_handlers(app)
     _add_routes(app, ctx, cfg.tool_call_parser, store)
+    _add_lora_routes(app, ctx, cfg)
     from pagedserve.server.dashboard import add_dashboard
 
     add_dashboard(app, llm, model_name)  # /dashboard, when the engine publishes snapshots
@@ -181,6 +188,22 @@ def _add_routes(app: FastAPI, ctx: ServingContext, tool_call_parser: str, store=
         return await tokenization.detokenize(body)
 
 
+def _add_lora_routes(app: FastAPI, ctx: ServingContext, cfg: ServerConfig) -> None:
+    """--lora-modules served from the start (a bad one fails here, naming it), and the
+    run-time load / unload endpoints (refused unless --allow-runtime-lora-updating)."""
+    lora = OpenAIServingLoRA(ctx, cfg.allow_runtime_lora_updating)
+    for name, path in parse_lora_modules(cfg.lora_modules):
+        lora.add(name, path)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        return await lora.load(body)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return await lora.unload(body)
+
+
 class APIServer(uvicorn.Server):
     """uvicorn's server with the drain window: on SIGTERM/SIGINT it stops accepting, lets
     in-flight requests run for `shutdown_timeout` seconds, then ends the rest (each stream
@@ -258,6 +281,7 @@ def serve(args) -> int:
     """`pagedserve serve`: build the engine, then run uvicorn until SIGINT/SIGTERM."""
     cfg = ServerConfig.from_cli_args(args)
     SLO.parse(cfg.default_slo)  # a bad --default-slo fails before the engine loads
+    parse_lora_modules(cfg.lora_modules)  # and a malformed --lora-modules
     llm = build_async_llm(args)
     name = cfg.served_model_name or (
         "SmolLM2-135M-Instruct" if args.model == "default" else os.path.basename(os.path.normpath(args.model))

@@ -81,6 +81,18 @@ class ServerConfig:
         type=json.loads,
     )
 
+    # -- LoRA adapters (the engine needs --enable-lora) ----------------------------------------
+    lora_modules: list | None = setting(
+        None,
+        "LoRA adapters served under their own model names: name=path ... (or JSON "
+        '\'{"name": ..., "path": ...}\'); a request\'s "model" picks one',
+        type=str,
+        nargs="+",
+    )
+    allow_runtime_lora_updating: bool = setting(
+        False, "accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key)"
+    )
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         add_fields_to_parser(parser.add_argument_group("server"), fields(cls))

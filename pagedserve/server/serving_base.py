@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 
+from pagedserve.lora import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SLO
 from pagedserve.server.admission import AdmissionLimiter, RequestTracker
@@ -56,6 +57,7 @@ class ServingContext:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.config.scheduler.max_model_len
         self.served = {model_name, llm.config.model.model}
+        self.loras: dict[str, LoRARequest] = {}  # served LoRA adapters by name (serving_lora.py)
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.trackers: set[RequestTracker] = set()
         self.draining = False
@@ -67,7 +69,11 @@ class ServingContext:
         with contextlib.suppress(Exception):
             self.metrics.observe_finished(out)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 if unknown."""
+        lora = self.loras.get(model) if model is not None else None
+        if lora is not None:
+            return lora
         if model is not None and model not in self.served:
             raise APIError(
                 404,
@@ -77,10 +83,11 @@ class ServingContext:
                 "model_not_found",
             )
 
-    def admit(self, num_prompts: int, scope: dict, timeout: float | None = None) -> RequestTracker:
+    def admit(self, num_prompts: int, scope: dict, timeout: float | None = None, lora=None) -> RequestTracker:
         """Take `num_prompts` admission slots (one per prompt of a list) or refuse now.
         `timeout`: the request's own deadline in seconds (the server's --request-timeout
-        caps it); past it the request is aborted with a 504."""
+        caps it); past it the request is aborted with a 504. `lora`: the adapter its
+        engine requests run with (check_model's answer)."""
         if self.draining:
             self.metrics.rejected("shutting_down")
             raise APIError(
@@ -103,6 +110,7 @@ class ServingContext:
                 headers={"Retry-After": "1"},
             )
         tracker = RequestTracker(self, num_prompts)
+        tracker.lora = lora
         limits = [t for t in (timeout, self.request_timeout) if t is not None]
         if limits:
             tracker.set_deadline(min(limits))

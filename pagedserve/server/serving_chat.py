@@ -243,13 +243,13 @@ class OpenAIServingChat:
 
     async def create(self, body: ChatCompletionRequest, request: Request):
         ctx = self.ctx
-        ctx.check_model(body.model)
+        lora = ctx.check_model(body.model)
         try:
             messages, plan, params = self._params(body)
         except ValueError as e:
             raise to_api_error(e) from None
         # admitted (and counted) before templating: the bound covers requests being tokenized
-        tracker = ctx.admit(1, request.scope, body.request_timeout)
+        tracker = ctx.admit(1, request.scope, body.request_timeout, lora)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             try:

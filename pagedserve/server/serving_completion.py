@@ -47,12 +47,12 @@ class OpenAIServingCompletion:
 
     async def create(self, body: CompletionRequest, request: Request):
         ctx = self.ctx
-        ctx.check_model(body.model)
+        lora = ctx.check_model(body.model)
         try:
             prompts, params = self._params(body)
         except ValueError as e:
             raise to_api_error(e) from None
-        tracker = ctx.admit(len(prompts), request.scope, body.request_timeout)
+        tracker = ctx.admit(len(prompts), request.scope, body.request_timeout, lora)
         base = f"cmpl-{uuid.uuid4().hex}"
         engine_prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
         try:

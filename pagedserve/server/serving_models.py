@@ -15,18 +15,21 @@ class OpenAIServingModels:
         self.ctx = ctx
 
     async def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.ctx.model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "pagedserve",
-                    "max_model_len": self.ctx.max_model_len,
-                }
-            ],
+        """The base model, then each served LoRA adapter with the base as its `parent`."""
+        ctx, now = self.ctx, int(time.time())
+        base = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": now,
+            "owned_by": "pagedserve",
+            "root": ctx.llm.config.model.model,
+            "parent": None,
+            "max_model_len": ctx.max_model_len,
         }
+        adapters = [
+            {**base, "id": name, "root": lora.lora_path, "parent": ctx.model_name} for name, lora in ctx.loras.items()
+        ]
+        return {"object": "list", "data": [base, *adapters]}
 
     async def health(self) -> Response:
         """200 {"status": "ok"} while the engine runs and makes progress; 503 with the reason
