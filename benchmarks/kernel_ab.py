@@ -16,20 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offline_ab import run  # noqa: E402
+from offline_ab import parse_config, prompts, run  # noqa: E402
 
 KERNEL_KEYS = ("isa", "bf16_rows", "bf16_onednn_rows")
 
 
 def split(config: str) -> tuple[dict, dict]:
-    if config == "default":
-        return {}, {}
-    pairs = [kv.split("=", 1) for kv in config.split(",")]
-    kw = {k: int(v) if v.isdigit() else v for k, v in pairs}
+    kw = parse_config(config)
     return {k: v for k, v in kw.items() if k not in KERNEL_KEYS}, {k: v for k, v in kw.items() if k in KERNEL_KEYS}
 
 
@@ -59,10 +55,6 @@ def main() -> None:
 
     from pagedserve import LLM, SamplingParams
 
-    def prompts(seed: int) -> list[list[int]]:  # new prompts each round: no prefix-cache hits
-        rng = random.Random(seed)
-        return [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(a.requests)]
-
     llms = {}
     for c in a.configs:
         kw, settings = split(c)
@@ -70,9 +62,9 @@ def main() -> None:
         llms[c] = llms.get(key) or LLM("default", **kw)  # one engine per distinct LLM(...)
         llms[key] = llms[c]
         apply(settings)
-        llms[c].generate([{"prompt_token_ids": prompts(-1)[0][:32]}], SamplingParams(max_tokens=8), use_tqdm=False)
+        llms[c].generate([{"prompt_token_ids": prompts(-1, 1)[0][:32]}], SamplingParams(max_tokens=8), use_tqdm=False)
     for r in range(a.rounds):
-        work = prompts(r)
+        work = prompts(r, a.requests)
         for c in a.configs if r % 2 == 0 else a.configs[::-1]:
             apply(split(c)[1])
             llms[c].reset_prefix_cache()  # configurations may share an engine: no hits from the last run

@@ -22,6 +22,20 @@ import statistics
 import time
 
 
+def prompts(seed: int, n: int) -> list[list[int]]:
+    """n random 256-token prompts; a new seed each round, so no prefix-cache hits."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(n)]
+
+
+def parse_config(config: str) -> dict:
+    """`k=v,k2=v2` (integers as ints) -> keyword arguments; `default` -> none."""
+    if config == "default":
+        return {}
+    pairs = (kv.split("=", 1) for kv in config.split(","))
+    return {k: int(v) if v.isdigit() else v for k, v in pairs}
+
+
 def run(llm, work) -> dict:
     from pagedserve import SamplingParams
 
@@ -51,21 +65,11 @@ def main() -> None:
 
     from pagedserve import LLM, SamplingParams
 
-    def prompts(seed: int) -> list[list[int]]:  # new prompts each round: no prefix-cache hits
-        rng = random.Random(seed)
-        return [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(a.requests)]
-
-    def kwargs(config: str) -> dict:
-        if config == "default":
-            return {}
-        pairs = (kv.split("=", 1) for kv in config.split(","))
-        return {k: int(v) if v.isdigit() else v for k, v in pairs}
-
-    llms = {c: LLM("default", **kwargs(c)) for c in a.configs}
+    llms = {c: LLM("default", **parse_config(c)) for c in a.configs}
     for llm in llms.values():  # warm-up
-        llm.generate([{"prompt_token_ids": prompts(-1)[0][:32]}], SamplingParams(max_tokens=8), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": prompts(-1, 1)[0][:32]}], SamplingParams(max_tokens=8), use_tqdm=False)
     for r in range(a.rounds):
-        work = prompts(r)
+        work = prompts(r, a.requests)
         for c in a.configs if r % 2 == 0 else a.configs[::-1]:
             print(json.dumps({"config": c, "round": r} | run(llms[c], work)), flush=True)
 
