@@ -37,9 +37,26 @@ def read_json(path):
         return json.load(f)
 
 
+def add_tokenizer(w, hf_dir, vocab_size):
+    """The HF directory's byte-level BPE tokenizer as GGUF keys (llama.cpp's "gpt2" model)."""
+    tokj = read_json(os.path.join(hf_dir, "tokenizer.json"))
+    tokens = [None] * vocab_size
+    for t, i in tokj["model"]["vocab"].items():
+        tokens[i] = t
+    for a in tokj["added_tokens"]:
+        tokens[a["id"]] = a["content"]
+    tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") or t.startswith("<unused") else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokj["model"]["merges"]])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+
+
 def write_gguf(hf_dir, out, qtype=Q.F32):
     cfg = read_json(os.path.join(hf_dir, "config.json"))
-    tokj = read_json(os.path.join(hf_dir, "tokenizer.json"))
     w = gguf.GGUFWriter(out, "llama")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -51,21 +68,7 @@ def write_gguf(hf_dir, out, qtype=Q.F32):
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    vocab = tokj["model"]["vocab"]
-    tokens = [None] * cfg["vocab_size"]
-    for t, i in vocab.items():
-        tokens[i] = t
-    for a in tokj["added_tokens"]:
-        tokens[a["id"]] = a["content"]
-    tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") or t.startswith("<unused") else 1 for t in tokens])
-    merges = tokj["model"]["merges"]
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
+    add_tokenizer(w, hf_dir, cfg["vocab_size"])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for name, t in iterate_safetensors(hf_dir):
         a = t.float().numpy()

@@ -19,6 +19,7 @@ from pagedserve.executor.loader.gguf_loader import converted_dir, gguf_to_hf_con
 from pagedserve.executor.loader.safetensors_loader import iterate_safetensors  # noqa: E402
 from pagedserve.executor.model_config import ModelConfig  # noqa: E402
 from tests.checkpoints import build_checkpoint  # noqa: E402
+from tests.executor.test_gguf import add_tokenizer, permute  # noqa: E402
 from tests.executor.test_model_parity import drive, make_runner  # noqa: E402
 
 # arch of the test checkpoint -> (llama.cpp architecture, overrides llama.cpp's format needs)
@@ -63,28 +64,6 @@ GEMMA_LAYER = {
 }
 EXPERT = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
           "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
-
-
-def permute(w, n_head):  # llama.cpp's convert_hf_to_gguf permutation of Q/K rows
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def add_tokenizer(w, hf_dir, vocab_size):
-    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
-        tokj = json.load(f)
-    tokens = [None] * vocab_size
-    for t, i in tokj["model"]["vocab"].items():
-        tokens[i] = t
-    for a in tokj["added_tokens"]:
-        tokens[a["id"]] = a["content"]
-    tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") or t.startswith("<unused") else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokj["model"]["merges"]])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
 
 
 def add_keys(w, arch, cfg):
