@@ -55,7 +55,11 @@ def first_token_times(url: str, long_prompt: list[int], short_prompt: list[int])
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "length_aware"])
-def test_a_short_request_is_not_held_behind_a_long_prefill(checkpoint, policy):
+def test_a_short_request_is_not_held_behind_a_long_prefill(checkpoint, policy, monkeypatch):
+    # +10 ms per step: the long prefill (60 steps of 32 tokens) lasts > 0.6 s, so the short
+    # request always arrives while it runs (on a fast CPU it could arrive in its last step,
+    # where both first tokens come out of the same step and the order is a coin toss)
+    monkeypatch.setenv("PAGEDSERVE_TEST_SLOW_ENGINE", "0:0.01")
     s = Server(checkpoint("llama"), engine_kw={"scheduling_policy": policy, "max_num_batched_tokens": 32})
     try:
         long_prompt = [(3 * j) % 900 + 5 for j in range(1900)]
