@@ -8,11 +8,17 @@ out], P the parts of a fused layer (q/k/v: 3, gate/up: 2; B is block-diagonal ov
 a part the adapter does not target is zeros; a rank under the max is zero-padded).
 
 One step (`LoRABatch`): each token's slot (-1: the base model), tokens grouped by slot
-once per step; each wrapped layer then does, for all its groups at once, a gather of the
-groups' rows, one batched shrink (x @ A) and one batched expand (@ B) (`torch.bmm` over
-[groups, longest group, ...]) and one index_add into the base output. When padding to
-the longest group would waste much (a long prefill chunk beside decodes), it runs one
-shrink/expand pair per group instead (segments of the sorted tokens). No per-token Python.
+once per step, and cut into tiles of up to 8 rows of one slot. Each wrapped layer then makes
+one call of the fused C++ kernel (ops/csrc/lora_kernels.cpp, Punica's SGMV idea): per tile,
+the adapter's A and B are read once for its rows, x @ A (rank R, float sums) then @ B is
+added to the base output in place (no gathered copies, no index_add), and a fused layer's
+parts meet only their own block of B (q/k/v, gate/up: the zero blocks are never read).
+bfloat16 weights on a CPU with avx512_bf16 are kept packed for vdpbf16ps (`pack`: pairs of
+rows interleaved, B's zero blocks dropped); otherwise the AVX-512 / AVX2 FMA kernel reads the
+plain layouts. Without the kernel (no AVX2, no compiler, a GPU tensor, `use_kernel = False`)
+the PyTorch path runs: a gather of the groups' rows, one batched shrink and one batched
+expand (`torch.bmm` over [groups, longest group, ...]) and one index_add (one product pair
+per group when padding to the longest group would waste much). No per-token Python.
 
 Adapters are read (and checked) into a CPU cache of `max_cpu_loras` (LRU) on a loader
 thread when a request arrives (`prefetch`; the scheduler holds the request back, and runs
@@ -23,6 +29,9 @@ step.
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -30,7 +39,79 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedserve import envs
+from pagedserve.executor.cpp_build import load_extension
 from pagedserve.lora import FUSED_PARTS, TARGETS, BaseDims, LoRARequest, PEFTAdapter, load_peft_adapter
+
+_CSRC = os.path.join(os.path.dirname(__file__), "ops", "csrc")
+TILE = 8  # token rows per kernel tile (lora_impl.h's register blocking)
+# False: every step runs the PyTorch path below (tests and A/B measurements flip it)
+use_kernel = True
+
+
+@functools.cache
+def load_kernels():
+    """The fused shrink+expand module (ops/csrc/lora_kernels.cpp: AVX-512 or AVX2, chosen at
+    run time), or None (no compiler, no AVX2, PAGEDSERVE_NO_CPP_KERNELS=1): the PyTorch path."""
+    if envs.PAGEDSERVE_NO_CPP_KERNELS:
+        return None
+    try:
+        mod = load_extension("lora", [os.path.join(_CSRC, "lora_kernels.cpp")],
+                             headers=(os.path.join(_CSRC, "lora_impl.h"),),
+                             cflags=("-O3", "-fopenmp", "-fno-math-errno"), ldflags=("-fopenmp",),
+                             expected_seconds=25)
+    except Exception as e:  # noqa: BLE001 (any build failure means: the PyTorch path)
+        logging.getLogger(__name__).warning("pagedserve: LoRA kernels unavailable (%s); using PyTorch", e)
+        return None
+    return mod if mod.get_isa() > 0 else None
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+AVX512_BF16 = 3  # the kernels' level with vdpbf16ps (packed bf16 weights)
+
+
+def _kernel_for(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor):
+    ok = (use_kernel and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and a.dtype == x.dtype
+          and y.dtype in _KERNEL_DTYPES and x.stride(-1) == 1 and y.stride(-1) == 1)
+    return load_kernels() if ok else None
+
+
+def packs(dtype: torch.dtype, device: torch.device, in_features: int, rank: int, parts: int) -> bool:
+    """Whether a layer's slots are kept in the bf16 kernel's packed layouts (bf16 weights on a
+    CPU with avx512_bf16, even sizes); else the PyTorch path's [slots, in, R] / [slots, R, out]."""
+    if not use_kernel or dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
+    k = load_kernels()
+    return k is not None and k.get_isa() == AVX512_BF16 and in_features % 2 == 0 and rank % 2 == 0
+
+
+def pack(a: torch.Tensor, b: torch.Tensor, cols: list[int], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One slot's A [in, R] and B [R, out] (block-diagonal over the parts of `cols`) in the
+    kernel's layouts: A2 [in/2, R, 2] (pairs of input rows), B2 [RP/2, out, 2] with RP = rank
+    for a fused layer (each part's rank rows over its own columns: the zero blocks dropped),
+    else R."""
+    k, r = a.shape
+    a2 = a.reshape(k // 2, 2, r).transpose(1, 2)
+    parts = len(cols) - 1
+    if parts > 1:
+        b = torch.cat([b[p * rank : (p + 1) * rank, cols[p] : cols[p + 1]] for p in range(parts)], dim=1)
+    b2 = b.reshape(b.shape[0] // 2, 2, b.shape[1]).transpose(1, 2)
+    return a2, b2
+
+
+def unpack(a2: torch.Tensor, b2: torch.Tensor, cols: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack`'s inverse over every slot: [S, in, R] and [S, R, out] (a copy; the PyTorch path
+    over packed slots, when the kernel cannot run)."""
+    s, k2, r, _ = a2.shape
+    a = a2.transpose(2, 3).reshape(s, 2 * k2, r)
+    bc = b2.transpose(2, 3).reshape(s, 2 * b2.shape[1], b2.shape[2])
+    bounds = [int(c) for c in cols]
+    if len(bounds) == 2:
+        return a, bc
+    b = bc.new_zeros(s, r, bc.shape[2])
+    for p in range(len(bounds) - 1):
+        b[:, p * rank : (p + 1) * rank, bounds[p] : bounds[p + 1]] = bc[:, :, bounds[p] : bounds[p + 1]]
+    return a, b
 
 
 class LoRABatch:
@@ -42,6 +123,12 @@ class LoRABatch:
         slots, starts, counts = np.unique(token_slots[order], return_index=True, return_counts=True)
         g, longest, n = len(slots), int(counts.max()), len(order)
         self.rows = torch.from_numpy(order).to(device)  # token rows, grouped by slot
+        # the kernel's tiles: (slot, offset in rows, count <= TILE), every segment cut in TILEs
+        per = (counts + TILE - 1) // TILE
+        seg = np.repeat(np.arange(g), per)
+        off = (np.arange(len(seg)) - np.repeat(np.cumsum(per) - per, per)) * TILE
+        self.tiles = torch.from_numpy(np.stack(
+            [slots[seg], starts[seg] + off, np.minimum(TILE, counts[seg] - off)], axis=1).astype(np.int64))
         self.slots = torch.from_numpy(slots).to(device)
         self.padded = g * longest <= 2 * n + 16
         if self.padded:  # [g, longest] gather of rows (padding repeats a group's first row)
@@ -53,10 +140,22 @@ class LoRABatch:
         else:  # one product pair per group
             self.segments = [(int(s), int(a), int(a + c)) for s, a, c in zip(slots, starts, counts)]
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """y (the base output [T, out]) plus each token's adapter delta, in place."""
+    def apply(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              cols: torch.Tensor | None = None, rank: int = 0, packed: bool = False) -> torch.Tensor:
+        """y (the base output [T, out]) plus each token's adapter delta, in place. cols / rank:
+        the column bounds of a fused layer's parts and the rank of each (B block-diagonal: the
+        kernel skips the zero blocks); None: one part. packed: a and b in the bf16 kernel's
+        layouts (`pack`)."""
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
+        if cols is None:
+            cols = torch.tensor([0, y2.shape[1]], dtype=torch.int64)
+        k = _kernel_for(x2, y2, a)
+        if k is not None and (not packed or k.get_isa() == AVX512_BF16):
+            k.lora_apply_(x2, y2, a, b, self.rows, self.tiles, cols, rank, packed)
+            return y
+        if packed:
+            a, b = unpack(a, b, cols, rank)
         if self.padded:
             g, longest = self.shape
             a_g, b_g = (a, b) if g == a.shape[0] else (a.index_select(0, self.slots), b.index_select(0, self.slots))
@@ -89,28 +188,46 @@ class LoRALinear(nn.Module):
         self.part_outs = list(part_outs)
         self.rank = rank
         self.ref = ref
-        r = rank * len(part_outs)
-        self.register_buffer("lora_a", torch.zeros(slots, in_features, r, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(slots, r, sum(part_outs), dtype=dtype, device=device), persistent=False)
+        r, out = rank * len(part_outs), sum(part_outs)
+        self.cols = torch.tensor(np.cumsum([0, *part_outs]), dtype=torch.int64)  # the parts' column bounds
+        self.packed = packs(dtype, device, in_features, rank, len(part_outs))
+        if self.packed:  # the bf16 kernel's layouts (`pack`)
+            rp = r if len(part_outs) == 1 else rank
+            shapes = (slots, in_features // 2, r, 2), (slots, rp // 2, out, 2)
+        else:
+            shapes = (slots, in_features, r), (slots, r, out)
+        self.register_buffer("lora_a", torch.zeros(shapes[0], dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(shapes[1], dtype=dtype, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base.forward(x)
         batch = self.ref.batch
-        return y if batch is None else batch.apply(x, y, self.lora_a, self.lora_b)
+        if batch is None:
+            return y
+        return batch.apply(x, y, self.lora_a, self.lora_b, self.cols, self.rank, self.packed)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's A [slots, in, R] and B [slots, R, out] (B block-diagonal over the parts)."""
+        return unpack(self.lora_a, self.lora_b, self.cols, self.rank) if self.packed else (self.lora_a, self.lora_b)
 
     @torch.no_grad()
     def set_slot(self, slot: int, parts: list[tuple | None]) -> None:
         """Write one adapter's (A [r, in], B [out, r], scale) per part (None: not targeted)."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        n_in, r_all, dtype = self.lora_a.shape[1] * (2 if self.packed else 1), self.rank * len(self.part_outs), self.lora_a.dtype
+        a_s = torch.zeros(n_in, r_all, dtype=dtype, device=self.lora_a.device)
+        b_s = torch.zeros(r_all, sum(self.part_outs), dtype=dtype, device=self.lora_a.device)
         col = 0
         for p, (part, out) in enumerate(zip(parts, self.part_outs)):
             if part is not None:
                 a, b, scale = part[0], part[1], part[2]
                 r, lo = a.shape[0], p * self.rank
-                self.lora_a[slot, :, lo : lo + r] = a.t().to(self.lora_a.dtype)
-                self.lora_b[slot, lo : lo + r, col : col + out] = (b.float() * scale).t().to(self.lora_b.dtype)
+                a_s[:, lo : lo + r] = a.t().to(dtype)
+                b_s[lo : lo + r, col : col + out] = (b.float() * scale).t().to(dtype)
             col += out
+        if self.packed:
+            a_s, b_s = pack(a_s, b_s, self.cols.tolist(), self.rank)
+        self.lora_a[slot].copy_(a_s)
+        self.lora_b[slot].copy_(b_s)
 
 
 class LoRAManager:

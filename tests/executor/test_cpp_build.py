@@ -2,6 +2,7 @@
 wedged by a build that was killed (issue 31: an interrupted first start hung every later one)."""
 
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -114,4 +115,6 @@ def test_a_failed_build_leaves_nothing_behind(cache, tmp_path):
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_build_all_reports_every_module():
     """`make setup`'s step: every kernel module is found (built by it, or an earlier start)."""
-    assert cpp_build.build_all() == {"quant": True, "fused_ops": True, "attention": True}
+    flags = pathlib.Path("/proc/cpuinfo").read_text().split() if os.path.exists("/proc/cpuinfo") else []
+    avx2 = "avx2" in flags and "fma" in flags  # the LoRA kernels' floor (below it: the PyTorch path)
+    assert cpp_build.build_all() == {"quant": True, "fused_ops": True, "attention": True, "lora": avx2}

@@ -318,3 +318,104 @@ def test_llm_generate_per_prompt_adapters(adapters):
         LLM(path, enable_lora=True, max_lora_rank=8, skip_tokenizer_init=True, num_kv_blocks=16).generate(
             prompts[:1], sp, use_tqdm=False, lora_request=LoRARequest("all", 2, dirs["all"]))
     llm.shutdown()
+
+
+# -- the fused C++ shrink+expand (ops/csrc/lora_kernels.cpp) against the PyTorch path -------------
+KERNEL_ISAS = {"avx2": 1, "avx512": 2, "avx512_bf16": 3}
+
+
+def _lora_kernels_at(isa: str):
+    from pagedserve.executor import lora as xlora
+
+    k = xlora.load_kernels()
+    if k is None:
+        pytest.skip("LoRA kernels unavailable here (no compiler or no AVX2): the PyTorch path runs")
+    if not k.isa_available(KERNEL_ISAS[isa]):
+        pytest.skip(f"this CPU lacks {isa}")
+    return k
+
+
+def _delta_loop(ts, x, y, a, b):
+    """y + each token's (x @ A) @ B in float64, h rounded to x's dtype (as the bf16 products round it)."""
+    want = y.double().clone()
+    for t, s in enumerate(ts):
+        if s >= 0:
+            want[t] += (x[t].double() @ a[s].double()).to(x.dtype).double() @ b[s].double()
+    return want
+
+
+def _random_layer(in_features, part_outs, rank, dtype, slots=4):
+    lin = LoRALinear(torch.nn.Linear(in_features, sum(part_outs), bias=False).to(dtype), in_features, part_outs,
+                     slots, rank, _StepRef(), dtype, "cpu")
+    for s in range(slots):
+        r = rank - s % 2 * 2  # a rank under the max: zero-padded
+        lin.set_slot(s, [None if (s + p) % 3 == 2 else (torch.randn(r, in_features), torch.randn(o, r), 0.5, r)
+                         for p, o in enumerate(part_outs)])
+    return lin
+
+
+@pytest.mark.parametrize("isa", list(KERNEL_ISAS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_kernel_matches_the_pytorch_path(isa, dtype):
+    """Fused q/k/v-like and single-part layers, segments longer than a tile, base rows, ranks
+    under the max: the kernel's y equals the float64 loop (float32: to 1e-5; bfloat16: y's own
+    rounding) and is no further from it than the PyTorch path (bmm + index_add)."""
+    from pagedserve.executor import lora as xlora
+
+    k = _lora_kernels_at(isa)
+    torch.manual_seed(1)
+    prev = k.set_isa(KERNEL_ISAS[isa])
+    try:
+        for in_features, part_outs, rank in ((38, [30, 10, 10], 6), (24, [40], 4), (64, [100, 12], 16)):
+            lin = _random_layer(in_features, part_outs, rank, dtype)
+            assert lin.packed == (dtype == torch.bfloat16 and k.get_isa() == 3)
+            a, b = lin.weights()
+            for token_slots in ([2, -1, 0, 2, 3, -1, 0, 0], [1] * 19 + [0, 3, -1] + [2] * 9, [-1, 3]):
+                ts = np.array(token_slots)
+                x = torch.randn(len(ts), in_features).to(dtype)
+                lin.ref.batch = LoRABatch(ts, torch.device("cpu"))
+                got = lin(x).double()
+                xlora.use_kernel = False
+                try:
+                    ref = lin(x).double()
+                finally:
+                    xlora.use_kernel = True
+                want = _delta_loop(ts, x, lin.base(x), a, b)
+                scale = want.abs() + 1
+                err, ref_err = ((got - want).abs() / scale).max(), ((ref - want).abs() / scale).max()
+                assert err <= (1e-5 if dtype == torch.float32 else max(8e-3, ref_err)), (token_slots, err, ref_err)
+                assert (got - lin.base(x).double()).abs().max() > 0.1  # the delta is there
+    finally:
+        k.set_isa(prev)
+
+
+def test_bf16_runner_with_kernels_stays_as_close_to_peft(adapters):
+    """A bfloat16 runner (the packed bf16 kernel where the CPU has avx512_bf16, else the AVX
+    kernel or PyTorch): mixed adapters in chunked prefill steps, logits against PEFT in
+    float32, no further off than the same runner on the PyTorch path."""
+    from pagedserve.executor import lora as xlora
+
+    path, dirs = adapters
+    model = hf_with_adapters(path, dirs)
+    cfg = ModelConfig.from_hf_dict(load_hf_config_dict(path))
+    runner = ModelRunner(path, cfg, dtype="bfloat16", device="cpu",
+                         lora=LoRAConfig(enable_lora=True, max_loras=3, max_lora_rank=16))
+    runner.initialize_kv_cache(200, 16)
+    jobs = _jobs(dirs, [(7 * i + 2) % 1000 for i in range(10)], max_tokens=1)
+    errs = {}
+    for use in (True, False):
+        xlora.use_kernel = use
+        try:
+            reqs, logits_at, _ = drive(runner, jobs)
+        finally:
+            xlora.use_kernel = True
+        worst = 0.0
+        for rid, r in reqs.items():
+            name = r.lora_request.lora_name if r.lora_request else None
+            ref = hf_logits(model, name, r.all_token_ids)
+            worst = max(worst, max((logits_at[(q, p)].float() - ref[p]).abs().max().item()
+                                   for (q, p) in logits_at if q == rid))
+        errs[use] = worst
+    off = (hf_logits(model, "all", jobs[1][1]) - hf_logits(model, None, jobs[1][1])).abs().max().item()
+    assert errs[True] <= 1.25 * errs[False] + 1e-3, errs
+    assert errs[True] < off / 4, (errs, off)  # bf16 rounding, not a lost adapter
