@@ -51,6 +51,10 @@ VARIABLES: dict[str, EnvVar] = {
         _flag("PAGEDSERVE_NO_FUSED_OPS"),
         "1: the fused elementwise ops run their PyTorch references (other C++ kernels stay); for A/B runs",
     ),
+    "PAGEDSERVE_NO_ONEDNN_PACK": EnvVar(
+        _flag("PAGEDSERVE_NO_ONEDNN_PACK"),
+        "1: float linears and MoE experts call F.linear on plain weights, not oneDNN's pre-packed ones; for A/B runs",
+    ),
     "PAGEDSERVE_CPU_ISA": EnvVar(
         _str("PAGEDSERVE_CPU_ISA", "auto"),
         "packed-weight kernels: force one path (scalar | avx2 | avx512 ...; auto: the best this CPU has)",

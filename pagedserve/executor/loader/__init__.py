@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from pagedserve.executor.attention.backend import AttentionBackend
 from pagedserve.executor.model_config import ModelConfig
@@ -92,8 +93,21 @@ def build_model(
         for mod in model.modules():  # MoE experts (stacked tensors, not nn.Linear)
             if isinstance(mod, FusedExperts):
                 mod.quantize(QUANTIZERS[quant])
-    elif quant == "none" and dtype == torch.float32 and device.type == "cpu":
-        from pagedserve.executor.quant.layers import use_float_kernels
-
-        use_float_kernels(model)  # 12-128-row products on the blocked kernel (AVX2)
+    elif quant == "none" and device.type == "cpu":
+        _cpu_float_linears(model, dtype)
     return model.eval()
+
+
+def _cpu_float_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    """float32 on AVX2: the blocked kernel's 12-128-row products (FloatLinear); the other
+    float layers and MoE experts on oneDNN's pre-packed weights."""
+    from pagedserve.executor.models.moe import FusedExperts
+    from pagedserve.executor.onednn_linear import pack_linears
+    from pagedserve.executor.quant.layers import use_float_kernels
+
+    if dtype == torch.float32:
+        use_float_kernels(model)
+    pack_linears(model)
+    for mod in model.modules():
+        if isinstance(mod, FusedExperts):
+            mod.pack_onednn()

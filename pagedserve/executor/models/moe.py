@@ -56,6 +56,8 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.q13: nn.ModuleList | None = None
         self.q2: nn.ModuleList | None = None
+        self.p13: list[torch.Tensor] | None = None  # oneDNN's pre-packed float experts (pack_onednn)
+        self.p2: list[torch.Tensor] | None = None
 
     def _packed_layers(self) -> None:
         from pagedserve.executor.quant.layers import QuantLinear
@@ -86,6 +88,31 @@ class FusedExperts(nn.Module):
         self.drop_float()
         return True
 
+    def pack_onednn(self) -> bool:
+        """Float experts on oneDNN's pre-packed weights (onednn_linear: 1.3-1.9x F.linear at
+        the 1-32 rows an expert sees a decode step); the plain tensors are then dropped."""
+        from pagedserve.executor import onednn_linear as od
+
+        w = self.w13
+        if self.q13 is not None or w.device.type != "cpu" or w[0].numel() < od.MIN_ELEMENTS or not od.available(w.dtype):
+            return False
+        pack_weight = od.pack_weight
+        self.p13 = [pack_weight(self.w13[e]) for e in range(self.num_experts)]
+        self.p2 = [pack_weight(self.w2[e]) for e in range(self.num_experts)]
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+        return True
+
+    def _expert(self, e: int, seg: torch.Tensor, kern) -> torch.Tensor:
+        """Expert e's MLP over its rows."""
+        if self.q13 is not None:
+            return self.q2[e].forward(act_and_mul(self.q13[e].forward(seg), kern))
+        if self.p13 is not None:
+            from pagedserve.executor.onednn_linear import packed_linear
+
+            return packed_linear(act_and_mul(packed_linear(seg, self.p13[e], None), kern), self.p2[e], None)
+        return F.linear(act_and_mul(F.linear(seg, self.w13[e]), kern), self.w2[e])
+
     def drop_float(self) -> None:
         """After packing: the float tensors are not used (nor kept in memory)."""
         if self.q13 is not None:
@@ -102,16 +129,10 @@ class FusedExperts(nn.Module):
         xs = x.index_select(0, order // k)  # each pair's token
         ys = torch.empty_like(xs)
         start = 0
-        packed = self.q13 is not None
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            seg = xs[start : start + n]
-            if packed:
-                ys[start : start + n] = self.q2[e].forward(act_and_mul(self.q13[e].forward(seg), kern))
-            else:
-                ys[start : start + n] = F.linear(act_and_mul(F.linear(seg, self.w13[e]), kern), self.w2[e])
-            start += n
+            if n:
+                ys[start : start + n] = self._expert(e, xs[start : start + n], kern)
+                start += n
         # back to (token, choice) order by a gather (a scatter-add is ~30 ms for two rows on
         # a busy 2-core machine: OpenMP waits), then each token's k outputs weighted and summed
         pairs = ys.index_select(0, torch.argsort(order)).view(x.shape[0], k, -1)

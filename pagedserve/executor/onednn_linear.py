@@ -1,0 +1,88 @@
+"""Float linears on oneDNN with the weight pre-packed once at load (vLLM CPU's `onednn_mm`
+idea, through PyTorch's own `mkldnn._reorder_linear_weight` / `_linear_pointwise`).
+
+`F.linear` on a CPU hands oneDNN (or the BLAS) a plain [N, K] weight on every call, which
+it re-reads in its plain layout; the pre-packed weight is in the blocked layout oneDNN's
+kernels stream. Measured on a 2-vCPU Zen 4 (BENCHMARKS section 32): bfloat16 1.5-2x at 1-8
+rows with weights streamed from memory (decode), 1.1-1.3x at 64 rows, about equal at long
+prefill chunks; float32 1.4-3x at every row count. Layers under `MIN_ELEMENTS` weights stay
+on `F.linear` (the packed call's fixed cost is larger than their product).
+
+Invariants: the products are the same as `F.linear`'s up to the order of float sums (bf16:
+the same bits in every case measured); after `pack_linears` the module's `weight` is a
+0-element tensor of the same dtype unless another module shares it (a tied LM head keeps
+the embedding's), so the model holds each weight once; `in_features` / `out_features` and
+`bias` are unchanged. Only CPU tensors of float32 / bfloat16 (bf16 where oneDNN has it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve import envs
+
+MIN_ELEMENTS = 1 << 18  # N * K; e.g. 512 x 512
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether this PyTorch build's oneDNN runs pre-packed products in `dtype` here."""
+    if envs.PAGEDSERVE_NO_ONEDNN_PACK or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+def pack_weight(w: torch.Tensor, rows_hint: int = 8) -> torch.Tensor:
+    """[N, K] float weight -> oneDNN's packed tensor (layout chosen for ~rows_hint rows)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), rows_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] (the packed weight's dtype) -> [..., N]."""
+    if x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class OneDNNLinear(nn.Linear):
+    """An nn.Linear whose forward runs on the pre-packed weight (`packed`, set by `pack`)."""
+
+    packed: torch.Tensor
+
+    def pack(self, keep_weight: bool) -> None:
+        self.packed = pack_weight(self.weight)
+        self.pack_dtype = self.weight.dtype
+        if not keep_weight:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.pack_dtype:  # e.g. float32 activations into a bf16 layer
+            return packed_linear(x.to(self.pack_dtype), self.packed, self.bias).to(x.dtype)
+        return packed_linear(x, self.packed, self.bias)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Turn the CPU model's plain float nn.Linear layers (at least MIN_ELEMENTS weights, a
+    dtype oneDNN packs) into OneDNNLinear; returns how many. Call once, after loading and
+    before the first step (the lean decode loop binds the modules' forward then)."""
+    shared: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            shared[id(p)] = shared.get(id(p), 0) + 1
+    n = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if (
+            type(mod) is nn.Linear
+            and w.device.type == "cpu"
+            and w.numel() >= MIN_ELEMENTS
+            and available(w.dtype)
+        ):
+            mod.__class__ = OneDNNLinear
+            mod.pack(keep_weight=shared[id(w)] > 1)
+            n += 1
+    return n
+

@@ -1,0 +1,76 @@
+"""oneDNN's pre-packed float linears: the same products as F.linear, weights held once,
+and whole models (dense and MoE) still equal to transformers with every layer packed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.executor import onednn_linear as od
+from pagedserve.executor.models.moe import FusedExperts
+from tests.checkpoints import load_hf
+from tests.executor.test_model_parity import check_against_hf, drive, make_runner
+
+DTYPES = [d for d in (torch.float32, torch.bfloat16) if od.available(d)]
+pytestmark = pytest.mark.skipif(not DTYPES, reason="this PyTorch build's oneDNN packs no float dtype here")
+
+
+def tol(dtype):
+    """float32: the same products summed in another order; bf16: assert_close's own bound."""
+    return {"atol": 2e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(100, 72), (513, 640)])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_product_equals_f_linear(dtype, n, k, rows):
+    torch.manual_seed(n + rows)
+    w, b = torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    x = torch.randn(2, rows, k, dtype=dtype)  # a leading batch dimension too
+    got = od.packed_linear(x, od.pack_weight(w), b)
+    assert got.shape == (2, rows, n)
+    torch.testing.assert_close(got, F.linear(x, w, b), **tol(dtype))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1024, 512)
+        self.head = nn.Linear(512, 1024, bias=False)
+        self.head.weight = self.embed.weight
+        self.proj = nn.Linear(512, 512)
+        self.small = nn.Linear(64, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_linears_holds_each_weight_once(dtype):
+    m = Tied().to(dtype)
+    x = torch.randn(3, 512, dtype=dtype)
+    want_head, want_proj = m.head(x), m.proj(x)
+    assert od.pack_linears(m) == 2
+    assert type(m.small) is nn.Linear  # under MIN_ELEMENTS: F.linear stays
+    assert m.proj.weight.numel() == 0  # its own weight: dropped once packed
+    assert m.head.weight is m.embed.weight and m.embed.weight.numel() == 1024 * 512  # shared: kept
+    torch.testing.assert_close(m.head(x), want_head, **tol(dtype))
+    torch.testing.assert_close(m.proj(x), want_proj, **tol(dtype))
+    torch.testing.assert_close(m.proj(x.float()), want_proj.float(), atol=0.05, rtol=0.02)  # other dtype in
+
+
+def test_the_variable_turns_it_off(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_NO_ONEDNN_PACK", "1")
+    assert od.pack_linears(Tied()) == 0
+
+
+@pytest.mark.skipif(torch.float32 not in DTYPES, reason="oneDNN does not pack float32 here")
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_a_model_with_every_layer_packed_matches_transformers(checkpoint, arch, monkeypatch):
+    monkeypatch.setattr(od, "MIN_ELEMENTS", 0)  # the tiny checkpoint's layers too
+    monkeypatch.setattr("pagedserve.executor.quant.kernels.has_many_rows_kernel", lambda: False)  # no FloatLinear
+    path = checkpoint(arch)
+    runner = make_runner(path, 16)
+    mods = list(runner.model.modules())
+    assert sum(type(m) is od.OneDNNLinear for m in mods) >= 2 * len(runner.model.layers)
+    assert all(m.p13 is not None for m in mods if isinstance(m, FusedExperts))
+    prompts = [[(7 * i + 3) % 1000 for i in range(37)], [5, 6, 7]]
+    reqs, logits_at, _ = drive(runner, prompts, 8, 16, budget=16)  # chunked prefill beside decode
+    check_against_hf(load_hf(path), reqs, logits_at)
