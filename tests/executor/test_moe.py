@@ -120,6 +120,9 @@ def test_experts_run_once_per_step_over_their_tokens(monkeypatch):
             gate, up = (x[i] @ experts.w13[ex].T).chunk(2)
             ref[i] += weights[i, j] * ((torch.nn.functional.silu(gate) * up) @ experts.w2[ex].T)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for i in (0, 8):  # one token (batch-1 decode's path, no sort): the same sums
+        torch.testing.assert_close(experts.forward(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]), ref[i : i + 1],
+                                   rtol=1e-5, atol=1e-5)
 
 
 def _moe_config(**extra):

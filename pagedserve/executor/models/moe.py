@@ -123,6 +123,9 @@ class FusedExperts(nn.Module):
         """x [T, H], the routing weights and expert ids [T, k] -> sum_j weights[t, j] *
         expert_{ids[t, j]}(x[t]), [T, H]."""
         k = ids.shape[1]
+        if x.shape[0] == 1:  # batch-1 decode: no sort or gathers, the same sums
+            pairs = torch.cat([self._expert(e, x, kern) for e in ids[0].tolist()]).view(1, k, -1)
+            return self._weighted_sum(pairs, weights, x.dtype)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -136,8 +139,13 @@ class FusedExperts(nn.Module):
         # back to (token, choice) order by a gather (a scatter-add is ~30 ms for two rows on
         # a busy 2-core machine: OpenMP waits), then each token's k outputs weighted and summed
         pairs = ys.index_select(0, torch.argsort(order)).view(x.shape[0], k, -1)
+        return self._weighted_sum(pairs, weights, x.dtype)
+
+    @staticmethod
+    def _weighted_sum(pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """pairs [T, k, H] (each token's k expert outputs) -> [T, H] weighted by weights [T, k]."""
         w = weights[..., None]
-        pairs = (pairs.float() * w).to(x.dtype) if w.dtype != x.dtype else pairs * w
+        pairs = (pairs.float() * w).to(dtype) if w.dtype != dtype else pairs * w
         return pairs.sum(dim=1)
 
 
