@@ -196,6 +196,11 @@ class ModelRunner:
         sample_states = [inp.states[i] for i in rows]
         plain_greedy = all(s.plain_greedy for s in sample_states)
         batch = make_sampling_batch(sample_states, self.vocab_size, self.device) if rows and not plain_greedy else None
+        keep = self._last_token_rows(inp, pooled) if len(pooled) == len(inp.order) else None
+        if keep is not None:  # a step of last-token pooling only: the prompts' last rows
+            out = ModelRunnerOutput(sampled_token_ids={})
+            self._pool_rows(inp, self._forward(inp, torch.tensor(keep, dtype=torch.int64, device=self.device)), out)
+            return out
         hidden = self._forward(inp)
         out = ModelRunnerOutput(sampled_token_ids={})
         collect_prompt_logprobs(self.model, inp.order, inp.states, inp.cu, hidden, out)
@@ -219,7 +224,23 @@ class ModelRunner:
             if sr.sample:
                 out.pooled[sr.req_id] = self.pooler.finish(sr.req_id, hidden[b - 1], p.dimensions, p.normalize)
 
-    def _forward(self, inp: StepInputs) -> torch.Tensor:
+    def _last_token_rows(self, inp: StepInputs, pooled: list[int]) -> list[int] | None:
+        """With last-token pooling and no adapters: the rows of the step's prompts that end
+        here (the only hidden states read), else None (every row is computed)."""
+        if self.lora is not None or self.pooler.config.pooling_type != "last":
+            return None
+        if any(st.params.prompt_logprobs is not None for st in inp.states):
+            return None
+        return [int(inp.cu[i + 1]) - 1 for i in pooled if inp.order[i].sample]
+
+    def _pool_rows(self, inp: StepInputs, last: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Last-token pooling from `last`: one hidden state per prompt ending this step, in order."""
+        ends = [i for i, sr in enumerate(inp.order) if sr.sample]
+        for j, i in enumerate(ends):
+            sr, p = inp.order[i], inp.states[i].params.pooling
+            out.pooled[sr.req_id] = self.pooler.finish(sr.req_id, last[j], p.dimensions, p.normalize)
+
+    def _forward(self, inp: StepInputs, keep: torch.Tensor | None = None) -> torch.Tensor:
         if self.lora is not None:  # each token's adapter, grouped for the step
             self.lora.begin_step([st.lora_request for st in inp.states], np.diff(inp.cu))
             try:
@@ -230,7 +251,9 @@ class ModelRunner:
         if self.graph_runner is not None and m.num_decodes == m.num_reqs:
             hidden = self.graph_runner.run(inp.input_ids, inp.positions, m.slot_mapping, m.block_tables, m.seq_lens)
             if hidden is not None:
-                return hidden
+                return hidden if keep is None else hidden.index_select(0, keep)
+        if keep is not None:
+            return self.model(inp.input_ids, inp.positions, self.kv_caches, m, keep=keep)
         return self.model(inp.input_ids, inp.positions, self.kv_caches, m)
 
     def _sample(self, so, inp: StepInputs, hidden, rows, sample_states, batch, out: ModelRunnerOutput) -> None:

@@ -179,3 +179,66 @@ def test_cpp_decode_sliding_window_and_softcap(dtype, tol, window, softcap, head
         full = kernels.paged_decode(q, kc, vc, clean, lens_t, d**-0.5, 0, softcap or 0.0)
         if max(lens) > window:
             assert (full.float() - ref.float()).abs().max().item() > tol  # the window matters
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_causal_kernel_matches_float64_sdpa(dtype, heads, kv_heads, d, threads):
+    """Fresh prompts (lengths around the kernel's 16-row and 16-key blocks), q/k/v as strided
+    views of one fused QKV row: each within the error of SDPA in the same dtype, against SDPA
+    in float64; rows outside the listed sequences untouched."""
+    g = torch.Generator().manual_seed(heads * d + threads)
+    lens = [1, 15, 16, 17, 33, 70]
+    starts = [3]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n + 2)  # gaps: rows the kernel must leave alone
+    t = starts[-1] + lens[-1] + 1
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    q = qkv[:, : heads * d].view(t, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+    out = torch.full((t, heads, d), 7.0, dtype=dtype)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.prefill_causal(q, k, v, out, torch.tensor(starts), torch.tensor(lens), d**-0.5)
+    finally:
+        torch.set_num_threads(prev)
+    touched = torch.zeros(t, dtype=torch.bool)
+    for s, n in zip(starts, lens):
+        touched[s : s + n] = True
+        rows = [x[s : s + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(r.double() for r in rows), is_causal=True, scale=d**-0.5, enable_gqa=True
+        )[0].transpose(0, 1)
+        same_dtype = torch.nn.functional.scaled_dot_product_attention(
+            *rows, is_causal=True, scale=d**-0.5, enable_gqa=True
+        )[0].transpose(0, 1)
+        err = (out[s : s + n].double() - ref).abs().max().item()
+        bound = (same_dtype.double() - ref).abs().max().item()
+        assert err <= max(bound * 1.5, 2e-6), (n, err, bound)
+    assert torch.equal(out[~touched], torch.full_like(out[~touched], 7.0))
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+def test_fresh_prefills_take_the_kernel_beside_context_chunks_and_decodes():
+    """A step of decodes, a short query, chunks over a cached prefix and fresh prompts: the
+    fresh ones go through prefill_causal, the rest as before, and the whole equals the SDPA
+    reference backend."""
+    g = torch.Generator().manual_seed(5)
+    bs, nb, heads, kv_heads, d = 16, 96, 8, 2, 64
+    reqs = [(40, 1), (3, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
+    meta = _mixed_meta(reqs, bs, nb, g)
+    t = meta.num_tokens
+    q = torch.randn(t, heads, d, generator=g)
+    k, v = torch.randn(t, kv_heads, d, generator=g), torch.randn(t, kv_heads, d, generator=g)
+    kc0 = torch.randn(nb, bs, kv_heads, d, generator=g)
+    vc0 = torch.randn(nb, bs, kv_heads, d, generator=g)
+    ref = TorchAttentionBackend().forward(q, k, v, kc0.clone(), vc0.clone(), meta, d**-0.5)
+    meta2 = _mixed_meta(reqs, bs, nb, torch.Generator().manual_seed(5))
+    out = TorchAttentionBackend(use_cpp_decode=True).forward(q, k, v, kc0.clone(), vc0.clone(), meta2, d**-0.5)
+    starts, lens, others = meta2.backend_cache["fresh"]
+    assert lens.tolist() == [30, 17, 64] and others == [4]  # (20, 33): over its cached prefix
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

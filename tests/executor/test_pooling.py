@@ -69,6 +69,21 @@ def test_embeddings_match_transformers(path, reference, kind, budget):
     llm.shutdown()
 
 
+def test_last_token_pooling_runs_the_last_mlp_on_the_last_rows_only(path, reference):
+    """A step of last-token pooling reads one hidden state per finished prompt: the last
+    layer's MLP sees just those rows (chunks that end no prompt: none), the vectors unchanged."""
+    llm = LLM(path, runner="pooling", max_num_batched_tokens=64, engine_core_process=False, **KW)
+    mlp = llm.engine.core.engine_core.executor.runner.model.layers[-1].mlp
+    rows, forward = [], mlp.forward
+    mlp.forward = lambda x, kern=None: rows.append(x.shape[0]) or forward(x, kern)
+    outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        assert close(o.outputs.embedding, pooled(reference(p), "last"))
+    # 152 prompt tokens in steps of <= 64: every prompt's last row once, nothing else
+    assert sum(rows) == len(PROMPTS) and max(rows) < 64
+    llm.shutdown()
+
+
 def test_sentence_transformers_files_pick_the_pooling(path, reference, tmp_path):
     d = tmp_path / "st"
     shutil.copytree(path, d)

@@ -17,6 +17,7 @@ from pagedserve.executor.cpp_build import load_extension
 logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+_HEADERS = (os.path.join(os.path.dirname(__file__), "csrc", "prefill_causal.h"),)
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 
@@ -25,7 +26,7 @@ def load():
     if envs.PAGEDSERVE_NO_CPP_KERNELS:
         return None
     try:
-        return load_extension("attention", [_SRC], cflags=_CFLAGS, ldflags=("-fopenmp",), expected_seconds=35)
+        return load_extension("attention", [_SRC], headers=_HEADERS, cflags=_CFLAGS, ldflags=("-fopenmp",), expected_seconds=35)
     except Exception as e:  # noqa: BLE001 (any build failure means: use the fallback)
         logger.warning("pagedserve: C++ CPU kernels unavailable (%s); using the PyTorch path", e)
         return None

@@ -74,6 +74,13 @@ def short_query_rows(
     return (tok, bt, torch.tensor(lens, dtype=torch.int64, device=dev)), rest
 
 
+def _fresh_prefill_ok(q, k, v, k_cache) -> bool:
+    """The C++ prefill kernel's preconditions: head_dim 64 or 128, rows of contiguous heads,
+    K/V cached in the model's dtype (a narrower cache attends to K/V as stored: the SDPA path)."""
+    d = q.shape[-1]
+    return d in (64, 128) and k_cache.dtype == q.dtype and all(x.stride(-1) == 1 and x.stride(-2) == d for x in (q, k, v))
+
+
 class TorchAttentionBackend(AttentionBackend):
     """`use_cpp_decode`: decode through the C++ kernel (cpu_kernels.py) when it builds; it
     reads K/V in place through the block table instead of gathering a copy (2-3x faster)."""
@@ -156,12 +163,30 @@ class TorchAttentionBackend(AttentionBackend):
             if short is not None:
                 tok, bt, lens = short
                 out.index_copy_(0, tok, cpp.paged_decode(q.index_select(0, tok), k_cache, v_cache, bt, lens, scale, w, c))
+        if cpp is not None and rest and not w and not c and _fresh_prefill_ok(q, k, v, k_cache):
+            rest = self._fresh_prefills(q, k, v, out, meta, rest, scale)
         for r in rest:
             s, e = qsl[r], qsl[r + 1]
             out[s:e] = self._prefill(
                 q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[r], sl[r], scale, window, softcap
             )
         return out
+
+    def _fresh_prefills(self, q, k, v, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
+        """The requests of `rest` with no cached context (a prompt's first chunk: causal over
+        its own rows) attended in one C++ call (csrc/prefill_causal.h) into `out`; returns
+        the others. The split is worked out once per step."""
+        if "fresh" not in meta.backend_cache:
+            qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
+            fresh = [r for r in rest if sl[r] == qsl[r + 1] - qsl[r]]
+            others = [r for r in rest if sl[r] != qsl[r + 1] - qsl[r]]
+            starts = torch.tensor([qsl[r] for r in fresh], dtype=torch.int64)
+            lens = torch.tensor([sl[r] for r in fresh], dtype=torch.int64)
+            meta.backend_cache["fresh"] = (starts, lens, others)
+        starts, lens, others = meta.backend_cache["fresh"]
+        if len(starts):
+            self._cpp.prefill_causal(q, k, v, out, starts, lens, scale)
+        return others
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None, softcap=None) -> torch.Tensor:

@@ -162,6 +162,20 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_forward(x, residual, kern)
         return self.mlp.forward(x, kern), residual
 
+    def forward_rows(self, x, residual, cos, sin, kv_cache, meta, kern, keep: torch.Tensor):
+        """`forward` as the last layer when only rows `keep` of its output are read: attention
+        (so every row's K/V) over all rows, the rest over the kept rows only."""
+        if residual is None:
+            x, residual = self.input_layernorm(x, kern), x
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual, kern)
+        x = self.self_attn.forward(x, cos, sin, kv_cache, meta, kern)
+        x, residual = x.index_select(0, keep), residual.index_select(0, keep)
+        if not len(keep):  # a step of chunks that end no prompt: the K/V were all it was for
+            return x, residual
+        x, residual = self.post_attention_layernorm.add_forward(x, residual, kern)
+        return self.mlp.forward(x, kern), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """Also Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm): the differences are config
@@ -232,7 +246,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:  # hidden states [T, E] after the final norm
+        """`keep` (int64 row indices, maybe empty): only those rows' hidden states are returned
+        ([len(keep), E]); with the family's plain decoder layers the last layer's MLP then runs
+        on those rows alone (a pooling step reads one row per finished prompt)."""
         x = self._embed(input_ids)
         kern = ops.kernels_for(x) if self.use_fused_ops else None
         rope = self._cos_sin(positions, x.dtype, meta)
@@ -241,10 +259,19 @@ class LlamaForCausalLM(nn.Module):
             plan = self._lean_plan()
             rows = plan[1](meta) if plan is not None else None
             if rows is not None:  # decode-only, or short queries only (speculative verification)
-                return self._decode_lean(plan, metas, x, rope[0], kv_caches, kern)
-        residual = None
-        for layer, kv, g, r in zip(self.layers, kv_caches, self.kv_group_of_layer, self.layer_rope):
-            x, residual = layer.forward(x, residual, *rope[r], kv, metas[g], kern)
+                h = self._decode_lean(plan, metas, x, rope[0], kv_caches, kern)
+                return h if keep is None else h.index_select(0, keep)
+        residual, last = None, len(self.layers) - 1
+        prune = keep is not None and type(self.layers[last]) is DecoderLayer
+        for i, (layer, kv, g, r) in enumerate(zip(self.layers, kv_caches, self.kv_group_of_layer, self.layer_rope)):
+            if prune and i == last:
+                x, residual = layer.forward_rows(x, residual, *rope[r], kv, metas[g], kern, keep)
+            else:
+                x, residual = layer.forward(x, residual, *rope[r], kv, metas[g], kern)
+        if keep is not None and not prune:
+            x, residual = x.index_select(0, keep), residual.index_select(0, keep)
+        if keep is not None and not len(keep):
+            return x
         return self.norm.add_forward(x, residual, kern)[0]
 
     def _lean_plan(self):

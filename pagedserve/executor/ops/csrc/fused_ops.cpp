@@ -42,24 +42,113 @@ void for_rows(int64_t rows, int64_t row_elems, F fn) {
   }
 }
 
+// ---- vectors ---------------------------------------------------------------------------
+// GCC/Clang vector extensions as wide as the target's registers (16 float lanes with
+// AVX-512, 8 with AVX/AVX2, 4 otherwise): one source serves every ISA.
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+#elif defined(__AVX__)
+constexpr int64_t W = 8;
+#else
+constexpr int64_t W = 4;
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+inline vf splat(float x) { return vf{} + x; }
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+
+// W values of a row as floats / W floats stored as T. bfloat16 through bit operations (c10's
+// conversions are the same arithmetic: round to nearest even, NaN -> 0x7FC0), which the
+// compiler keeps in vector registers; c10's scalar conversions stay scalar in these loops.
+template <typename T>
+inline vf load_w(const T* p) {
+  vf v;
+  for (int k = 0; k < W; ++k) v[k] = static_cast<float>(p[k]);
+  return v;
+}
+template <>
+inline vf load_w(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <>
+inline vf load_w(const c10::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+template <typename T>
+inline void store_w(T* p, const vf& v) {
+  for (int k = 0; k < W; ++k) p[k] = static_cast<T>(v[k]);
+}
+template <>
+inline void store_w(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
+template <>
+inline void store_w(c10::BFloat16* p, const vf& v) {
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const vu nan = reinterpret_cast<vu>(v != v);  // all ones where NaN
+  rounded = (rounded & ~nan) | (nan & 0x7FC0u);
+  const vh h = __builtin_convertvector(rounded, vh);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// x rounded to T and back (a no-op for float)
+template <typename T>
+inline vf round_w(const vf& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    T tmp[W];
+    store_w(tmp, x);
+    return load_w(tmp);
+  }
+}
+
 // ---- RMSNorm ------------------------------------------------------------------------
+// sum of squares over a row: W partial sums, then the lanes (a fixed order per row length)
+inline float sum_lanes(const vf& acc) {
+  float ss = 0.f;
+  for (int k = 0; k < W; ++k) ss += acc[k];
+  return ss;
+}
+
+// o[j] = T(w[j] * T(x[j] * inv)) over a row (transformers' two roundings)
+template <typename T>
+inline void scale_row(T* o, const T* x, const T* w, int64_t e, float inv) {
+  int64_t j = 0;
+  for (; j + W <= e; j += W) store_w(o + j, load_w(w + j) * round_w<T>(load_w(x + j) * inv));
+  for (; j < e; ++j) o[j] = r<T>(f(w[j]) * f(r<T>(f(x[j]) * inv)));
+}
+
 template <typename T>
 void add_rms_norm_kernel(T* x, T* res, const T* w, int64_t rows, int64_t e, int64_t sx, int64_t sr, float eps) {
   for_rows(rows, e, [&](int64_t b, int64_t end) {
     for (int64_t i = b; i < end; ++i) {
       T* xi = x + i * sx;
       T* ri = res + i * sr;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < e; ++j) {
-        const T h = r<T>(f(xi[j]) + f(ri[j]));  // the residual sum, rounded to the dtype
-        ri[j] = h;
-        const float hf = f(h);
-        ss += hf * hf;
+      vf acc = splat(0.f);
+      int64_t j = 0;
+      for (; j + W <= e; j += W) {
+        const vf h = round_w<T>(load_w(xi + j) + load_w(ri + j));  // the residual sum, rounded to the dtype
+        store_w(ri + j, h);
+        acc += h * h;
       }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(e) + eps);
-#pragma omp simd
-      for (int64_t j = 0; j < e; ++j) xi[j] = r<T>(f(w[j]) * f(r<T>(f(ri[j]) * inv)));
+      float ss = sum_lanes(acc);
+      for (; j < e; ++j) {
+        const T h = r<T>(f(xi[j]) + f(ri[j]));
+        ri[j] = h;
+        ss += f(h) * f(h);
+      }
+      scale_row(xi, ri, w, e, 1.f / std::sqrt(ss / static_cast<float>(e) + eps));
     }
   });
 }
@@ -69,13 +158,15 @@ void rms_norm_kernel(T* out, const T* x, const T* w, int64_t rows, int64_t e, in
   for_rows(rows, e, [&](int64_t b, int64_t end) {
     for (int64_t i = b; i < end; ++i) {
       const T* xi = x + i * sx;
-      T* oi = out + i * e;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < e; ++j) ss += f(xi[j]) * f(xi[j]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(e) + eps);
-#pragma omp simd
-      for (int64_t j = 0; j < e; ++j) oi[j] = r<T>(f(w[j]) * f(r<T>(f(xi[j]) * inv)));
+      vf acc = splat(0.f);
+      int64_t j = 0;
+      for (; j + W <= e; j += W) {
+        const vf v = load_w(xi + j);
+        acc += v * v;
+      }
+      float ss = sum_lanes(acc);
+      for (; j < e; ++j) ss += f(xi[j]) * f(xi[j]);
+      scale_row(out + i * e, xi, w, e, 1.f / std::sqrt(ss / static_cast<float>(e) + eps));
     }
   });
 }
@@ -126,19 +217,6 @@ void rotary_kernel(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row
 }
 
 // ---- SiLU-and-multiply ----------------------------------------------------------------
-// GCC/Clang vector extensions as wide as the target's registers (16 float lanes with
-// AVX-512, 8 with AVX/AVX2, 4 otherwise): one source serves every ISA.
-#if defined(__AVX512F__)
-constexpr int64_t W = 16;
-#elif defined(__AVX__)
-constexpr int64_t W = 8;
-#else
-constexpr int64_t W = 4;
-#endif
-typedef float vf __attribute__((vector_size(W * 4)));
-typedef int32_t vi __attribute__((vector_size(W * 4)));
-
-inline vf splat(float x) { return vf{} + x; }
 
 template <typename V>
 inline V exp_cephes(V x) {  // Cephes expf, ~2 ulp over [-87.3, 88.3] (clamped outside)
@@ -168,18 +246,8 @@ inline float exp_scalar(float x) {  // the same polynomial, one lane (row tails)
 }
 
 template <typename T>
-inline void loadv(vf& v, const T* p) {
-  for (int k = 0; k < W; ++k) v[k] = f(p[k]);
-}
-inline void loadv(vf& v, const float* p) { std::memcpy(&v, p, sizeof v); }
-
-template <typename T>
 inline void store_silu_mul(T* o, const vf& act, const vf& u) {
-  for (int k = 0; k < W; ++k) o[k] = r<T>(f(r<T>(act[k])) * u[k]);  // silu(gate) rounded to T
-}
-inline void store_silu_mul(float* o, const vf& act, const vf& u) {
-  const vf res = act * u;
-  std::memcpy(o, &res, sizeof res);
+  store_w(o, round_w<T>(act) * u);  // silu(gate) rounded to T
 }
 
 template <typename T>
@@ -191,9 +259,7 @@ void silu_mul_kernel(T* out, const T* gu, int64_t rows, int64_t inter, int64_t s
       T* o = out + i * inter;
       int64_t j = 0;
       for (; j + W <= inter; j += W) {
-        vf gv, uv;
-        loadv(gv, g + j);
-        loadv(uv, u + j);
+        const vf gv = load_w(g + j), uv = load_w(u + j);
         const vf act = gv / (1.f + exp_cephes(-gv));
         store_silu_mul(o + j, act, uv);
       }
@@ -217,7 +283,7 @@ void argmax_kernel(const T* x, int64_t* out, int64_t rows, int64_t v, int64_t sx
       int64_t j = 0;
       for (; j + W <= v; j += W) {
         vf y;
-        loadv(y, xi + j);
+        y = load_w(xi + j);
         m = y > m ? y : m;
         nan |= (y != y);
       }
@@ -263,7 +329,7 @@ void sample_row(const float* x, int64_t v, float temp, float u, float* e, float*
   int64_t j = 0;
   for (; j + W <= v; j += W) {
     vf y;
-    loadv(y, x + j);
+    y = load_w(x + j);
     m = y > m ? y : m;
   }
   float mx = -INFINITY;
@@ -277,7 +343,7 @@ void sample_row(const float* x, int64_t v, float temp, float u, float* e, float*
     int64_t t = a;
     for (; t + W <= b; t += W) {
       vf y;
-      loadv(y, x + t);
+      y = load_w(x + t);
       vf ex = exp_cephes((y - mx) * inv);
       ex = y > splat(-INFINITY) ? ex : splat(0.f);
       std::memcpy(e + t, &ex, sizeof ex);
