@@ -85,6 +85,7 @@ def _row(r, status: str, req_to_blocks) -> list:
         list(map(_block_id, req_to_blocks.get(r.request_id, ()))),
         r.is_short,
         r.ttft_deadline,
+        r.lora_request.lora_name if r.lora_request is not None else None,
     ]
 
 

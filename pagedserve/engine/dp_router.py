@@ -21,6 +21,10 @@ all to replica 0); within its set the least loaded. While the other set is idle 
 request in flight there) a class may use every replica (no replica idles). A prefix hit
 still wins, as under "prefix", wherever the prefix lives.
 
+Under "prefix" and "length" a request of a LoRA adapter with no prefix hit goes where that
+adapter's last request went (its weights are resident there), unless that replica is more
+than `balance_slack` requests busier than the least loaded one ("adapter").
+
 Invariants: `route` returns an index in [0, M); the map never holds more than
 `max_entries` hashes; the hashes equal `Request.block_hashes` for the same tokens and
 salt (tests/engine/test_data_parallel.py checks it against the KV cache manager).
@@ -32,7 +36,7 @@ from collections import OrderedDict
 
 from pagedserve.core.block_pool import extend_block_hashes
 
-PREFIX, LOAD, ROUND_ROBIN, SHORT, LONG = "prefix", "load", "round_robin", "short", "long"  # why a request went where
+PREFIX, LOAD, ROUND_ROBIN, SHORT, LONG, ADAPTER = "prefix", "load", "round_robin", "short", "long", "adapter"  # why a request went where
 
 
 class DPRouter:
@@ -60,6 +64,7 @@ class DPRouter:
         self.max_entries = max_entries
         self.balance_slack = balance_slack
         self.owner: OrderedDict[bytes, int] = OrderedDict()  # block hash -> replica, LRU first
+        self.adapter_home: OrderedDict[int, int] = OrderedDict()  # LoRA id -> replica of its last request
         self._turn = 0
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None = None, lora_id: int = 0) -> list[bytes]:
@@ -90,6 +95,15 @@ class DPRouter:
                 if loads[r] <= loads[least] + self.balance_slack:
                     choice, reason = r, PREFIX
                 break
+        home = self.adapter_home.get(lora_id) if lora_id else None
+        usable = home is not None and home not in self.unavailable
+        if reason != PREFIX and usable and loads[home] <= loads[least] + self.balance_slack:
+            choice, reason = home, ADAPTER
+        if lora_id:
+            self.adapter_home[lora_id] = choice
+            self.adapter_home.move_to_end(lora_id)
+            if len(self.adapter_home) > self.max_entries:
+                self.adapter_home.popitem(last=False)
         owner = self.owner
         for h in hashes:
             owner[h] = choice

@@ -83,6 +83,7 @@ def _request_doc(r: list, now: float, lanes: bool) -> dict:
         "preemptions": r[6],
         "age_s": round(max(now - r[7], 0.0), 3),
         "num_blocks": len(r[8]),
+        "adapter": r[11],
     }
 
 

@@ -18,7 +18,7 @@ from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from pagedserve.core.request import Request  # noqa: E402
 from pagedserve.engine.dp_client import merge_stats  # noqa: E402
-from pagedserve.engine.dp_router import LOAD, PREFIX, ROUND_ROBIN, DPRouter  # noqa: E402
+from pagedserve.engine.dp_router import ADAPTER, LOAD, PREFIX, ROUND_ROBIN, DPRouter  # noqa: E402
 from pagedserve.errors import EngineDeadError  # noqa: E402
 from pagedserve.messages import EngineStats  # noqa: E402
 from tests.server.test_server import MODEL, Server  # noqa: E402
@@ -52,6 +52,18 @@ def test_router_prefix_then_least_loaded_then_balance():
     assert {r.route([5], None, [0, 0, 0])[0] for _ in range(3)} == {0, 1, 2}
     r.forget()
     assert r.route(a, None, [3, 3, 0]) == (2, LOAD)
+
+
+def test_router_keeps_an_adapters_requests_together():
+    r = DPRouter(2, BS, balance_slack=2)
+    assert r.route([3], None, [1, 0], lora_id=7) == (1, LOAD)  # first of adapter 7: the least loaded
+    assert r.route([4], None, [0, 1], lora_id=7) == (1, ADAPTER)  # then where its weights are
+    assert r.route([5], None, [0, 1], lora_id=8) == (0, LOAD)  # another adapter: its own home
+    assert r.route([6], None, [0, 3], lora_id=7) == (0, LOAD)  # home busier than least + slack: balance
+    assert r.route([6], None, [0, 0], lora_id=7) == (0, ADAPTER)  # ... and the home moved with it
+    assert r.route([6], None, [0, 0])[1] == LOAD  # the base model: no home
+    r.unavailable.add(0)
+    assert r.route([6], None, [0, 0], lora_id=7)[1] != ADAPTER  # a dead home is not used
 
 
 def test_router_lru_is_bounded_and_round_robin_ignores_prompts():

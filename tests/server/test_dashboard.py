@@ -95,6 +95,7 @@ class FakeExecutor:
 def test_snapshot_blocks_match_the_pool_and_schema(checkpoint):
     from pagedserve.core.engine_core import EngineCore
     from pagedserve.engine_args import EngineArgs
+    from pagedserve.lora import LoRARequest
     from pagedserve.messages import EngineCoreRequest
 
     core = EngineCore(EngineArgs(model=checkpoint("llama"), **DASH_KW).create_engine_config(), FakeExecutor())
@@ -117,8 +118,11 @@ def test_snapshot_blocks_match_the_pool_and_schema(checkpoint):
     assert len(rec) == 4 and len(rec[0]) == len(STEP_FIELDS)
     assert rec[0][4] == 3 and rec[0][1] == BS + 3 * 3 and rec[0][2] == 0  # 3 joined; 1 prefill + 2 hits
     assert rec[1][1] == 0 and rec[1][2] == 3  # then decodes
-    doc = json.loads(json.dumps(state_view(snap, {}, time.time())))
+    core.scheduler.running[0].lora_request = LoRARequest("a1", 1, "/adapters/a1")  # the view names adapters
+    doc = json.loads(json.dumps(state_view(core.snapshot(), {}, time.time())))
     validate(doc, SCHEMA)
+    assert [r["adapter"] for r in doc["requests"]] == ["a1", None, None]
+    core.scheduler.running[0].lora_request = None
     assert doc["kv"]["used"] == 4 and doc["kv"]["shared"] == 1 and doc["queues"]["running"] == 3
     core.abort_requests(["r2"])
     while core.has_unfinished_requests():

@@ -193,7 +193,9 @@
     ctx.fillStyle = COLORS.bg;
     ctx.fillRect(0, 0, cv.clientWidth, cv.clientHeight);
     const b = doc.blocks, reqs = doc.requests;
-    const colors = reqs.map((r) => reqColor(r.id));
+    // with LoRA adapters in play, a block takes its adapter's colour (the base model's: "base")
+    const byAdapter = reqs.some((r) => r.adapter);
+    const colors = reqs.map((r) => reqColor(byAdapter ? "adapter:" + (r.adapter || "base") : r.id));
     const restored = new Set(b.restored || []);
     const s = L.cell - L.gap;
     for (let id = 1; id <= n; id++) {
@@ -357,6 +359,7 @@
         r.preemptions,
         fmt(r.age_s) + " s",
         r.lane || "",
+        escapeHtml(r.adapter || ""),
         r.deadline_slack_s === null || r.deadline_slack_s === undefined ? "" : fmt(r.deadline_slack_s) + " s",
       ];
       return `<tr class="${r.state}">` + cells.map((c, i) => `<td${i === 1 ? ' class="id"' : ""}>${c}</td>`).join("") + "</tr>";
