@@ -54,13 +54,12 @@ class OneDNNLinear(nn.Linear):
 
     def pack(self, keep_weight: bool) -> None:
         self.packed = pack_weight(self.weight)
-        self.pack_dtype = self.weight.dtype
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.pack_dtype:  # e.g. float32 activations into a bf16 layer
-            return packed_linear(x.to(self.pack_dtype), self.packed, self.bias).to(x.dtype)
+        if x.dtype != self.packed.dtype:  # e.g. float32 activations into a bf16 layer
+            return packed_linear(x.to(self.packed.dtype), self.packed, self.bias).to(x.dtype)
         return packed_linear(x, self.packed, self.bias)
 
 

@@ -123,15 +123,10 @@ def _mixed_meta(reqs, bs, nb, g):
         max(seq[:nd], default=0), cu, seq,
     )
 
-
-@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_short_queries_through_decode_kernel_match_sdpa(heads, kv_heads):
-    """Speculative verification rows (a few query tokens over a cached context), a short fresh
-    prompt and a long chunk, beside decodes: the C++ path equals the SDPA path."""
-    g = torch.Generator().manual_seed(heads)
-    bs, nb, d = 16, 96, 32
-    reqs = [(40, 1), (3, 1), (37, 5), (16, 2), (0, 4), (20, 16), (9, 40)]
+def _sdpa_vs_cpp_step(reqs, heads, kv_heads, d, seed, bs=16, nb=96):
+    """One mixed step (_mixed_meta's (cached, new) requests, random q/k/v and caches) through
+    the SDPA reference backend and the C++ path: (reference, C++ output, the C++ run's meta)."""
+    g = torch.Generator().manual_seed(seed)
     meta = _mixed_meta(reqs, bs, nb, g)
     t = meta.num_tokens
     q = torch.randn(t, heads, d, generator=g)
@@ -139,9 +134,19 @@ def test_short_queries_through_decode_kernel_match_sdpa(heads, kv_heads):
     kc0 = torch.randn(nb, bs, kv_heads, d, generator=g)
     vc0 = torch.randn(nb, bs, kv_heads, d, generator=g)
     ref = TorchAttentionBackend().forward(q, k, v, kc0.clone(), vc0.clone(), meta, d**-0.5)
-    meta2 = _mixed_meta(reqs, bs, nb, torch.Generator().manual_seed(heads))
-    fast = TorchAttentionBackend(use_cpp_decode=True)
-    out = fast.forward(q, k, v, kc0.clone(), vc0.clone(), meta2, d**-0.5)
+    meta2 = _mixed_meta(reqs, bs, nb, torch.Generator().manual_seed(seed))
+    out = TorchAttentionBackend(use_cpp_decode=True).forward(q, k, v, kc0.clone(), vc0.clone(), meta2, d**-0.5)
+    return ref, out, meta2
+
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_short_queries_through_decode_kernel_match_sdpa(heads, kv_heads):
+    """Speculative verification rows (a few query tokens over a cached context), a short fresh
+    prompt and a long chunk, beside decodes: the C++ path equals the SDPA path."""
+    reqs = [(40, 1), (3, 1), (37, 5), (16, 2), (0, 4), (20, 16), (9, 40)]
+    ref, out, meta2 = _sdpa_vs_cpp_step(reqs, heads, kv_heads, 32, seed=heads)
     assert meta2.backend_cache["short"][0] is not None  # the short requests took the kernel
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
@@ -227,18 +232,8 @@ def test_fresh_prefills_take_the_kernel_beside_context_chunks_and_decodes():
     """A step of decodes, a short query, chunks over a cached prefix and fresh prompts: the
     fresh ones go through prefill_causal, the rest as before, and the whole equals the SDPA
     reference backend."""
-    g = torch.Generator().manual_seed(5)
-    bs, nb, heads, kv_heads, d = 16, 96, 8, 2, 64
     reqs = [(40, 1), (3, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
-    meta = _mixed_meta(reqs, bs, nb, g)
-    t = meta.num_tokens
-    q = torch.randn(t, heads, d, generator=g)
-    k, v = torch.randn(t, kv_heads, d, generator=g), torch.randn(t, kv_heads, d, generator=g)
-    kc0 = torch.randn(nb, bs, kv_heads, d, generator=g)
-    vc0 = torch.randn(nb, bs, kv_heads, d, generator=g)
-    ref = TorchAttentionBackend().forward(q, k, v, kc0.clone(), vc0.clone(), meta, d**-0.5)
-    meta2 = _mixed_meta(reqs, bs, nb, torch.Generator().manual_seed(5))
-    out = TorchAttentionBackend(use_cpp_decode=True).forward(q, k, v, kc0.clone(), vc0.clone(), meta2, d**-0.5)
+    ref, out, meta2 = _sdpa_vs_cpp_step(reqs, 8, 2, 64, seed=5)
     starts, lens, others = meta2.backend_cache["fresh"]
     assert lens.tolist() == [30, 17, 64] and others == [4]  # (20, 33): over its cached prefix
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

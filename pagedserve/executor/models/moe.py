@@ -96,9 +96,8 @@ class FusedExperts(nn.Module):
         w = self.w13
         if self.q13 is not None or w.device.type != "cpu" or w[0].numel() < od.MIN_ELEMENTS or not od.available(w.dtype):
             return False
-        pack_weight = od.pack_weight
-        self.p13 = [pack_weight(self.w13[e]) for e in range(self.num_experts)]
-        self.p2 = [pack_weight(self.w2[e]) for e in range(self.num_experts)]
+        self.p13 = [od.pack_weight(self.w13[e]) for e in range(self.num_experts)]
+        self.p2 = [od.pack_weight(self.w2[e]) for e in range(self.num_experts)]
         self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
         return True

@@ -142,36 +142,36 @@ int64_t set_isa(int64_t isa) {
   return prev;
 }
 
+// The tiles over the threads, or on this one when the step's work is small (no team wake-up):
+// MACs per token in * R + R * out / parts; one thread under 2^min_log2 MACs in all.
+template <typename TW, typename TY, typename F>
+static void split_tiles(const LoraArgs<TW, TY>& g, int64_t n_tiles, int min_log2, F body) {
+  const int64_t per_tile = 8 * (g.in * g.R + g.R * g.out / std::max<int64_t>(1, g.parts));
+  if (n_tiles <= 1 || n_tiles * per_tile < (int64_t)1 << min_log2)
+    body(0, n_tiles);
+  else
+    at::parallel_for(0, n_tiles, 1, body);
+}
+
 template <typename TW, typename TY>
 static void run(const LoraArgs<TW, TY>& g, const int64_t* tiles, int64_t n_tiles) {
-  auto body = [&](int64_t t0, int64_t t1) {
+  split_tiles(g, n_tiles, 19, [&](int64_t t0, int64_t t1) {
 #if LK_X86
     if (current() >= ISA_AVX512)
       avx512::lora_tiles(g, tiles, t0, t1);
     else
       avx2::lora_tiles(g, tiles, t0, t1);
 #endif
-  };
-  // MACs per token: in * R + R * out / parts; below ~0.5 M in all, one thread (no team wake-up)
-  const int64_t per_tile = 8 * (g.in * g.R + g.R * g.out / std::max<int64_t>(1, g.parts));
-  if (n_tiles <= 1 || n_tiles * per_tile < (int64_t)1 << 19)
-    body(0, n_tiles);
-  else
-    at::parallel_for(0, n_tiles, 1, body);
+  });
 }
 
 template <typename TY>
 static void run_bf16(const LoraArgs<uint16_t, TY>& g, const int64_t* tiles, int64_t n_tiles) {
-  auto body = [&](int64_t t0, int64_t t1) {
+  split_tiles(g, n_tiles, 20, [&](int64_t t0, int64_t t1) {
 #if LK_X86
     avx512_bf16::lora_tiles_bf16(g, tiles, t0, t1);
 #endif
-  };
-  const int64_t per_tile = 8 * (g.in * g.R + g.R * g.out / std::max<int64_t>(1, g.parts));
-  if (n_tiles <= 1 || n_tiles * per_tile < (int64_t)1 << 20)
-    body(0, n_tiles);
-  else
-    at::parallel_for(0, n_tiles, 1, body);
+  });
 }
 
 // packed: a [S, in/2, R, 2] and b [S, RP/2, out, 2] in bf16 (lora_impl.h's LK_BF16 layouts, the
