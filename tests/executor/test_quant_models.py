@@ -145,7 +145,7 @@ def test_bf16_model_products_on_bf16_units(checkpoint, tmp_path, monkeypatch, qt
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(checkpoint("llama"), str(tmp_path / f"{qtype.name}.gguf"), qtype)
     mod = kernels.load()
-    old = kernels.set_bf16_rows(10**9)
+    old, isa = kernels.set_bf16_rows(10**9), kernels.set_isa("avx512_bf16")  # the kernel, not AMX's copies
     try:
         ref = run(path, None, "bfloat16")
         kernels.set_bf16_rows(6)
@@ -163,6 +163,80 @@ def test_bf16_model_products_on_bf16_units(checkpoint, tmp_path, monkeypatch, qt
         assert mod.bf16_calls()[0] == before
     finally:
         kernels.set_bf16_rows(old)
+        kernels.set_isa(isa)
+
+
+HAVE_AMX = not WHY and any(i.startswith("amx") for i in kernels.available_isas())
+needs_amx = pytest.mark.skipif(not HAVE_AMX, reason=WHY or "this CPU lacks AMX tiles (or Linux refused them)")
+
+
+@needs_amx
+def test_amx_bf16_copy_layer_equals_dequantized_bf16_product():
+    """QuantLinear.attach_bf16_copy: from its row threshold a bf16 product is x @ the weight
+    dequantized and rounded once to bf16 (+ bias), up to the bf16 output's rounding; below it
+    the packed kernels' result to the bit; float32 activations never take it. Three segments
+    (Q4_1, Q6_K, float rows), odd N, K = 512, M = 1, 3, 16, 17, 64, 300."""
+    from pagedserve.executor.quant.formats import PackedWeight
+    from tests.executor.test_quant_kernels import random_packed
+
+    k, parts = 512, [24, 13, 5]
+    raws = [random_packed(Q.Q4_1, 24, k, seed=1), random_packed(Q.Q6_K, 13, k, seed=2)]
+    f32 = torch.randn(5, k, generator=torch.Generator().manual_seed(3)) * 0.05
+    bias = torch.nn.Parameter(torch.randn(sum(parts)).bfloat16(), requires_grad=False)
+    plain, copied = QuantLinear(k, parts, bias), QuantLinear(k, parts, bias)
+    for layer in (plain, copied):
+        layer.set_part(0, PackedWeight(int(Q.Q4_1), torch.from_numpy(raws[0]), (24, k)))
+        layer.set_part(1, PackedWeight(int(Q.Q6_K), torch.from_numpy(raws[1]), (13, k)))
+        layer.set_part(2, f32)
+    copied.attach_bf16_copy(16)
+    assert copied.copy_bytes >= sum(parts) * k * 2 and plain.copy_bytes == 0
+    w = torch.cat([torch.from_numpy(gguf.quants.dequantize(r, t).reshape(-1, k)) for r, t in zip(raws, (Q.Q4_1, Q.Q6_K))])
+    wb = torch.cat([w, f32]).bfloat16().double()
+    for m in (1, 3, 16, 17, 64, 300):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        got = copied(x)
+        if m < 16:
+            assert torch.equal(got, plain(x)), m
+            continue
+        ref = x.double() @ wb.T + bias.double()
+        mag = x.double().abs() @ wb.abs().T
+        assert got.dtype == torch.bfloat16 and got.shape == (m, sum(parts))
+        assert torch.all((got.double() - ref).abs() <= ref.abs() / 128 + 1e-5 * mag + 1e-6), m
+        assert torch.equal(copied(x.float()), plain(x.float())), m  # a float32 model: never
+
+
+@needs_amx
+def test_amx_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monkeypatch):
+    """A bf16 engine of a packed GGUF keeps bf16 copies on the AMX paths only: not in float32,
+    not under gguf_q8 (its integer numerics), not with PAGEDSERVE_CPU_ISA below AMX, not with
+    PAGEDSERVE_NO_ONEDNN_PACK=1. With copies for every row count its greedy tokens are those of
+    the dequantized bf16 model (quantization="none": the same bf16 weights on oneDNN), logits
+    within 1% of the largest."""
+    from pagedserve.executor.quant import layers
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(checkpoint("llama"), str(tmp_path / "q4_1.gguf"), Q.Q4_1)
+    converted = resolve_model_path(path)
+
+    def copies(dtype, quantization=None):
+        cfg = ModelConfig.from_hf_dict(load_hf_config_dict(converted))
+        model = build_model(
+            converted, cfg, dtype, torch.device("cpu"), get_attention_backend("torch", "cpu"), quantization=quantization
+        )
+        return sum(isinstance(m, QuantLinear) and m.copy_bytes > 0 for m in model.modules())
+
+    assert copies(torch.bfloat16) == 4 * 2 + 1  # qkv, o, gate_up, down per layer (2 layers) + the tied head
+    assert copies(torch.float32) == 0 and copies(torch.bfloat16, "gguf_q8") == 0
+    isa = kernels.set_isa("avx512_bf16")
+    try:
+        assert copies(torch.bfloat16) == 0
+    finally:
+        kernels.set_isa(isa)
+    monkeypatch.setenv("PAGEDSERVE_NO_ONEDNN_PACK", "1")
+    assert copies(torch.bfloat16) == 0
+    monkeypatch.delenv("PAGEDSERVE_NO_ONEDNN_PACK")
+    monkeypatch.setattr(layers, "BF16_COPY_MIN_ROWS", 1)
+    assert_same(run(path, None, "bfloat16"), run(path, "none", "bfloat16"), 1e-2)
 
 
 def test_packed_tied_embeddings(tmp_path, monkeypatch):

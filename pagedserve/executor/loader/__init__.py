@@ -76,12 +76,14 @@ def build_model(
         from pagedserve.executor.loader.gguf_loader import iterate_packed_model
 
         model.load_weights(iterate_packed_model(path))
-        if quant == "gguf_q8":
-            from pagedserve.executor.quant.layers import QuantLinear
+        from pagedserve.executor.quant.layers import QuantLinear, amx_bf16_copies
 
+        if quant == "gguf_q8":
             for mod in model.modules():
                 if isinstance(mod, QuantLinear):
                     mod.act_q8 = True
+        elif device.type == "cpu":
+            amx_bf16_copies(model, dtype)
     else:
         model.load_weights(iterate_weights(path))
     if quant in ("int8", "int4"):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagedserve import envs
+from pagedserve.executor import onednn_linear
 from pagedserve.executor.quant import kernels
 from pagedserve.executor.quant.formats import F32, NAMES, QUANTIZERS, PackedWeight
 
@@ -27,6 +28,8 @@ class QuantLinear(nn.Module):
         self._pending: list[PackedWeight | None] = [None] * len(parts)
         self.segments: list[tuple[int, torch.Tensor, int]] = []  # (qtype, data [n, rb], first column)
         self.act_q8 = False
+        self._dense: torch.Tensor | None = None  # oneDNN-packed bf16 copy (attach_bf16_copy)
+        self._dense_min = 0  # x.numel() from which products run on it
 
     def set_part(self, i: int, w: PackedWeight | torch.Tensor) -> None:
         if not isinstance(w, PackedWeight):  # a float part of a fused layer: run it as F32 rows
@@ -71,7 +74,19 @@ class QuantLinear(nn.Module):
         layer.set_part(0, w)
         return layer
 
+    def attach_bf16_copy(self, min_rows: int) -> None:
+        """Keep beside the packed blocks the dequantized weight rounded once to bfloat16, in
+        oneDNN's packed layout: bf16 products of at least `min_rows` rows run on it (oneDNN's
+        AMX brgemm), fewer rows stay on the packed blocks (a quarter of the bytes to stream).
+        Costs 2 bytes a weight of memory."""
+        w = torch.cat([kernels.dequant(d, t, self.in_features) for t, d, _ in self.segments])
+        self._dense = onednn_linear.pack_weight(w.to(torch.bfloat16), rows_hint=max(8, min_rows))
+        self._dense_min = max(1, min_rows) * self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dense = self._dense
+        if dense is not None and x.dtype is torch.bfloat16 and x.numel() >= self._dense_min:
+            return onednn_linear.packed_linear(x, dense, self._bias)
         # one C++ call: reshape, float32 activations, every segment, bias, back to x's dtype
         ws, types, cols, n = self._args
         return self._op(x, ws, types, cols, n, self._bias, self.act_q8)
@@ -79,6 +94,11 @@ class QuantLinear(nn.Module):
     @property
     def packed_bytes(self) -> int:
         return sum(d.numel() for _, d, _ in self.segments)
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the bf16 copy (0 without one)."""
+        return 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
 
     def extra_repr(self) -> str:
         types = "+".join(NAMES[t] for t, _, _ in self.segments)
@@ -158,6 +178,32 @@ def use_float_kernels(model: nn.Module) -> int:
     return n
 
 
+# bf16 rows from which a packed layer's product runs on its bf16 copy where one is kept
+BF16_COPY_MIN_ROWS = 1
+
+
+def amx_bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
+    """A bfloat16 model's packed layers get a oneDNN-packed bf16 copy of their weights
+    (`QuantLinear.attach_bf16_copy`) where the kernels run on AMX tiles (the amx_* paths,
+    so PAGEDSERVE_CPU_ISA=avx512_bf16 and below keep the packed kernels alone) and oneDNN
+    packs bf16 here (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off). On AMX oneDNN's tiles run
+    these products 2-10x faster than any of the packed kernels (BENCHMARKS section 33). Not
+    with `gguf_q8` (act_q8 layers keep its integer numerics). Returns how many layers."""
+    if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16):
+        return 0
+    try:
+        if not kernels.current_isa().startswith("amx"):
+            return 0
+    except Exception:  # noqa: BLE001 (no kernels here: nothing is packed either)
+        return 0
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
+            mod.attach_bf16_copy(BF16_COPY_MIN_ROWS)
+            n += 1
+    return n
+
+
 def packed_bytes(model: nn.Module) -> int:
     seen, total = set(), 0
     for mod in model.modules():
@@ -175,6 +221,7 @@ __all__ = [
     "QuantEmbedding",
     "quantize_linears",
     "use_float_kernels",
+    "amx_bf16_copies",
     "packed_bytes",
     "kernels",
 ]

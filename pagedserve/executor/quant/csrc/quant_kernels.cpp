@@ -228,6 +228,7 @@ enum { EAX = 0, EBX = 1, ECX = 2, EDX = 3 };
 // levels are unavailable and the avx512_bf16 one runs. g_amx_perm: -1 not asked yet, 0
 // granted, else the errno of the refusal.
 static int g_amx_perm = -1;
+static int g_isa = -1;  // the path in use (-1: the best one, picked at first use)
 
 static bool amx_cpuid(bool int8) {
 #if QK_X86 && (defined(__GNUC__) || defined(__clang__))
@@ -240,10 +241,12 @@ static bool amx_cpuid(bool int8) {
 }
 
 // Asks for the tile state (once; again when `again`); simulate_refusal: the refusal path
-// without a syscall (tests). Returns 0 (granted) or the errno.
+// without a syscall (tests). Returns 0 (granted) or the errno. A refusal takes an AMX path
+// already in use back to the best one left.
 int64_t request_amx_permission(bool simulate_refusal, bool again) {
   if (simulate_refusal) {
     g_amx_perm = EPERM;
+    if (g_isa >= ISA_AMX_BF16) g_isa = -1;
     return g_amx_perm;
   }
   if (g_amx_perm >= 0 && !again) return g_amx_perm;
@@ -257,6 +260,7 @@ int64_t request_amx_permission(bool simulate_refusal, bool again) {
 #else
   g_amx_perm = ENOSYS;
 #endif
+  if (g_amx_perm != 0 && g_isa >= ISA_AMX_BF16) g_isa = -1;
   return g_amx_perm;
 }
 int64_t amx_permission() { return g_amx_perm; }
@@ -287,7 +291,6 @@ static int best_isa() {
   return ISA_SCALAR;
 }
 
-static int g_isa = -1;
 static int64_t g_prefill_rows = 12;
 // act_q8 with nibble weights: the many-row kernel from this many rows. Measured in the model's
 // decode steps (weights streamed from memory, not the hot-cache micro-benchmark's 2 rows):
