@@ -155,7 +155,7 @@ def test_short_queries_through_decode_kernel_match_sdpa(heads, kv_heads):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [5, 16, 40])  # inside a block, one block, several blocks
 @pytest.mark.parametrize("softcap", [None, 2.0])
-@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (2, 1, 12)])  # AVX2 path; portable path
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 64), (12, 4, 128), (2, 1, 12)])  # vector paths; portable
 def test_cpp_decode_sliding_window_and_softcap(dtype, tol, window, softcap, heads, kv_heads, d):
     """A window: each row attends to its last `window` positions, reading no block wholly
     before them (their table entries here point at NaN blocks, as a block handed back to the

@@ -245,6 +245,140 @@ static void attend_avx2(const float* qf, const KV* const* krows, const KV* const
   }
 }
 
+#if defined(__AVX512F__)
+// The same attend on 16-wide registers (this module is built for the machine's CPU), for
+// float32 / bfloat16 / float16 K/V and head sizes that are multiples of 64. Scores: eight
+// tokens' K rows at a time against the G query heads (24 accumulators), eight dot products
+// reduced together (hsum8x16); P.V: each V row is read and converted once for the G heads
+// (the AVX2 path reads it once per head). Measured on an AMX Xeon (BENCHMARKS section 33).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename KV>
+constexpr bool avx512_kv = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Half>;
+
+// out[j] = the sum of a[j]'s 16 lanes, j < 8 (halves, quarters, pairs, then one permute)
+static inline void hsum8x16(const __m512* a, float* out) {
+  __m512 b[4];
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  __m512 e = _mm512_add_ps(_mm512_unpacklo_ps(c0, c1), _mm512_unpackhi_ps(c0, c1));
+  e = _mm512_add_ps(e, _mm512_permute_ps(e, 0x4E));  // 128-bit lane k: [sum a[k], sum a[4 + k], ..]
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, e)));
+}
+
+// scores[gi * L + t] = q[gi] . k[t] for the G (<= 3) heads of one KV head; d % 16 == 0
+template <int G, typename KV>
+static void scores_avx512(const float* q, const KV* const* krows, int64_t L, int64_t d, float* scores, int64_t pfn) {
+  int64_t t = 0;
+  for (; t + 8 <= L; t += 8) {
+    if (t + PFD + 8 <= L)
+      for (int j = 0; j < 8; ++j) prefetch_row(krows[t + PFD + j], pfn);
+    __m512 acc[G][8];
+    for (int gi = 0; gi < G; ++gi)
+      for (int j = 0; j < 8; ++j) acc[gi][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+      __m512 qv[G];
+      for (int gi = 0; gi < G; ++gi) qv[gi] = _mm512_loadu_ps(q + gi * d + c);
+      for (int j = 0; j < 8; ++j) {
+        const __m512 kv = load16(krows[t + j] + c);
+        for (int gi = 0; gi < G; ++gi) acc[gi][j] = _mm512_fmadd_ps(kv, qv[gi], acc[gi][j]);
+      }
+    }
+    for (int gi = 0; gi < G; ++gi) hsum8x16(acc[gi], scores + gi * L + t);
+  }
+  for (; t < L; ++t)
+    for (int gi = 0; gi < G; ++gi) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; c += 16) a = _mm512_fmadd_ps(load16(krows[t] + c), _mm512_loadu_ps(q + gi * d + c), a);
+      scores[gi * L + t] = _mm512_reduce_add_ps(a);
+    }
+}
+
+// out[gi] += sum_t p[gi][t] v[t][c0 : c0 + 64] for G (<= 3) heads: 4G accumulators, each V
+// slice read once
+template <int G, typename KV>
+static void pv_avx512(const float* sc, int64_t L, const KV* const* vrows, int64_t c0, float* out, int64_t ostride,
+                      int64_t pfn) {
+  __m512 acc[G][4];
+  for (int gi = 0; gi < G; ++gi)
+    for (int c = 0; c < 4; ++c) acc[gi][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    if (t + PFD < L) prefetch_row(vrows[t + PFD] + c0, pfn);
+    const KV* v = vrows[t] + c0;
+    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+    for (int gi = 0; gi < G; ++gi) {
+      const __m512 p = _mm512_set1_ps(sc[gi * L + t]);
+      acc[gi][0] = _mm512_fmadd_ps(p, v0, acc[gi][0]);
+      acc[gi][1] = _mm512_fmadd_ps(p, v1, acc[gi][1]);
+      acc[gi][2] = _mm512_fmadd_ps(p, v2, acc[gi][2]);
+      acc[gi][3] = _mm512_fmadd_ps(p, v3, acc[gi][3]);
+    }
+  }
+  for (int gi = 0; gi < G; ++gi)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + gi * ostride + c0 + 16 * c, acc[gi][c]);
+}
+
+// attend_avx2's contract; KV float32 / bfloat16 / float16, d % 64 == 0. row_tail: elements
+// from a head's K/V slice to the end of its token's row (the first KV head's job prefetches
+// the whole rows, so the jobs of the other heads, which follow on the same thread, find them
+// in cache: the rows of one block are then read in order)
+template <typename KV>
+static void attend_avx512(const float* qf, const KV* const* krows, const KV* const* vrows, int64_t L, int64_t g,
+                          int64_t d, float* scores, float* out, int64_t ostride, float* part_m, float* part_l,
+                          float softcap, int64_t row_tail) {
+  for (int64_t g0 = 0; g0 < g; g0 += 3) {
+    const int64_t gn = std::min<int64_t>(3, g - g0);
+    float* sc = scores + g0 * L;
+    const float* qq = qf + g0 * d;
+    if (gn == 3) scores_avx512<3>(qq, krows, L, d, sc, row_tail);
+    else if (gn == 2) scores_avx512<2>(qq, krows, L, d, sc, row_tail);
+    else scores_avx512<1>(qq, krows, L, d, sc, row_tail);
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    float* sc = scores + gi * L;
+    if (softcap > 0.f) softcap_inplace(sc, L, softcap);
+    if (part_m == nullptr) softmax_inplace(sc, L);
+    else part_l[gi] = exp_scores(sc, L, &part_m[gi]);
+  }
+  for (int64_t g0 = 0; g0 < g; g0 += 3) {
+    const int64_t gn = std::min<int64_t>(3, g - g0);
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+      float* o = out + g0 * ostride;
+      const int64_t pfn = c0 == 0 ? std::max<int64_t>(64, row_tail) : 64;
+      if (gn == 3) pv_avx512<3>(scores + g0 * L, L, vrows, c0, o, ostride, pfn);
+      else if (gn == 2) pv_avx512<2>(scores + g0 * L, L, vrows, c0, o, ostride, pfn);
+      else pv_avx512<1>(scores + g0 * L, L, vrows, c0, o, ostride, pfn);
+    }
+  }
+}
+#endif
+
+// One job's attend: the 16-wide kernel where it applies, else the 8-wide one
+template <typename KV>
+static inline void attend_cpu(const float* qf, const KV* const* krows, const KV* const* vrows, int64_t L, int64_t g,
+                              int64_t d, float* scores, float* out, int64_t ostride, float* part_m, float* part_l,
+                              float softcap, int64_t row_tail) {
+#if defined(__AVX512F__)
+  if constexpr (avx512_kv<KV>) {
+    if (d % 64 == 0)
+      return attend_avx512(qf, krows, vrows, L, g, d, scores, out, ostride, part_m, part_l, softcap, row_tail);
+  }
+#else
+  (void)row_tail;
+#endif
+  attend_avx2(qf, krows, vrows, L, g, d, scores, out, ostride, part_m, part_l, softcap);
+}
+
 // q rows may be strided (qs = q.stride(0): the q part of a fused QKV row, read in place).
 // When the step has fewer (sequence, KV head) jobs than twice the threads (a batch-1 decode:
 // 3 jobs on 2 threads), each sequence's context is cut into S parts of whole blocks so
@@ -293,11 +427,11 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
       }
       scores.resize(g * Lp);
       if (S == 1) {
-        attend_avx2(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), out + (i * h + kh * g) * d, d,
-                    nullptr, nullptr, softcap);
+        attend_cpu(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), out + (i * h + kh * g) * d, d,
+                   nullptr, nullptr, softcap, (kvh - kh) * d);
       } else {
-        attend_avx2(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), &part_o[job * g * d], d,
-                    &part_m[job * g], &part_l[job * g], softcap);
+        attend_cpu(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), &part_o[job * g * d], d,
+                   &part_m[job * g], &part_l[job * g], softcap, (kvh - kh) * d);
       }
     }
   });
@@ -352,6 +486,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         decode_avx2<KV>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(),
                         bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), out.data_ptr<float>(), n, h, kvh, d, bs,
                         bt.size(1), (float)scale, window, (float)softcap);
+        return;
+      }
+    }
+    if constexpr (std::is_same_v<T, at::BFloat16> && kv_ok) {
+      // a bfloat16 model: its queries to float32 (a few KB), the same float kernel, the
+      // result rounded to bf16 (the scalar kernel below took twice as long)
+      if (d % 8 == 0) {
+        auto qf = q.to(at::kFloat).contiguous();
+        auto of = torch::empty({n, h, d}, qf.options());
+        decode_avx2<KV>(qf.data_ptr<float>(), h * d, k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(),
+                        bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), of.data_ptr<float>(), n, h, kvh, d, bs,
+                        bt.size(1), (float)scale, window, (float)softcap);
+        out.copy_(of);
         return;
       }
     }
