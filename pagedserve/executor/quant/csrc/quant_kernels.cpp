@@ -242,7 +242,7 @@ static bool amx_cpuid(bool int8) {
 
 // Asks for the tile state (once; again when `again`); simulate_refusal: the refusal path
 // without a syscall (tests). Returns 0 (granted) or the errno. A refusal takes an AMX path
-// already in use back to the best one left.
+// already in use back to the best one left; a grant asked `again` picks the best path anew.
 int64_t request_amx_permission(bool simulate_refusal, bool again) {
   if (simulate_refusal) {
     g_amx_perm = EPERM;
@@ -260,7 +260,7 @@ int64_t request_amx_permission(bool simulate_refusal, bool again) {
 #else
   g_amx_perm = ENOSYS;
 #endif
-  if (g_amx_perm != 0 && g_isa >= ISA_AMX_BF16) g_isa = -1;
+  if (g_amx_perm != 0 ? g_isa >= ISA_AMX_BF16 : again) g_isa = -1;  // re-granted: the best path again
   return g_amx_perm;
 }
 int64_t amx_permission() { return g_amx_perm; }
