@@ -277,11 +277,14 @@ static inline void hsum8x16(const __m512* a, float* out) {
 }
 
 // scores[gi * L + t] = q[gi] . k[t] for the G (<= 3) heads of one KV head; d % 16 == 0
+// (krows[t] + off: token t's K slice; scores of head gi at scores[gi * ld + t]; pfn elements
+// of the rows PFD tokens ahead are prefetched, 0: none; avail: rows krows may point at)
 template <int G, typename KV>
-static void scores_avx512(const float* q, const KV* const* krows, int64_t L, int64_t d, float* scores, int64_t pfn) {
+static void scores_avx512(const float* q, const KV* const* krows, int64_t off, int64_t L, int64_t ld, int64_t d,
+                          float* scores, int64_t pfn, int64_t avail) {
   int64_t t = 0;
   for (; t + 8 <= L; t += 8) {
-    if (t + PFD + 8 <= L)
+    if (pfn && t + PFD + 8 <= avail)
       for (int j = 0; j < 8; ++j) prefetch_row(krows[t + PFD + j], pfn);
     __m512 acc[G][8];
     for (int gi = 0; gi < G; ++gi)
@@ -290,34 +293,37 @@ static void scores_avx512(const float* q, const KV* const* krows, int64_t L, int
       __m512 qv[G];
       for (int gi = 0; gi < G; ++gi) qv[gi] = _mm512_loadu_ps(q + gi * d + c);
       for (int j = 0; j < 8; ++j) {
-        const __m512 kv = load16(krows[t + j] + c);
+        const __m512 kv = load16(krows[t + j] + off + c);
         for (int gi = 0; gi < G; ++gi) acc[gi][j] = _mm512_fmadd_ps(kv, qv[gi], acc[gi][j]);
       }
     }
-    for (int gi = 0; gi < G; ++gi) hsum8x16(acc[gi], scores + gi * L + t);
+    for (int gi = 0; gi < G; ++gi) hsum8x16(acc[gi], scores + gi * ld + t);
   }
   for (; t < L; ++t)
     for (int gi = 0; gi < G; ++gi) {
       __m512 a = _mm512_setzero_ps();
-      for (int64_t c = 0; c < d; c += 16) a = _mm512_fmadd_ps(load16(krows[t] + c), _mm512_loadu_ps(q + gi * d + c), a);
-      scores[gi * L + t] = _mm512_reduce_add_ps(a);
+      for (int64_t c = 0; c < d; c += 16)
+        a = _mm512_fmadd_ps(load16(krows[t] + off + c), _mm512_loadu_ps(q + gi * d + c), a);
+      scores[gi * ld + t] = _mm512_reduce_add_ps(a);
     }
 }
 
-// out[gi] += sum_t p[gi][t] v[t][c0 : c0 + 64] for G (<= 3) heads: 4G accumulators, each V
-// slice read once
+// out[gi][c0 : c0 + 64] (+)= sum_t p[gi][t] v[t][c0 : c0 + 64] for G (<= 3) heads (p of head
+// gi at sc[gi * ld + t], token t's V slice at vrows[t] + off; acc_in: add to out): 4G
+// accumulators, each V slice read once; pfn / avail as in scores_avx512
 template <int G, typename KV>
-static void pv_avx512(const float* sc, int64_t L, const KV* const* vrows, int64_t c0, float* out, int64_t ostride,
-                      int64_t pfn) {
+static void pv_avx512(const float* sc, int64_t ld, int64_t L, const KV* const* vrows, int64_t off, int64_t c0,
+                      float* out, int64_t ostride, int64_t pfn, int64_t avail, bool acc_in) {
   __m512 acc[G][4];
   for (int gi = 0; gi < G; ++gi)
-    for (int c = 0; c < 4; ++c) acc[gi][c] = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c)
+      acc[gi][c] = acc_in ? _mm512_loadu_ps(out + gi * ostride + c0 + 16 * c) : _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    if (t + PFD < L) prefetch_row(vrows[t + PFD] + c0, pfn);
-    const KV* v = vrows[t] + c0;
+    if (pfn && t + PFD < avail) prefetch_row(vrows[t + PFD] + off + c0, pfn);
+    const KV* v = vrows[t] + off + c0;
     const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int gi = 0; gi < G; ++gi) {
-      const __m512 p = _mm512_set1_ps(sc[gi * L + t]);
+      const __m512 p = _mm512_set1_ps(sc[gi * ld + t]);
       acc[gi][0] = _mm512_fmadd_ps(p, v0, acc[gi][0]);
       acc[gi][1] = _mm512_fmadd_ps(p, v1, acc[gi][1]);
       acc[gi][2] = _mm512_fmadd_ps(p, v2, acc[gi][2]);
@@ -340,9 +346,9 @@ static void attend_avx512(const float* qf, const KV* const* krows, const KV* con
     const int64_t gn = std::min<int64_t>(3, g - g0);
     float* sc = scores + g0 * L;
     const float* qq = qf + g0 * d;
-    if (gn == 3) scores_avx512<3>(qq, krows, L, d, sc, row_tail);
-    else if (gn == 2) scores_avx512<2>(qq, krows, L, d, sc, row_tail);
-    else scores_avx512<1>(qq, krows, L, d, sc, row_tail);
+    if (gn == 3) scores_avx512<3>(qq, krows, 0, L, L, d, sc, row_tail, L);
+    else if (gn == 2) scores_avx512<2>(qq, krows, 0, L, L, d, sc, row_tail, L);
+    else scores_avx512<1>(qq, krows, 0, L, L, d, sc, row_tail, L);
   }
   for (int64_t gi = 0; gi < g; ++gi) {
     float* sc = scores + gi * L;
@@ -355,11 +361,84 @@ static void attend_avx512(const float* qf, const KV* const* krows, const KV* con
     for (int64_t c0 = 0; c0 < d; c0 += 64) {
       float* o = out + g0 * ostride;
       const int64_t pfn = c0 == 0 ? std::max<int64_t>(64, row_tail) : 64;
-      if (gn == 3) pv_avx512<3>(scores + g0 * L, L, vrows, c0, o, ostride, pfn);
-      else if (gn == 2) pv_avx512<2>(scores + g0 * L, L, vrows, c0, o, ostride, pfn);
-      else pv_avx512<1>(scores + g0 * L, L, vrows, c0, o, ostride, pfn);
+      if (gn == 3) pv_avx512<3>(scores + g0 * L, L, L, vrows, 0, c0, o, ostride, pfn, L, false);
+      else if (gn == 2) pv_avx512<2>(scores + g0 * L, L, L, vrows, 0, c0, o, ostride, pfn, L, false);
+      else pv_avx512<1>(scores + g0 * L, L, L, vrows, 0, c0, o, ostride, pfn, L, false);
     }
   }
+}
+
+// One sequence, every KV head: krows[t] / vrows[t] point at token t's whole K / V row
+// ([kvh, d]). Tokens go in chunks of 32; within a chunk each KV head in turn, so a block's
+// rows are read from memory once, in order (the first head's pass prefetches whole rows, the
+// others find them in cache); the jobs of one KV head each read every third slice of the
+// same rows. scores [h, L] (workspace), out [h, d]: the normalized result. Dot products,
+// softmax and sums are those of attend_avx512, in the same order per head.
+template <typename KV>
+static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV* const* vrows, int64_t L, int64_t kvh,
+                              int64_t g, int64_t d, float* scores, float* out, float softcap) {
+  constexpr int64_t CH = 32;
+  const int64_t row = kvh * d;
+  for (int64_t t0 = 0; t0 < L; t0 += CH) {
+    const int64_t n = std::min(CH, L - t0);
+    for (int64_t kh = 0; kh < kvh; ++kh)
+      for (int64_t g0 = 0; g0 < g; g0 += 3) {
+        const int64_t gn = std::min<int64_t>(3, g - g0), pfn = kh == 0 && g0 == 0 ? row : 0;
+        float* sc = scores + (kh * g + g0) * L + t0;
+        const float* qq = qf + (kh * g + g0) * d;
+        if (gn == 3) scores_avx512<3>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0);
+        else if (gn == 2) scores_avx512<2>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0);
+        else scores_avx512<1>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0);
+      }
+  }
+  for (int64_t x = 0; x < kvh * g; ++x) {
+    if (softcap > 0.f) softcap_inplace(scores + x * L, L, softcap);
+    softmax_inplace(scores + x * L, L);
+  }
+  for (int64_t t0 = 0; t0 < L; t0 += CH) {
+    const int64_t n = std::min(CH, L - t0);
+    for (int64_t kh = 0; kh < kvh; ++kh)
+      for (int64_t g0 = 0; g0 < g; g0 += 3) {
+        const int64_t gn = std::min<int64_t>(3, g - g0);
+        const float* sc = scores + (kh * g + g0) * L + t0;
+        float* o = out + (kh * g + g0) * d;
+        for (int64_t c0 = 0; c0 < d; c0 += 64) {
+          const int64_t pfn = kh == 0 && g0 == 0 && c0 == 0 ? row : 0;
+          if (gn == 3) pv_avx512<3>(sc, L, n, vrows + t0, kh * d, c0, o, d, pfn, L - t0, t0 > 0);
+          else if (gn == 2) pv_avx512<2>(sc, L, n, vrows + t0, kh * d, c0, o, d, pfn, L - t0, t0 > 0);
+          else pv_avx512<1>(sc, L, n, vrows + t0, kh * d, c0, o, d, pfn, L - t0, t0 > 0);
+        }
+      }
+  }
+}
+
+// decode_avx2 without split contexts, one job per sequence (attend_seq_avx512)
+template <typename KV>
+static void decode_seq_avx512(const float* q, int64_t qs, const KV* kc, const KV* vc, const int64_t* bt,
+                              const int64_t* seq_lens, float* out, int64_t n, int64_t h, int64_t kvh, int64_t d,
+                              int64_t bs, int64_t max_blocks, float scale, int64_t window, float softcap,
+                              int64_t grain) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(h * d), scores;
+    std::vector<const KV*> krows, vrows;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t L = seq_lens[i], lo = window_start(L, window), Lp = L - lo, b0 = lo / bs;
+      for (int64_t x = 0; x < h * d; ++x) qf[x] = q[i * qs + x] * (scale * kv_unit<KV>);
+      krows.resize(Lp);
+      vrows.resize(Lp);
+      for (int64_t b = b0, t = 0; t < Lp; ++b) {
+        const int64_t o0 = b == b0 ? lo - b0 * bs : 0;
+        const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, Lp - t);
+        for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
+          krows[t] = kc + (row0 + o) * kvh * d;
+          vrows[t] = vc + (row0 + o) * kvh * d;
+        }
+      }
+      scores.resize(h * Lp);
+      attend_seq_avx512(qf.data(), krows.data(), vrows.data(), Lp, kvh, h / kvh, d, scores.data(), out + i * h * d,
+                        softcap);
+    }
+  });
 }
 #endif
 
@@ -401,6 +480,13 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
   }
   const int64_t per_job = std::max<int64_t>(1, total / std::max<int64_t>(n, 1) / S) * g * d * 2;
   const int64_t grain = S > 1 ? 1 : std::max<int64_t>(1, (int64_t(1) << 20) / per_job);
+#if defined(__AVX512F__)
+  if constexpr (avx512_kv<KV>) {
+    if (S == 1 && d % 64 == 0 && n >= 2 * nthr)  // enough sequences for the threads: one job each
+      return decode_seq_avx512(q, qs, kc, vc, bt, seq_lens, out, n, h, kvh, d, bs, max_blocks, scale, window, softcap,
+                               std::max<int64_t>(1, grain / kvh));
+  }
+#endif
   // split parts: unnormalized outputs [n, kvh, S, g, d] and their (max, sum) [n, kvh, S, g]
   std::vector<float> part_o(S > 1 ? n * kvh * S * g * d : 0), part_m(S > 1 ? n * kvh * S * g : 0),
       part_l(part_m.size());
