@@ -237,3 +237,36 @@ def test_fresh_prefills_take_the_kernel_beside_context_chunks_and_decodes():
     starts, lens, others = meta2.backend_cache["fresh"]
     assert lens.tolist() == [30, 17, 64] and others == [4]  # (20, 33): over its cached prefix
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+AMX = torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.skipif(kernels is None or not AMX, reason="needs the C++ kernels and a CPU with AMX tiles")
+def test_bf16_fresh_prefills_go_to_sdpa_on_amx(monkeypatch):
+    """On an AMX CPU a bf16 step's fresh prompts are attended by torch's SDPA (its flash
+    attention on the tiles), one call per prompt, the other requests as before; the step
+    equals the reference backend within bf16's rounding. PAGEDSERVE_CPU_ISA below AMX, or
+    float32, keeps the C++ kernel."""
+    from pagedserve.executor.attention import cpu_kernels, torch_backend
+
+    assert cpu_kernels.sdpa_fresh_prefill(torch.bfloat16) and not cpu_kernels.sdpa_fresh_prefill(torch.float32)
+    calls = []
+    real = torch_backend.F.scaled_dot_product_attention
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reqs = [(40, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
+    g = torch.Generator().manual_seed(3)
+    meta = _mixed_meta(reqs, 16, 96, g)
+    t, bf = meta.num_tokens, torch.bfloat16
+    q = torch.randn(t, 8, 64, generator=g).to(bf)
+    k, v = torch.randn(t, 2, 64, generator=g).to(bf), torch.randn(t, 2, 64, generator=g).to(bf)
+    kc0, vc0 = torch.randn(96, 16, 2, 64, generator=g).to(bf), torch.randn(96, 16, 2, 64, generator=g).to(bf)
+    out = TorchAttentionBackend(use_cpp_decode=True).forward(q, k, v, kc0.clone(), vc0.clone(), meta, 0.125)
+    fresh = len(calls)
+    ref = TorchAttentionBackend().forward(
+        q, k, v, kc0.clone(), vc0.clone(), _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(3)), 0.125
+    )
+    assert fresh == 3 + 1  # the three fresh prompts, and (20, 33) over its cached prefix
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx512_bf16")
+    assert not cpu_kernels.sdpa_fresh_prefill(torch.bfloat16)

@@ -30,3 +30,14 @@ def load():
     except Exception as e:  # noqa: BLE001 (any build failure means: use the fallback)
         logger.warning("pagedserve: C++ CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
+
+
+def sdpa_fresh_prefill(dtype) -> bool:
+    """Whether a step's fresh bfloat16 prompts go to torch's SDPA instead of the C++ causal
+    kernel: where the CPU has AMX tiles (PyTorch's flash attention runs its products on them,
+    2-3.5x the float32 C++ kernel: BENCHMARKS section 33), unless PAGEDSERVE_CPU_ISA names a
+    path below AMX (tests and A/B runs); float32 keeps the C++ kernel."""
+    import torch
+
+    isa = (envs.PAGEDSERVE_CPU_ISA or "auto").strip().lower()
+    return dtype == torch.bfloat16 and isa in ("auto", "amx_bf16", "amx_int8") and torch.cpu._is_amx_tile_supported()

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.executor.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.executor.attention.cpu_kernels import sdpa_fresh_prefill
 
 
 def write_kv(
@@ -174,8 +175,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _fresh_prefills(self, q, k, v, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
         """The requests of `rest` with no cached context (a prompt's first chunk: causal over
-        its own rows) attended in one C++ call (csrc/prefill_causal.h) into `out`; returns
-        the others. The split is worked out once per step."""
+        its own rows) attended in one C++ call (csrc/prefill_causal.h), or in bf16 on an AMX
+        CPU by SDPA per prompt (cpu_kernels.sdpa_fresh_prefill), into `out`; returns the
+        others. The split is worked out once per step."""
         if "fresh" not in meta.backend_cache:
             qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
             fresh = [r for r in rest if sl[r] == qsl[r + 1] - qsl[r]]
@@ -184,7 +186,14 @@ class TorchAttentionBackend(AttentionBackend):
             lens = torch.tensor([sl[r] for r in fresh], dtype=torch.int64)
             meta.backend_cache["fresh"] = (starts, lens, others)
         starts, lens, others = meta.backend_cache["fresh"]
-        if len(starts):
+        if not len(starts):
+            return others
+        if sdpa_fresh_prefill(q.dtype):  # AMX: torch's flash attention, one call per prompt
+            for s, n in zip(starts.tolist(), lens.tolist()):
+                heads = [x[s : s + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, heads, n, d] views
+                o = F.scaled_dot_product_attention(*heads, is_causal=True, scale=scale, enable_gqa=True)
+                out[s : s + n] = o[0].transpose(0, 1)
+        else:
             self._cpp.prefill_causal(q, k, v, out, starts, lens, scale)
         return others
 
