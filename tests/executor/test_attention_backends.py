@@ -270,3 +270,22 @@ def test_bf16_fresh_prefills_go_to_sdpa_on_amx(monkeypatch):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx512_bf16")
     assert not cpu_kernels.sdpa_fresh_prefill(torch.bfloat16)
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_bf16_decode_row_same_bits_alone_or_among_others(kv_dtype):
+    """bfloat16 queries: a row's attention is the same bits whether it is a batch-1 step (a
+    single row, which float32 splits over the threads) or one of many rows (speculative
+    verification, batches): greedy speculation relies on it."""
+    g = torch.Generator().manual_seed(11)
+    h, kvh, d, bs, L = 9, 3, 64, 16, 300
+    nb = 5 * (L // bs + 1)
+    kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).to(kv_dtype) for _ in range(2))
+    bt = torch.randperm(nb, generator=g).view(5, -1)
+    lens = torch.tensor([L, L - 1, L - 2, L - 40, L - 3])
+    q = torch.randn(5, h, d, generator=g).bfloat16()
+    many = kernels.paged_decode(q, kc, vc, bt, lens, 0.125, 0, 0.0)
+    for i in range(5):
+        one = kernels.paged_decode(q[i : i + 1], kc, vc, bt[i : i + 1], lens[i : i + 1], 0.125, 0, 0.0)
+        assert torch.equal(one[0], many[i]), i

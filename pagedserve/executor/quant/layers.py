@@ -181,7 +181,9 @@ def use_float_kernels(model: nn.Module) -> int:
 # bf16 rows from which a packed layer's product runs on its bf16 copy where one is kept.
 # Measured on an AMX Xeon, default model's decode steps: 1 row 17 ms on the copy vs 10.5-11.5
 # on the packed blocks (a quarter of the bytes); 4 rows 19-19.5 vs 21-25; 8 rows 22.6-23 vs 34-35.
-BF16_COPY_MIN_ROWS = 3
+# 6, not 3: a batch-1 speculative verification of k <= 4 tokens (k + 1 rows) must compute what
+# 1-row decode steps compute (the same exact-quant kernels) for greedy outputs to stay identical.
+BF16_COPY_MIN_ROWS = 6
 
 
 def amx_bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:

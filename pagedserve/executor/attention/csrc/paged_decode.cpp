@@ -465,7 +465,7 @@ static inline void attend_cpu(const float* qf, const KV* const* krows, const KV*
 template <typename KV>
 static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, const int64_t* bt,
                         const int64_t* seq_lens, float* out, int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs,
-                        int64_t max_blocks, float scale, int64_t window, float softcap) {
+                        int64_t max_blocks, float scale, int64_t window, float softcap, bool split = true) {
   const int64_t g = h / kvh;
   int64_t total = 0, min_len = std::numeric_limits<int64_t>::max();
   for (int64_t i = 0; i < n; ++i) {
@@ -474,7 +474,7 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
   }
   const int64_t nthr = at::get_num_threads();
   int64_t S = 1;
-  if (nthr > 1 && n * kvh < 2 * nthr) {
+  if (split && nthr > 1 && n * kvh < 2 * nthr) {
     S = (2 * nthr + n * kvh - 1) / (n * kvh);
     S = std::max<int64_t>(1, std::min<int64_t>({S, min_len / (4 * bs), 64}));  // parts of >= 4 blocks
   }
@@ -577,13 +577,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     }
     if constexpr (std::is_same_v<T, at::BFloat16> && kv_ok) {
       // a bfloat16 model: its queries to float32 (a few KB), the same float kernel, the
-      // result rounded to bf16 (the scalar kernel below took twice as long)
+      // result rounded to bf16 (the scalar kernel below took twice as long). No split
+      // contexts: a row's result is then the same bits whatever else the step holds (a
+      // 1-row decode step and a speculative verification step agree; the bf16 rounding
+      // after attention would turn the split's last-bit differences into other tokens)
       if (d % 8 == 0) {
         auto qf = q.to(at::kFloat).contiguous();
         auto of = torch::empty({n, h, d}, qf.options());
         decode_avx2<KV>(qf.data_ptr<float>(), h * d, k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(),
                         bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), of.data_ptr<float>(), n, h, kvh, d, bs,
-                        bt.size(1), (float)scale, window, (float)softcap);
+                        bt.size(1), (float)scale, window, (float)softcap, false);
         out.copy_(of);
         return;
       }
