@@ -101,11 +101,21 @@ inline void store_w(c10::BFloat16* p, const vf& v) {
   std::memcpy(p, &h, sizeof h);
 }
 
-// x rounded to T and back (a no-op for float)
+// x rounded to T and back (a no-op for float); bfloat16 in registers: store_w's rounding
+// (nearest even, NaN -> 0x7FC0) with the low half cleared, the bits store_w + load_w give
 template <typename T>
 inline vf round_w(const vf& x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    vu u;
+    std::memcpy(&u, &x, sizeof u);
+    vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    const vu nan = reinterpret_cast<vu>(x != x);
+    rounded = (rounded & ~nan) | (nan & 0x7FC00000u);
+    vf v;
+    std::memcpy(&v, &rounded, sizeof v);
+    return v;
   } else {
     T tmp[W];
     store_w(tmp, x);
