@@ -6,11 +6,9 @@ oneDNN-packed bf16 copy (QuantLinear.attach_bf16_copy) and F.linear on the same 
     python benchmarks/amx_gemm_choice.py
 """
 
-import statistics
-import time
-
 import torch
 
+from pagedserve.bench.forward import _median_time
 from pagedserve.executor import onednn_linear as od
 from pagedserve.executor.quant import kernels
 from pagedserve.executor.quant.formats import quantize_q4_1
@@ -18,14 +16,7 @@ from pagedserve.executor.quant.layers import QuantLinear
 
 
 def ms(fn, n=20):
-    fn()
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return round(statistics.median(ts) * 1e3, 3)
+    return round(_median_time(fn, n) * 1e3, 3)
 
 
 def row(layer, packed, wd, x) -> dict:

@@ -5,23 +5,15 @@ prompt: what torch_backend runs on an AMX CPU), 9 query / 3 KV heads, d 64, medi
     python benchmarks/prefill_attention_ab.py
 """
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
+from pagedserve.bench.forward import _median_time
 from pagedserve.executor.attention import cpu_kernels
 
 
 def ms(fn, n=20):
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return round(statistics.median(ts) * 1e3, 3)
+    return round(_median_time(fn, n) * 1e3, 3)
 
 
 def case(cpp, t: int, nseq: int) -> dict:
