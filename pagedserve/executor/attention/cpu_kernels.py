@@ -40,4 +40,11 @@ def sdpa_fresh_prefill(dtype) -> bool:
     import torch
 
     isa = (envs.PAGEDSERVE_CPU_ISA or "auto").strip().lower()
-    return dtype == torch.bfloat16 and isa in ("auto", "amx_bf16", "amx_int8") and torch.cpu._is_amx_tile_supported()
+    return dtype == torch.bfloat16 and isa in ("auto", "amx_bf16", "amx_int8") and _amx_tiles()
+
+
+@functools.cache
+def _amx_tiles() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())

@@ -262,6 +262,15 @@ static inline __m512 load16(const at::Half* p) {
 template <typename KV>
 constexpr bool avx512_kv = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Half>;
 
+// f(std::integral_constant<int, G>{}) for a group of gn (1 to 3) query heads: the kernels'
+// head count as a compile-time constant
+template <typename F>
+static inline void with_heads(int64_t gn, F&& f) {
+  if (gn == 3) f(std::integral_constant<int, 3>{});
+  else if (gn == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
 // out[j] = the sum of a[j]'s 16 lanes, j < 8 (halves, quarters, pairs, then one permute)
 static inline void hsum8x16(const __m512* a, float* out) {
   __m512 b[4];
@@ -346,9 +355,7 @@ static void attend_avx512(const float* qf, const KV* const* krows, const KV* con
     const int64_t gn = std::min<int64_t>(3, g - g0);
     float* sc = scores + g0 * L;
     const float* qq = qf + g0 * d;
-    if (gn == 3) scores_avx512<3>(qq, krows, 0, L, L, d, sc, row_tail, L);
-    else if (gn == 2) scores_avx512<2>(qq, krows, 0, L, L, d, sc, row_tail, L);
-    else scores_avx512<1>(qq, krows, 0, L, L, d, sc, row_tail, L);
+    with_heads(gn, [&](auto G) { scores_avx512<decltype(G)::value>(qq, krows, 0, L, L, d, sc, row_tail, L); });
   }
   for (int64_t gi = 0; gi < g; ++gi) {
     float* sc = scores + gi * L;
@@ -361,9 +368,7 @@ static void attend_avx512(const float* qf, const KV* const* krows, const KV* con
     for (int64_t c0 = 0; c0 < d; c0 += 64) {
       float* o = out + g0 * ostride;
       const int64_t pfn = c0 == 0 ? std::max<int64_t>(64, row_tail) : 64;
-      if (gn == 3) pv_avx512<3>(scores + g0 * L, L, L, vrows, 0, c0, o, ostride, pfn, L, false);
-      else if (gn == 2) pv_avx512<2>(scores + g0 * L, L, L, vrows, 0, c0, o, ostride, pfn, L, false);
-      else pv_avx512<1>(scores + g0 * L, L, L, vrows, 0, c0, o, ostride, pfn, L, false);
+      with_heads(gn, [&](auto G) { pv_avx512<decltype(G)::value>(scores + g0 * L, L, L, vrows, 0, c0, o, ostride, pfn, L, false); });
     }
   }
 }
@@ -386,9 +391,7 @@ static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV*
         const int64_t gn = std::min<int64_t>(3, g - g0), pfn = kh == 0 && g0 == 0 ? row : 0;
         float* sc = scores + (kh * g + g0) * L + t0;
         const float* qq = qf + (kh * g + g0) * d;
-        if (gn == 3) scores_avx512<3>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0);
-        else if (gn == 2) scores_avx512<2>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0);
-        else scores_avx512<1>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0);
+        with_heads(gn, [&](auto G) { scores_avx512<decltype(G)::value>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0); });
       }
   }
   for (int64_t x = 0; x < kvh * g; ++x) {
@@ -404,9 +407,7 @@ static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV*
         float* o = out + (kh * g + g0) * d;
         for (int64_t c0 = 0; c0 < d; c0 += 64) {
           const int64_t pfn = kh == 0 && g0 == 0 && c0 == 0 ? row : 0;
-          if (gn == 3) pv_avx512<3>(sc, L, n, vrows + t0, kh * d, c0, o, d, pfn, L - t0, t0 > 0);
-          else if (gn == 2) pv_avx512<2>(sc, L, n, vrows + t0, kh * d, c0, o, d, pfn, L - t0, t0 > 0);
-          else pv_avx512<1>(sc, L, n, vrows + t0, kh * d, c0, o, d, pfn, L - t0, t0 > 0);
+          with_heads(gn, [&](auto G) { pv_avx512<decltype(G)::value>(sc, L, n, vrows + t0, kh * d, c0, o, d, pfn, L - t0, t0 > 0); });
         }
       }
   }
