@@ -242,14 +242,17 @@ def test_fresh_prefills_take_the_kernel_beside_context_chunks_and_decodes():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-AMX = torch.cpu._is_amx_tile_supported()
+def _amx() -> bool:
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    return quant_kernels.amx_in_use()
 
 
-@pytest.mark.skipif(kernels is None or not AMX, reason="needs the C++ kernels and a CPU with AMX tiles")
+@pytest.mark.skipif(kernels is None or not _amx(), reason="needs the C++ kernels and a CPU with AMX tiles (granted)")
 def test_bf16_fresh_prefills_go_to_sdpa_on_amx(monkeypatch):
     """On an AMX CPU a bf16 step's fresh prompts are attended by torch's SDPA (its flash
     attention on the tiles), one call per prompt, the other requests as before; the step
-    equals the reference backend within bf16's rounding. PAGEDSERVE_CPU_ISA below AMX, or
+    equals the reference backend within bf16's rounding. A kernel path below AMX, or
     float32, keeps the C++ kernel."""
     from pagedserve.executor.attention import cpu_kernels, torch_backend
 
@@ -271,8 +274,13 @@ def test_bf16_fresh_prefills_go_to_sdpa_on_amx(monkeypatch):
     )
     assert fresh == 3 + 1  # the three fresh prompts, and (20, 33) over its cached prefix
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx512_bf16")
-    assert not cpu_kernels.sdpa_fresh_prefill(torch.bfloat16)
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    prev = quant_kernels.set_isa("avx512_bf16")
+    try:
+        assert not cpu_kernels.sdpa_fresh_prefill(torch.bfloat16)
+    finally:
+        quant_kernels.set_isa(prev)
 
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")

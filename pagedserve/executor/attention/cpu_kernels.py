@@ -34,17 +34,11 @@ def load():
 
 def sdpa_fresh_prefill(dtype) -> bool:
     """Whether a step's fresh bfloat16 prompts go to torch's SDPA instead of the C++ causal
-    kernel: where the CPU has AMX tiles (PyTorch's flash attention runs its products on them,
-    2-3.5x the float32 C++ kernel: BENCHMARKS section 33), unless PAGEDSERVE_CPU_ISA names a
-    path below AMX (tests and A/B runs); float32 keeps the C++ kernel."""
+    kernel: where the kernels run on an AMX path (quant.kernels.amx_in_use; PyTorch's flash
+    attention runs its products on the tiles, 2-3.5x the float32 C++ kernel: BENCHMARKS
+    section 33); float32 keeps the C++ kernel."""
     import torch
 
-    isa = (envs.PAGEDSERVE_CPU_ISA or "auto").strip().lower()
-    return dtype == torch.bfloat16 and isa in ("auto", "amx_bf16", "amx_int8") and _amx_tiles()
+    from pagedserve.executor.quant import kernels as quant_kernels
 
-
-@functools.cache
-def _amx_tiles() -> bool:
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
+    return dtype == torch.bfloat16 and quant_kernels.amx_in_use()

@@ -101,6 +101,13 @@ def current_isa() -> str:
     return next(k for k, v in ISAS.items() if v == i)
 
 
+def amx_in_use() -> bool:
+    """Whether the kernels run on an AMX path now (the CPU has the tiles, Linux granted them,
+    and neither PAGEDSERVE_CPU_ISA nor set_isa chose a path below); False without the kernels.
+    The one answer the AMX-only routes read (the bf16 copies, the SDPA prefill)."""
+    return try_load() is not None and current_isa().startswith("amx")
+
+
 def set_prefill_rows(m: int) -> int:
     """From this many activation rows on, the many-row path: the blocked kernel over
     dequantized chunks of rows (AVX2), else dequantized weight tiles and the float GEMM."""

@@ -193,12 +193,7 @@ def amx_bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
     packs bf16 here (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off). On AMX oneDNN's tiles run
     these products 2-10x faster than any of the packed kernels (BENCHMARKS section 33). Not
     with `gguf_q8` (act_q8 layers keep its integer numerics). Returns how many layers."""
-    if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16):
-        return 0
-    try:
-        if not kernels.current_isa().startswith("amx"):
-            return 0
-    except Exception:  # noqa: BLE001 (no kernels here: nothing is packed either)
+    if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16) or not kernels.amx_in_use():
         return 0
     n = 0
     for mod in model.modules():
