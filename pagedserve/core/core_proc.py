@@ -30,6 +30,7 @@ from pagedserve.messages import CoreRequestType, EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
+IO_POLL_MS = 20  # idle with disk-tier I/O in flight: look again this often
 MAX_SNAPSHOT_SHARE = 0.005  # live-view snapshots take at most 0.5% of the core loop's time
 
 
@@ -66,7 +67,7 @@ class EngineCoreProc:
                 t0 = time.perf_counter()
                 if not core.has_unfinished_requests():
                     if core.on_idle():  # the executor's health; the KV audit once per idle period
-                        self._send([], {})  # an audit failure: the stats carry it to /health
+                        self._send([], {})  # an audit failure or tier I/O done: the stats carry it
                     if not poll(self._idle_poll_ms()):  # idle: block for input, checking on the parent
                         self.idle_seconds += time.perf_counter() - t0
                         if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -139,6 +140,8 @@ class EngineCoreProc:
             core.remove_lora(payload)
 
     def _idle_poll_ms(self) -> int:
+        if self.core.io_pending():  # the disk tier is still writing: report when it is done
+            return IO_POLL_MS
         if not self._snap_dirty:
             return 1000
         return max(1, min(1000, int((self._snap_due - time.perf_counter()) * 1e3) + 1))

@@ -144,6 +144,7 @@ class EngineCore:
         if config.observability.snapshot_interval_ms > 0:
             self.enable_step_records()
         self._audited = False  # the KV audit ran in this idle period
+        self._offload_seen: tuple = ()  # the disk tier's counters at the last idle check
         self.kv_audit_failures = 0
         self.kv_audit_error: str | None = None
         freeze_startup_objects()
@@ -350,18 +351,33 @@ class EngineCore:
         """The core loop has no request left: check the executor (raises if it cannot run
         another step) and audit the KV accounting once per idle period (core/kv_audit.py;
         a violation is logged once with its blocks' owners and counted in the stats).
-        True when the audit just failed (the front end should hear of it)."""
+        True when the front end should hear the stats again: the audit just failed, or the
+        disk tier's I/O thread finished writes or reads after the last step's message."""
         self.executor.check_health()
+        news = self._offload_news()
         if self._audited:
-            return False
+            return news
         self._audited = True
         problems = audit_idle_kv(self.scheduler.kv)
         if not problems:
-            return False
+            return news
         self.kv_audit_failures += 1
         self.kv_audit_error = "; ".join(problems)[:2000]
         logger.error("KV accounting audit failed (engine idle): %s", self.kv_audit_error)
         return True
+
+    def io_pending(self) -> bool:
+        """The disk tier's I/O thread still has queued writes or reads."""
+        return self.kv_offload is not None and self.kv_offload.connector.busy()
+
+    def _offload_news(self) -> bool:
+        """The tier's counters moved since the last call (its I/O runs behind the steps)."""
+        if self.kv_offload is None:
+            return False
+        c = self.kv_offload.connector.counters
+        seen = (c.blocks_written, c.blocks_read, c.errors, c.saves_dropped)
+        news, self._offload_seen = seen != self._offload_seen, seen
+        return news
 
     def get_stats(self) -> EngineStats:
         stats = self.scheduler.make_stats()

@@ -334,6 +334,10 @@ class KVOffloadConnector:
                 self.scatter([b for b, _ in good], [p for _, p in good])
             out.append(res)
 
+    def busy(self) -> bool:
+        """Writes or reads are queued or running on the I/O thread."""
+        return self._outstanding > 0
+
     def wait_for_io(self, timeout: float) -> None:
         """Block up to `timeout` seconds until some I/O finishes (an idle loop's nap)."""
         with self._idle:

@@ -256,3 +256,19 @@ def test_engine_core_process_saves_at_shutdown(model_dir, reference, tmp_path):
     assert _ask(again, [1]) == [reference[1]]
     assert again.get_stats().kv_offload_hit_blocks == (len(DOCS[1]) - 1) // 8
     again.shutdown()
+
+
+def test_idle_core_reports_writes_that_finish_after_the_last_step(model_dir, tmp_path):
+    """The tier writes on its own thread, behind the steps: the idle core says it has news
+    (so the front end's metrics catch up) once the writes are done, and only then."""
+    llm = _tier_llm(model_dir, tmp_path)
+    core = _core(llm)
+    core.on_idle()  # the first look records the counters
+    assert core.on_idle() is False  # nothing moved
+    _ask(llm, [0, 1, 2, 3, 4])  # the first documents are evicted and queued for writing
+    core.kv_offload.connector.drain()
+    assert not core.io_pending()
+    assert core.kv_offload.connector.counters.blocks_written > 0
+    assert core.on_idle() is True  # the writes finished after the last step
+    assert core.on_idle() is False  # said once
+    llm.shutdown()
