@@ -32,6 +32,26 @@ def test_packed_product_equals_f_linear(dtype, n, k, rows):
     torch.testing.assert_close(got, F.linear(x, w, b), **tol(dtype))
 
 
+def test_rows_bucket_bounds_the_shapes_onednn_sees():
+    assert [od.rows_bucket(m) for m in range(1, od.EXACT_ROWS + 1)] == list(range(1, od.EXACT_ROWS + 1))
+    buckets = [od.rows_bucket(m) for m in range(1, 8193)]
+    assert all(m <= b <= m * 1.125 for m, b in zip(range(1, 8193), buckets))
+    assert buckets == sorted(buckets) and all(od.rows_bucket(b) == b for b in buckets)
+    assert len(set(buckets)) <= 16 + 8 * 9  # exact rows, then 8 a power of two
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [17, 100, 300])
+def test_padded_rows_give_the_unpadded_product(dtype, rows):
+    torch.manual_seed(rows)
+    w, x = torch.randn(576, 576, dtype=dtype), torch.randn(rows, 576, dtype=dtype)
+    p = od.pack_weight(w)
+    assert od.rows_bucket(rows) > rows
+    got = od.packed_linear(x, p, None)
+    assert got.shape == (rows, 576) and got.is_contiguous()
+    torch.testing.assert_close(got, torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), **tol(dtype))
+
+
 class Tied(nn.Module):
     def __init__(self):
         super().__init__()
