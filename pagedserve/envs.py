@@ -55,6 +55,10 @@ VARIABLES: dict[str, EnvVar] = {
         _flag("PAGEDSERVE_NO_ONEDNN_PACK"),
         "1: float linears and MoE experts call F.linear on plain weights, not oneDNN's pre-packed ones; for A/B runs",
     ),
+    "PAGEDSERVE_NO_MALLOC_TUNING": EnvVar(
+        _flag("PAGEDSERVE_NO_MALLOC_TUNING"),
+        "1: a CPU engine leaves glibc malloc's mmap / trim thresholds alone (executor/host_memory.py); for A/B runs",
+    ),
     "PAGEDSERVE_CPU_ISA": EnvVar(
         _str("PAGEDSERVE_CPU_ISA", "auto"),
         "packed-weight kernels: force one path (scalar | avx2 | avx512 ...; auto: the best this CPU has)",

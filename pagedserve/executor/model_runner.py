@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pagedserve.config import LoRAConfig
-from pagedserve.executor import kv_cache
+from pagedserve.executor import host_memory, kv_cache
 from pagedserve.executor.attention import get_attention_backend
 from pagedserve.executor.dtypes import resolve_dtype, resolve_kv_dtype
 from pagedserve.executor.input_batch import InputBatch, StepInputs
@@ -66,6 +66,8 @@ class ModelRunner:
         if self.kv_dtype != self.dtype and not self.backend.supports_narrow_kv_cache:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs the torch attention backend, not {self.backend.name}.")
         torch.manual_seed(seed)
+        if self.device.type == "cpu":
+            host_memory.keep_freed_memory()
         self.model = build_model(model_path, model_config, self.dtype, self.device, self.backend, load_format, quantization)
         self.enforce_eager = enforce_eager
         self.graph_runner = None

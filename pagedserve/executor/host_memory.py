@@ -1,0 +1,49 @@
+"""The C allocator's settings for a CPU engine's steps (glibc malloc; elsewhere nothing).
+
+A step allocates its activations afresh (a 2,048-token step of SmolLM2 makes ~12 MB
+tensors). glibc serves blocks over its mmap threshold (128 KB at first, raised on the fly
+up to 32 MB) with fresh mmaps and returns freed memory at the top of the heap to the OS
+past its trim threshold, so each step faults its pages in again: ~13% of an embedding
+server's core time went to the kernel clearing pages (clear_page_erms) on an AMX Xeon, the
+served embeddings 4,557-4,798 -> 5,137-5,315 prompt tok/s with the settings below
+(BENCHMARKS section 34). vLLM's CPU guide preloads tcmalloc for the same reason; this
+needs nothing installed.
+
+Invariants: at most once per process; only where the C library is glibc; never on a
+GPU engine; PAGEDSERVE_NO_MALLOC_TUNING=1 leaves the allocator alone. Memory a step frees
+stays in the process for the next step (the RSS keeps its peak, which the next step of the
+same shape needs anyway).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+from pagedserve import envs
+
+logger = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's upper bound for the setting (HEAP_MAX / 2 on 64-bit)
+TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim in practice
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Blocks up to 32 MB from the heap, and freed memory kept for reuse (no page faults
+    in later steps); True when set."""
+    if envs.PAGEDSERVE_NO_MALLOC_TUNING:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()  # glibc only (musl has neither the symbol nor these knobs)
+    except (OSError, AttributeError):
+        return False
+    ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    if not ok:
+        logger.warning("pagedserve: glibc refused the allocator settings; steps may fault their pages in again")
+    return ok

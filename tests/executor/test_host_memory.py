@@ -1,0 +1,54 @@
+"""The CPU engine's allocator settings (executor/host_memory.py): a step's large tensors,
+freed and made again, reuse the process's memory instead of faulting fresh pages in."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedserve.executor import host_memory
+
+PROBE = """
+import resource, torch
+from pagedserve.executor import host_memory
+print(host_memory.keep_freed_memory())
+def step(mb):  # a step's activations of a few sizes, alive together, touched, then freed
+    xs = []
+    for size in (mb, mb // 2, mb * 3 // 4):
+        xs.append(torch.empty(size << 20, dtype=torch.uint8).fill_(1))
+for mb in (8, 24):
+    step(mb)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for mb in (8, 24, 12, 16, 24, 8) * 2:  # steps of other sizes, as chunked prefill makes them
+    step(mb)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _faults(**env) -> tuple[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**os.environ, **env}, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings: Linux only")
+def test_freed_step_memory_is_reused_without_page_faults():
+    tuned, faults = _faults(PAGEDSERVE_NO_MALLOC_TUNING="0")
+    if tuned != "True":
+        pytest.skip("this C library is not glibc")
+    untuned_flag, untuned = _faults(PAGEDSERVE_NO_MALLOC_TUNING="1")
+    assert untuned_flag == "False"
+    touched = sum(2.25 * mb for mb in (8, 24, 12, 16, 24, 8) * 2) * (1 << 20) / 4096  # pages
+    assert untuned > touched / 20  # glibc alone maps or trims and faults them in again
+    assert faults < untuned / 4 and faults < touched / 40  # kept: the same memory serves the next step
+
+
+def test_the_variable_turns_it_off(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_NO_MALLOC_TUNING", "1")
+    host_memory.keep_freed_memory.cache_clear()
+    try:
+        assert host_memory.keep_freed_memory() is False
+    finally:
+        host_memory.keep_freed_memory.cache_clear()
