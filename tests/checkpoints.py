@@ -45,6 +45,9 @@ ARCH_KWARGS = {
     # shared expert, a dense layer among sparse ones, OLMoE's full-width q/k norms and clamp
     "mixtral": dict(cls="MixtralConfig", tie_word_embeddings=False, num_local_experts=5, num_experts_per_tok=2,
                     intermediate_size=64, sliding_window=None),
+    # widths that are multiples of 64 (2I = 128, H = 128): the brgemm experts (ops/moe_gemm.py)
+    "mixtral_wide": dict(cls="MixtralConfig", tie_word_embeddings=False, num_local_experts=5, num_experts_per_tok=2,
+                         intermediate_size=64, sliding_window=None, hidden_size=128, num_attention_heads=4),
     "qwen2_moe": dict(cls="Qwen2MoeConfig", tie_word_embeddings=False, num_hidden_layers=3, num_experts=7,
                       num_experts_per_tok=1, moe_intermediate_size=48, shared_expert_intermediate_size=80,
                       mlp_only_layers=[1], norm_topk_prob=False),

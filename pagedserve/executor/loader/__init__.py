@@ -102,7 +102,8 @@ def build_model(
 
 def _cpu_float_linears(model: nn.Module, dtype: torch.dtype) -> None:
     """float32 on AVX2: the blocked kernel's 12-128-row products (FloatLinear); the other
-    float layers and MoE experts on oneDNN's pre-packed weights."""
+    float layers on oneDNN's pre-packed weights; MoE experts on the brgemm micro-kernel in
+    bf16 where PyTorch has it (ops/moe_gemm.py), else on oneDNN's pre-packed weights."""
     from pagedserve.executor.models.moe import FusedExperts
     from pagedserve.executor.onednn_linear import pack_linears
     from pagedserve.executor.quant.layers import use_float_kernels
@@ -112,4 +113,4 @@ def _cpu_float_linears(model: nn.Module, dtype: torch.dtype) -> None:
     pack_linears(model)
     for mod in model.modules():
         if isinstance(mod, FusedExperts):
-            mod.pack_onednn()
+            _ = mod.pack_brgemm() or mod.pack_onednn()

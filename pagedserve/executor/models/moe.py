@@ -58,6 +58,8 @@ class FusedExperts(nn.Module):
         self.q2: nn.ModuleList | None = None
         self.p13: list[torch.Tensor] | None = None  # oneDNN's pre-packed float experts (pack_onednn)
         self.p2: list[torch.Tensor] | None = None
+        self.b13: torch.Tensor | None = None  # the brgemm micro-kernel's blocks (pack_brgemm)
+        self.b2: torch.Tensor | None = None
 
     def _packed_layers(self) -> None:
         from pagedserve.executor.quant.layers import QuantLinear
@@ -102,6 +104,18 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
         return True
 
+    def pack_brgemm(self) -> bool:
+        """bf16 experts on PyTorch's brgemm micro-kernel (ops/moe_gemm.py: every expert of
+        the layer in one call per product); the plain tensors are then dropped."""
+        from pagedserve.executor.ops import moe_gemm
+
+        if self.q13 is not None or not (moe_gemm.can_pack(self.w13) and moe_gemm.can_pack(self.w2)):
+            return False
+        self.b13, self.b2 = moe_gemm.pack(self.w13), moe_gemm.pack(self.w2)
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+        return True
+
     def _expert(self, e: int, seg: torch.Tensor, kern) -> torch.Tensor:
         """Expert e's MLP over its rows."""
         if self.q13 is not None:
@@ -122,6 +136,8 @@ class FusedExperts(nn.Module):
         """x [T, H], the routing weights and expert ids [T, k] -> sum_j weights[t, j] *
         expert_{ids[t, j]}(x[t]), [T, H]."""
         k = ids.shape[1]
+        if self.b13 is not None:
+            return self._forward_brgemm(x, weights, ids, kern)
         if x.shape[0] == 1:  # batch-1 decode: no sort or gathers, the same sums
             pairs = torch.cat([self._expert(e, x, kern) for e in ids[0].tolist()]).view(1, k, -1)
             return self._weighted_sum(pairs, weights, x.dtype)
@@ -137,6 +153,20 @@ class FusedExperts(nn.Module):
                 start += n
         # back to (token, choice) order by a gather (a scatter-add is ~30 ms for two rows on
         # a busy 2-core machine: OpenMP waits), then each token's k outputs weighted and summed
+        pairs = ys.index_select(0, torch.argsort(order)).view(x.shape[0], k, -1)
+        return self._weighted_sum(pairs, weights, x.dtype)
+
+    def _forward_brgemm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, kern) -> torch.Tensor:
+        """forward's sums with every expert's rows in one call per product."""
+        from pagedserve.executor.ops.moe_gemm import experts_mm
+
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+        offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
+        torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0, out=offsets[1:])
+        xs = x.index_select(0, order // k)
+        ys = experts_mm(act_and_mul(experts_mm(xs, offsets, self.b13), kern), offsets, self.b2)
         pairs = ys.index_select(0, torch.argsort(order)).view(x.shape[0], k, -1)
         return self._weighted_sum(pairs, weights, x.dtype)
 
