@@ -47,7 +47,10 @@ class Router(nn.Module):
 class FusedExperts(nn.Module):
     """Float experts (w13, w2), or packed ones: per expert a QuantLinear for gate/up (two
     parts) and one for down (`q13`, `q2`), from a GGUF's blocks or quantized at load
-    (int8 / int4), run by executor/quant's kernels; the float tensors are then dropped."""
+    (int8 / int4), run by executor/quant's kernels; or, on a CPU, float experts on oneDNN's
+    pre-packed weights (`p13`, `p2`) or, in bf16 where PyTorch's brgemm packs it, on the
+    micro-kernel's blocks (`b13`, `b2`: every expert in one call per product). Exactly one
+    form is held; the float tensors are dropped once another is made."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
