@@ -169,9 +169,13 @@ def build_all() -> dict[str, bool]:
     from pagedserve.executor.attention import cpu_kernels
     from pagedserve.executor.lora import load_kernels as lora_load
     from pagedserve.executor.ops import load as ops_load
+    from pagedserve.executor.ops import moe_gemm
     from pagedserve.executor.quant import kernels as quant_kernels
 
-    loads = {"quant": quant_kernels.try_load, "fused_ops": ops_load, "attention": cpu_kernels.load, "lora": lora_load}
+    loads = {
+        "quant": quant_kernels.try_load, "fused_ops": ops_load, "attention": cpu_kernels.load, "lora": lora_load,
+        "moe": moe_gemm.load,
+    }
     # one compiler process each (the GIL is free while they run)
     with ThreadPoolExecutor(max_workers=min(len(loads), os.cpu_count() or 1)) as pool:
         done = {name: pool.submit(load) for name, load in loads.items()}

@@ -117,4 +117,5 @@ def test_build_all_reports_every_module():
     """`make setup`'s step: every kernel module is found (built by it, or an earlier start)."""
     flags = pathlib.Path("/proc/cpuinfo").read_text().split() if os.path.exists("/proc/cpuinfo") else []
     avx2 = "avx2" in flags and "fma" in flags  # the LoRA kernels' floor (below it: the PyTorch path)
-    assert cpp_build.build_all() == {"quant": True, "fused_ops": True, "attention": True, "lora": avx2}
+    built = cpp_build.build_all()
+    assert built == {"quant": True, "fused_ops": True, "attention": True, "lora": avx2, "moe": True}
