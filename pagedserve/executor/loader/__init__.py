@@ -112,5 +112,5 @@ def _cpu_float_linears(model: nn.Module, dtype: torch.dtype) -> None:
         use_float_kernels(model)
     pack_linears(model)
     for mod in model.modules():
-        if isinstance(mod, FusedExperts):
-            _ = mod.pack_brgemm() or mod.pack_onednn()
+        if isinstance(mod, FusedExperts) and not mod.pack_brgemm():  # brgemm where it packs bf16
+            mod.pack_onednn()
