@@ -40,9 +40,11 @@ def test_freed_step_memory_is_reused_without_page_faults():
         pytest.skip("this C library is not glibc")
     untuned_flag, untuned = _faults(PAGEDSERVE_NO_MALLOC_TUNING="1")
     assert untuned_flag == "False"
-    touched = sum(2.25 * mb for mb in (8, 24, 12, 16, 24, 8) * 2) * (1 << 20) / 4096  # pages
-    assert untuned > touched / 20  # glibc alone maps or trims and faults them in again
-    assert faults < untuned / 4 and faults < touched / 40  # kept: the same memory serves the next step
+    touched = sum(2.25 * mb for mb in (8, 24, 12, 16, 24, 8) * 2) * (1 << 20) / 4096  # 4 KB pages
+    if untuned < touched / 100:  # e.g. transparent huge pages always on: a fault brings 2 MB
+        pytest.skip(f"{untuned} page faults without the setting: too few to tell the two apart here")
+    assert faults < untuned / 4  # kept: the same memory serves the next step (glibc alone maps
+    # or trims it and faults it in again: 14.5k-60k faults here, against 1.5k)
 
 
 def test_the_variable_turns_it_off(monkeypatch):
