@@ -18,6 +18,7 @@ the embedding's), so the model holds each weight once; `in_features` / `out_feat
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import envs
@@ -39,6 +40,9 @@ def pack_weight(w: torch.Tensor, rows_hint: int = 8) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), rows_hint)
 
 
+EXACT_ROWS = 16  # decode-sized products keep their row count (the same kernels as before)
+
+
 def rows_bucket(m: int) -> int:
     """The row count a product of m rows runs at: m itself up to EXACT_ROWS, else m rounded
     up to one of 8 steps per power of two (at most 12.5% padded rows). oneDNN builds (JITs)
@@ -52,9 +56,6 @@ def rows_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-EXACT_ROWS = 16  # decode-sized products keep their row count (the same kernels as before)
-
-
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] (the packed weight's dtype) -> [..., N]. Rows are padded with zeros to
     `rows_bucket` for oneDNN and the extra output rows dropped (a view: the leading rows of
@@ -63,10 +64,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     m = x2.shape[0]
     mp = rows_bucket(m)
     if mp != m:
-        xp = x2.new_empty(mp, x2.shape[1])
-        xp[:m] = x2
-        xp[m:].zero_()
-        x2 = xp
+        x2 = F.pad(x2, (0, 0, 0, mp - m))  # zero rows
     y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     if mp != m:
         y = y[:m]

@@ -103,8 +103,7 @@ class FusedExperts(nn.Module):
             return False
         self.p13 = [od.pack_weight(self.w13[e]) for e in range(self.num_experts)]
         self.p2 = [od.pack_weight(self.w2[e]) for e in range(self.num_experts)]
-        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
-        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+        self._drop_plain()
         return True
 
     def pack_brgemm(self) -> bool:
@@ -115,8 +114,7 @@ class FusedExperts(nn.Module):
         if self.q13 is not None or not (moe_gemm.can_pack(self.w13) and moe_gemm.can_pack(self.w2)):
             return False
         self.b13, self.b2 = moe_gemm.pack(self.w13), moe_gemm.pack(self.w2)
-        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
-        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+        self._drop_plain()
         return True
 
     def _expert(self, e: int, seg: torch.Tensor, kern) -> torch.Tensor:
@@ -132,46 +130,44 @@ class FusedExperts(nn.Module):
     def drop_float(self) -> None:
         """After packing: the float tensors are not used (nor kept in memory)."""
         if self.q13 is not None:
-            self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
-            self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+            self._drop_plain()
+
+    def _drop_plain(self) -> None:
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, kern=None) -> torch.Tensor:
         """x [T, H], the routing weights and expert ids [T, k] -> sum_j weights[t, j] *
         expert_{ids[t, j]}(x[t]), [T, H]."""
         k = ids.shape[1]
-        if self.b13 is not None:
-            return self._forward_brgemm(x, weights, ids, kern)
-        if x.shape[0] == 1:  # batch-1 decode: no sort or gathers, the same sums
+        if x.shape[0] == 1 and self.b13 is None:  # batch-1 decode: no sort or gathers, the same sums
             pairs = torch.cat([self._expert(e, x, kern) for e in ids[0].tolist()]).view(1, k, -1)
             return self._weighted_sum(pairs, weights, x.dtype)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        xs = x.index_select(0, order // k)  # each pair's token
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                ys[start : start + n] = self._expert(e, xs[start : start + n], kern)
-                start += n
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        ys = self._grouped(x.index_select(0, order // k), counts, kern)  # rows: each pair's token
         # back to (token, choice) order by a gather (a scatter-add is ~30 ms for two rows on
         # a busy 2-core machine: OpenMP waits), then each token's k outputs weighted and summed
         pairs = ys.index_select(0, torch.argsort(order)).view(x.shape[0], k, -1)
         return self._weighted_sum(pairs, weights, x.dtype)
 
-    def _forward_brgemm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, kern) -> torch.Tensor:
-        """forward's sums with every expert's rows in one call per product."""
-        from pagedserve.executor.ops.moe_gemm import experts_mm
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, kern) -> torch.Tensor:
+        """Rows grouped by expert (counts[e] rows of expert e, in expert order) through their
+        experts: in one call per product on the brgemm blocks, else expert by expert."""
+        if self.b13 is not None:
+            from pagedserve.executor.ops.moe_gemm import experts_mm
 
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
-        torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0, out=offsets[1:])
-        xs = x.index_select(0, order // k)
-        ys = experts_mm(act_and_mul(experts_mm(xs, offsets, self.b13), kern), offsets, self.b2)
-        pairs = ys.index_select(0, torch.argsort(order)).view(x.shape[0], k, -1)
-        return self._weighted_sum(pairs, weights, x.dtype)
+            offsets = torch.zeros(self.num_experts + 1, dtype=torch.long)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            return experts_mm(act_and_mul(experts_mm(xs, offsets, self.b13), kern), offsets, self.b2)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                ys[start : start + n] = self._expert(e, xs[start : start + n], kern)
+                start += n
+        return ys
 
     @staticmethod
     def _weighted_sum(pairs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
