@@ -103,6 +103,11 @@ class SchedulerConfig:
         "length_aware: while short work runs or waits, a long request's prefill chunk per step is at most "
         "this many tokens (it bounds the step a short request waits behind; 0: the budget share alone)",
     )
+    long_lane_yield: bool = setting(
+        True,
+        "length_aware: a running long prefill skips the step in which a short request is admitted (never two "
+        "steps running), so that step, the one that gives the short request its first token, stays short",
+    )
     max_wait_s: float = setting(
         20.0, "length_aware: a request waiting this long is admitted before every request that came after it"
     )

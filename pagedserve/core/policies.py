@@ -152,7 +152,8 @@ class SchedulingPolicy:
         """Called once at the start of every schedule()."""
 
     def prefill_cap(self, req: Request) -> int | None:
-        """The most prompt tokens `req` may compute this step (None: no cap of the policy's)."""
+        """The most prompt tokens `req` may compute this step (None: no cap of the policy's;
+        0: none this step)."""
         return None
 
     def may_admit(self, req: Request, num_running: int) -> bool:
@@ -187,7 +188,9 @@ class LengthAwarePolicy(SchedulingPolicy):
     step's token budget of prompt, and at most `long_lane_chunk_tokens` (the step a short
     request waits behind, and decodes with, stays short), and long requests hold at most
     (1 - share) of the running seats; with no short work they take everything (no budget
-    idles).
+    idles). With `long_lane_yield`, a step whose queue starts with a short request (it is
+    admitted now: this step makes its first token) carries no long prefill chunk, never
+    two steps running, so a long prefill still advances at least every other step.
     Victim: the running request whose preemption costs least, computed tokens to redo
     per expected remaining token (ties: the latest admitted).
     """
@@ -198,6 +201,7 @@ class LengthAwarePolicy(SchedulingPolicy):
         self.num_short = 0  # short requests waiting or running
         self.long_cap: int | None = None  # this step's prefill cap for long requests
         self.long_running = 0
+        self.long_yields = False  # this step: long prefills wait (a short request is admitted)
         super().__init__(config, clock)
         self.long_seats = max(1, int(config.max_num_seqs * (1 - config.short_budget_share)))
 
@@ -227,9 +231,13 @@ class LengthAwarePolicy(SchedulingPolicy):
             if self.config.long_lane_chunk_tokens:
                 self.long_cap = min(self.long_cap, self.config.long_lane_chunk_tokens)
         self.long_running = sum(1 for r in running if not r.is_short)
+        yields = self.config.long_lane_yield and not self.long_yields and len(self.waiting) > 0
+        self.long_yields = yields and self.waiting.peek().is_short
 
     def prefill_cap(self, req: Request) -> int | None:
-        return None if req.is_short else self.long_cap
+        if req.is_short:
+            return None
+        return 0 if self.long_yields else self.long_cap
 
     def may_admit(self, req: Request, num_running: int) -> bool:
         if req.is_short or not self.num_short:

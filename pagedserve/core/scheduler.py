@@ -163,7 +163,11 @@ class Scheduler:
             start = req.num_computed_tokens
             num_new = len(req.all_token_ids) - start
             if num_new > 1:  # a prefill chunk (or a recompute): the caps apply
-                num_new = self._prefill_chunk(req, num_new, step.budget) or min(num_new, step.budget)
+                chunk = self._prefill_chunk(req, num_new, step.budget)
+                if chunk == 0:  # the policy holds this prefill back for a step
+                    i += 1
+                    continue
+                num_new = chunk or min(num_new, step.budget)
             drafts = propose(req, step.budget) if propose is not None and num_new == 1 and req.in_executor else None
             if drafts:
                 num_new += len(drafts)
@@ -256,7 +260,7 @@ class Scheduler:
                 continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req) if not req.whole_prompt else ([], 0)
             num_new = self._prefill_chunk(req, req.num_tokens - num_hit, step.budget)
-            if num_new is None or not self._admit(req, hit_blocks, num_hit, num_new, step):
+            if not num_new or not self._admit(req, hit_blocks, num_hit, num_new, step):
                 if self.offload is not None and not self.running:  # nothing runs: no hold may block the head
                     self.offload.release_others(req)
                 break
@@ -290,7 +294,7 @@ class Scheduler:
     def _prefill_chunk(self, req: Request, num_left: int, budget: int) -> int | None:
         """Tokens of `req`'s prompt (or recompute) to run this step, under the threshold,
         the policy's lane cap and the budget (None: without chunked prefill it must wait
-        for a step with room for all of it)."""
+        for a step with room for all of it; 0: the policy holds it back this step)."""
         cfg = self.config
         if cfg.long_prefill_token_threshold and num_left > cfg.long_prefill_token_threshold:
             num_left = cfg.long_prefill_token_threshold
