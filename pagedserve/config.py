@@ -103,10 +103,11 @@ class SchedulerConfig:
         "length_aware: while short work runs or waits, a long request's prefill chunk per step is at most "
         "this many tokens (it bounds the step a short request waits behind; 0: the budget share alone)",
     )
-    long_lane_yield: bool = setting(
-        True,
-        "length_aware: a running long prefill skips the step in which a short request is admitted (never two "
-        "steps running), so that step, the one that gives the short request its first token, stays short",
+    long_lane_period: int = setting(
+        2,
+        "length_aware: while short work runs or waits, long prefill chunks run in at most one step of this "
+        "many (the others decode without them), and not in a step that admits a short request unless twice "
+        "this many have passed (0: every step)",
     )
     max_wait_s: float = setting(
         20.0, "length_aware: a request waiting this long is admitted before every request that came after it"
@@ -130,6 +131,8 @@ class SchedulerConfig:
             raise ValueError("short_request_tokens and expected_output_tokens must be >= 1.")
         if not 0.0 <= self.short_budget_share < 1.0:
             raise ValueError(f"short_budget_share must be in [0, 1), got {self.short_budget_share}.")
+        if self.long_lane_period < 0:
+            raise ValueError(f"long_lane_period must be >= 0, got {self.long_lane_period}.")
         if self.long_lane_chunk_tokens < 0:
             raise ValueError(f"long_lane_chunk_tokens must be >= 0, got {self.long_lane_chunk_tokens}.")
         if not self.max_wait_s > 0:

@@ -4,6 +4,7 @@ wait behind a document? (issue 29; the seed's "serve short and long requests apa
     pagedserve bench mixed [--model default] [--policy fcfs|length_aware|...] [--rate 0.6]
         [--num-requests 120] [--seed 0] [--slo-ttft-ms 1000] [--out r.json] [--plot r.png]
     pagedserve bench mixed --url http://127.0.0.1:8000 --served-model NAME ...  (any server)
+    pagedserve bench mixed --compare fcfs=a.json length_aware=b.json --plot ab.png  (runs side by side)
 
 Seeded workload: Poisson arrivals at --rate; 80% short chat turns (prompts 32-256 tokens,
 outputs 8-64) and 20% long jobs (prompts 1,500-3,000, outputs 300-800), as token-id
@@ -136,7 +137,16 @@ def main(argv=None) -> None:
     ap.add_argument("--send-slo", action="store_true", help="send the target as pagedserve's slo field")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--compare", nargs="+", metavar="NAME=FILE", help="draw saved runs (--out files) in one --plot; run nothing")
     a = ap.parse_args(argv)
+    if a.compare:
+        loads = {}
+        for item in a.compare:
+            name, path = item.split("=", 1)
+            with open(path) as f:
+                loads[name] = json.load(f)
+        plot({n: d["summary"] for n, d in loads.items()}, loads, a.plot or "mixed.png")
+        return
     work = make_mixed_workload(a.num_requests, a.seed)
     server = None
     if a.url is None:

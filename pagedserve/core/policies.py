@@ -188,9 +188,11 @@ class LengthAwarePolicy(SchedulingPolicy):
     step's token budget of prompt, and at most `long_lane_chunk_tokens` (the step a short
     request waits behind, and decodes with, stays short), and long requests hold at most
     (1 - share) of the running seats; with no short work they take everything (no budget
-    idles). With `long_lane_yield`, a step whose queue starts with a short request (it is
-    admitted now: this step makes its first token) carries no long prefill chunk, never
-    two steps running, so a long prefill still advances at least every other step.
+    idles). Steps, too: while short work exists, long prefill chunks run in at most one
+    step of `long_lane_period` (P; the steps between decode without them, so a short
+    request's tokens mostly come from short steps), and a step whose queue starts with a
+    short request (admitted now: this step makes its first token) carries none unless 2P
+    steps passed: a long prefill advances at least once every 2P steps.
     Victim: the running request whose preemption costs least, computed tokens to redo
     per expected remaining token (ties: the latest admitted).
     """
@@ -201,7 +203,8 @@ class LengthAwarePolicy(SchedulingPolicy):
         self.num_short = 0  # short requests waiting or running
         self.long_cap: int | None = None  # this step's prefill cap for long requests
         self.long_running = 0
-        self.long_yields = False  # this step: long prefills wait (a short request is admitted)
+        self.long_yields = False  # this step: long prefill chunks wait (long_lane_period)
+        self.since_long = 1 << 30  # steps since long prefill chunks last could run
         super().__init__(config, clock)
         self.long_seats = max(1, int(config.max_num_seqs * (1 - config.short_budget_share)))
 
@@ -231,8 +234,18 @@ class LengthAwarePolicy(SchedulingPolicy):
             if self.config.long_lane_chunk_tokens:
                 self.long_cap = min(self.long_cap, self.config.long_lane_chunk_tokens)
         self.long_running = sum(1 for r in running if not r.is_short)
-        yields = self.config.long_lane_yield and not self.long_yields and len(self.waiting) > 0
-        self.long_yields = yields and self.waiting.peek().is_short
+        self.since_long += 1
+        self.long_yields = self._long_yields()
+        if not self.long_yields:
+            self.since_long = 0
+
+    def _long_yields(self) -> bool:
+        """Whether long prefill chunks sit this step out (see the class's Lanes)."""
+        p = self.config.long_lane_period
+        if not p or not self.num_short:
+            return False
+        head_short = len(self.waiting) > 0 and self.waiting.peek().is_short
+        return self.since_long < p or (head_short and self.since_long < 2 * p)
 
     def prefill_cap(self, req: Request) -> int | None:
         if req.is_short:

@@ -57,8 +57,11 @@ class StepState:
         req.num_computed_tokens = share.num_computed_tokens + n
 
     def take_back(self, req: Request) -> None:
-        """Undo `req`'s share (it is being preempted after it was scheduled)."""
-        j = self.reqs.index(req)
+        """Undo `req`'s share, if it has one (it is being preempted; a running request
+        the policy held back this step has none)."""
+        j = next((j for j, r in enumerate(self.reqs) if r is req), None)
+        if j is None:
+            return
         self.budget += len(self.scheduled[j].token_ids)
         del self.scheduled[j], self.reqs[j]
 
@@ -182,7 +185,7 @@ class Scheduler:
     def _preempt_until_fits(self, req: Request, num_new: int, i: int, step: StepState) -> tuple:
         """Preempt victims until `req` (running[i]) gets blocks for `num_new` tokens:
         (its new blocks, i), or (None, i) when `req` itself was preempted. A victim
-        already scheduled this step has its share undone and i moves back with it."""
+        before `req` in the running list has its share (if any) undone and i moves back."""
         while True:
             victim = self.policy.pick_victim(self.running)
             if self.running.index(victim) < i:

@@ -273,6 +273,13 @@ def test_mixed_workload_and_summary(tmp_path):
     png = tmp_path / "m.png"
     plot({"x": s}, {"x": {"results": results}}, str(png))
     assert png.stat().st_size > 1000
+    from pagedserve.bench.mixed import main
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"summary": s, "results": results}))
+    both = tmp_path / "ab.png"
+    main(["--compare", f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'b.json'}", "--plot", str(both)])
+    assert both.stat().st_size > png.stat().st_size // 2
 
 
 def test_embed_bench_offline_smoke(checkpoint, capsys):

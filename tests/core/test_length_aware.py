@@ -81,7 +81,7 @@ def test_ttft_deadlines_come_first_earliest_first():
 
 def test_the_short_lane_caps_long_prefills_only_while_short_work_exists():
     clock = Clock()
-    s = make(clock, budget=256, short_budget_share=0.5, short_request_tokens=100, long_lane_yield=False)
+    s = make(clock, budget=256, short_budget_share=0.5, short_request_tokens=100, long_lane_period=0)
     s.add_request(req("doc", 2000, 10, clock))
     so = s.schedule()
     assert len(so.scheduled[0].token_ids) == 256  # alone: the whole budget
@@ -97,7 +97,7 @@ def test_the_long_lane_chunk_bounds_a_long_prefill_beside_short_work():
     clock = Clock()
     s = make(
         clock, budget=2048, short_budget_share=0.5, short_request_tokens=100, long_lane_chunk_tokens=200,
-        long_lane_yield=False,
+        long_lane_period=0,
     )
     s.add_request(req("doc", 3000, 10, clock))
     assert len(s.schedule().scheduled[0].token_ids) == 2048  # alone: the whole budget
@@ -106,32 +106,44 @@ def test_the_long_lane_chunk_bounds_a_long_prefill_beside_short_work():
     assert shares == {"doc": 200, "chat": 20}  # min(200, 0.5 x 2048)
 
 
-def test_a_long_prefill_yields_the_step_that_admits_a_short_request_never_two_running():
+def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_short_request():
     clock = Clock()
-    s = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200)
-    s.add_request(req("doc", 3000, 10, clock))
-    s.schedule()  # the doc's first chunk, alone
+
+    def shares(s):
+        return {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled if sr.token_ids}
+
+    s = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=1)
+    s.add_request(req("doc", 4000, 10, clock))
+    assert shares(s) == {"doc": 2048}  # alone: the whole budget
     s.add_request(req("chat1", 20, 30, clock, base=50_000))
-    shares = {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled}
-    assert shares == {"chat1": 20}  # chat1's first token comes from a step without the doc's chunk
+    assert shares(s) == {"chat1": 20}  # chat1's first token comes from a step without the doc
     s.add_request(req("chat2", 20, 30, clock, base=60_000))
-    shares = {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled}
-    assert shares["doc"] == 200 and shares["chat2"] == 20  # not two steps running: the doc goes on
+    assert shares(s) == {"doc": 200, "chat2": 20}  # not two such steps running: the doc goes on
     s.add_request(req("chat3", 20, 30, clock, base=70_000))
-    shares = {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled}
-    assert "doc" not in shares and shares["chat3"] == 20  # a step after one that ran: it yields again
-    shares = {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled}
-    assert shares["doc"] == 200  # no short request admitted: no yield
-    s2 = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_yield=False)
-    s2.add_request(req("doc", 3000, 10, clock))
-    s2.schedule()
-    s2.add_request(req("chat1", 20, 30, clock, base=50_000))
-    assert {sr.req_id: len(sr.token_ids) for sr in s2.schedule().scheduled} == {"doc": 200, "chat1": 20}
+    assert shares(s) == {"chat3": 20}
+    assert shares(s) == {"doc": 200}  # no short request admitted: no yield (period 1)
+    p2 = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=2)
+    p2.add_request(req("doc", 4000, 10, clock))
+    p2.add_request(req("chat", 20, 60, clock, base=50_000))
+    runs = []
+    for _ in range(8):
+        runs.append("doc" in shares(p2))
+    assert runs == [True, False, True, False, True, False, True, False]  # one step in two
+    late = []
+    for i in range(3):  # a short request at the head of the queue every step
+        p2.add_request(req(f"late{i}", 20, 30, clock, base=60_000 + 100 * i))
+        late.append("doc" in shares(p2))
+    assert late == [False, False, True]  # it waits for them, but at most 2P steps apart
+    p0 = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=0)
+    p0.add_request(req("doc", 3000, 10, clock))
+    p0.schedule()
+    p0.add_request(req("chat1", 20, 30, clock, base=50_000))
+    assert shares(p0) == {"doc": 200, "chat1": 20}
 
 
 def test_long_requests_hold_at_most_their_share_of_seats_while_short_work_waits():
     clock = Clock()
-    s = make(clock, budget=4096, seqs=4, short_budget_share=0.5, short_request_tokens=100, long_lane_yield=False)
+    s = make(clock, budget=4096, seqs=4, short_budget_share=0.5, short_request_tokens=100, long_lane_period=0)
     s.add_request(req("chat", 20, 30, clock))
     for i in range(4):
         s.add_request(req(f"doc{i}", 300, 10, clock, base=1000 * (i + 1)))
