@@ -99,7 +99,7 @@ class SchedulerConfig:
         "while any runs or waits; long prefills are chunked around it",
     )
     long_lane_chunk_tokens: int = setting(
-        256,
+        128,
         "length_aware: while short work runs or waits, a long request's prefill chunk per step is at most "
         "this many tokens (it bounds the step a short request waits behind; 0: the budget share alone)",
     )
