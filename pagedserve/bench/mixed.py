@@ -99,7 +99,7 @@ def preemptions(url: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def plot(summaries: dict[str, dict], loads: dict[str, dict], path: str) -> None:
+def plot(loads: dict[str, dict], path: str) -> None:
     """Per-class CDFs of TTFT and TPOT, one line per run."""
     import matplotlib
 
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
             name, path = item.split("=", 1)
             with open(path) as f:
                 loads[name] = json.load(f)
-        plot({n: d["summary"] for n, d in loads.items()}, loads, a.plot or "mixed.png")
+        plot(loads, a.plot or "mixed.png")
         return
     work = make_mixed_workload(a.num_requests, a.seed)
     server = None
@@ -167,7 +167,7 @@ def main(argv=None) -> None:
         with open(a.out, "w") as f:
             json.dump({"summary": res, "results": load["results"]}, f)
     if a.plot:
-        plot({res["policy"]: res}, {res["policy"]: load}, a.plot)
+        plot({res["policy"]: load}, a.plot)
 
 
 if __name__ == "__main__":
