@@ -149,7 +149,9 @@ class _DecodeDriver:
             new = []
             if st[0] % self.bs == 0:
                 new, self.next_block = [self.next_block], self.next_block + 1
-            reqs.append(self.SR(req_id=rid, token_ids=[st[1]], num_computed_tokens=st[0], block_ids=new, sample=True))
+            reqs.append(
+                self.SR(req_id=rid, token_ids=[st[1]], num_computed_tokens=st[0], block_ids=new, sample=True)
+            )
             st[0] += 1
         self._apply(self.runner.execute_model(self.SO(reqs, len(reqs))))
 
@@ -157,7 +159,7 @@ class _DecodeDriver:
         self.runner.execute_model(self.SO([], 0, finished_req_ids=set(self.state)))
 
 
-def profile_decode(model: str, batches, context: int, steps: int, top: int = 8) -> None:
+def profile_decode(model: str, dtype: str, batches, context: int, steps: int, top: int = 8) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from pagedserve.executor import ops
@@ -167,7 +169,7 @@ def profile_decode(model: str, batches, context: int, steps: int, top: int = 8) 
 
     path = resolve_model_path(model)
     cfg = ModelConfig.from_hf_dict(load_hf_config_dict(path))
-    runner = ModelRunner(path, cfg, dtype="float32", device="cpu")
+    runner = ModelRunner(path, cfg, dtype=dtype, device="cpu")
     bs = 16
     need = max(batches) * (-(-(context + 4 * steps + 8) // bs)) + 2
     runner.initialize_kv_cache(need, bs)
@@ -184,7 +186,7 @@ def profile_decode(model: str, batches, context: int, steps: int, top: int = 8) 
 
         setattr(obj, attr, wrapper)
 
-    timed(runner, "prepare_inputs", "prepare")
+    timed(runner.input_batch, "prepare", "prepare")
     timed(runner.model, "forward", "forward")
     timed(runner.model, "compute_logits", "logits")
     timed(runner.sampler, "greedy", "sample")
@@ -215,6 +217,7 @@ def profile_decode(model: str, batches, context: int, steps: int, top: int = 8) 
                 {
                     "bench": "decode_step_profile",
                     "model": model,
+                    "dtype": dtype,
                     "batch": b,
                     "context": context,
                     "fused_ms": med[True],
@@ -239,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true", help="decode-step time split, fused ops vs PyTorch")
     a = ap.parse_args(argv)
     if a.profile:
-        profile_decode(a.model, a.batches, a.context, a.steps)
+        for dtype in a.dtypes:
+            profile_decode(a.model, dtype, a.batches, a.context, a.steps)
         return
     from pagedserve.executor.loader import resolve_model_path
 

@@ -132,6 +132,14 @@ def test_forward_smoke(checkpoint, capsys):
     assert {r["what"] for r in rows} == {"prefill", "decode_b2"} and all(r["ratio"] > 0 for r in rows)
 
 
+def test_forward_profile_smoke(checkpoint, capsys):
+    """--profile times the runner's parts in the dtype asked (it had fallen behind a rename)."""
+    forward.main(["--model", checkpoint("llama"), "--profile", "--dtypes", "bfloat16", "--batches", "2", "--steps", "2"])
+    (row,) = last_json(capsys)
+    assert row["dtype"] == "bfloat16" and row["batch"] == 2
+    assert {"prepare", "forward", "logits", "sample", "step"} <= set(row["fused_ms"]) and row["fused_ms"]["step"] > 0
+
+
 def test_serve_bench_compares_static(checkpoint, tmp_path, capsys):
     from pagedserve.bench import serve
 
