@@ -274,6 +274,57 @@ static inline void with_heads(int64_t gn, F&& f) {
   else f(std::integral_constant<int, 1>{});
 }
 
+// exp(x) for 16 lanes (Cephes' expf: n = round(x log2 e), r = x - n ln 2 in two parts, a
+// degree-7 polynomial, then scaled by 2^n; within 2 ulp of expf); lanes below -87.3 (where
+// expf leaves the normal range) give 0. The softmax no longer depends on the compiler
+// vectorizing std::exp: a build of this file with an unrelated change left the exponentials
+// as scalar expf calls, a fifth of the kernel's time at 64 rows of context 320 (BENCHMARKS
+// section 36); where it does vectorize them (libmvec) this is as fast.
+static inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// exp_scores on 16 lanes (the tail through a mask, so every position takes the same path)
+static inline float exp_scores16(float* sc, int64_t L, float* m_out) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 k = L - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (L - t)) - 1);
+    mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sc + t));
+  }
+  const float m = _mm512_reduce_max_ps(mv);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 k = L - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (L - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), vm)));
+    _mm512_mask_storeu_ps(sc + t, k, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  *m_out = m;
+  return _mm512_reduce_add_ps(sum);
+}
+
+static inline void softmax16(float* sc, int64_t L) {
+  float m;
+  const __m512 inv = _mm512_set1_ps(1.f / exp_scores16(sc, L, &m));
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 k = L - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (L - t)) - 1);
+    _mm512_mask_storeu_ps(sc + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + t), inv));
+  }
+}
+
 // out[j] = the sum of a[j]'s 16 lanes, j < 8 (halves, quarters, pairs, then one permute)
 static inline void hsum8x16(const __m512* a, float* out) {
   __m512 b[4];
@@ -363,8 +414,8 @@ static void attend_avx512(const float* qf, const KV* const* krows, const KV* con
   for (int64_t gi = 0; gi < g; ++gi) {
     float* sc = scores + gi * L;
     if (softcap > 0.f) softcap_inplace(sc, L, softcap);
-    if (part_m == nullptr) softmax_inplace(sc, L);
-    else part_l[gi] = exp_scores(sc, L, &part_m[gi]);
+    if (part_m == nullptr) softmax16(sc, L);
+    else part_l[gi] = exp_scores16(sc, L, &part_m[gi]);
   }
   for (int64_t g0 = 0; g0 < g; g0 += 3) {
     const int64_t gn = std::min<int64_t>(3, g - g0);
@@ -399,7 +450,7 @@ static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV*
   }
   for (int64_t x = 0; x < kvh * g; ++x) {
     if (softcap > 0.f) softcap_inplace(scores + x * L, L, softcap);
-    softmax_inplace(scores + x * L, L);
+    softmax16(scores + x * L, L);
   }
   for (int64_t t0 = 0; t0 < L; t0 += CH) {
     const int64_t n = std::min(CH, L - t0);
