@@ -103,8 +103,14 @@ class SchedulerConfig:
         "length_aware: while short work runs or waits, a long request's prefill chunk per step is at most "
         "this many tokens (it bounds the step a short request waits behind; 0: the budget share alone)",
     )
+    long_solo_chunk_tokens: int = setting(
+        512,
+        "length_aware: with no short work waiting or running, a long request's prefill chunk per step is at "
+        "most this many tokens, so a short request arriving then waits behind one such step, not a whole "
+        "budget's (0: the whole budget)",
+    )
     long_lane_period: int = setting(
-        2,
+        4,
         "length_aware: while short work runs or waits, long prefill chunks run in at most one step of this "
         "many (the others decode without them), and not in a step that admits a short request unless twice "
         "this many have passed (0: every step)",
@@ -133,8 +139,11 @@ class SchedulerConfig:
             raise ValueError(f"short_budget_share must be in [0, 1), got {self.short_budget_share}.")
         if self.long_lane_period < 0:
             raise ValueError(f"long_lane_period must be >= 0, got {self.long_lane_period}.")
-        if self.long_lane_chunk_tokens < 0:
-            raise ValueError(f"long_lane_chunk_tokens must be >= 0, got {self.long_lane_chunk_tokens}.")
+        if self.long_lane_chunk_tokens < 0 or self.long_solo_chunk_tokens < 0:
+            raise ValueError(
+                "long_lane_chunk_tokens and long_solo_chunk_tokens must be >= 0, "
+                f"got {self.long_lane_chunk_tokens} and {self.long_solo_chunk_tokens}."
+            )
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}.")
         if self.long_prefill_token_threshold < 0:

@@ -187,8 +187,9 @@ class LengthAwarePolicy(SchedulingPolicy):
     any short request waits or runs, a long request computes at most (1 - share) of a
     step's token budget of prompt, and at most `long_lane_chunk_tokens` (the step a short
     request waits behind, and decodes with, stays short), and long requests hold at most
-    (1 - share) of the running seats; with no short work they take everything (no budget
-    idles). Steps, too: while short work exists, long prefill chunks run in at most one
+    (1 - share) of the running seats; with no short work they take every seat and chunks of
+    up to `long_solo_chunk_tokens` (several long prefills fill the budget; a short request
+    arriving then waits behind one such step, not a whole budget's). Steps, too: while short work exists, long prefill chunks run in at most one
     step of `long_lane_period` (P; the steps between decode without them, so a short
     request's tokens mostly come from short steps), and a step whose queue starts with a
     short request (admitted now: this step makes its first token) carries none unless 2P
@@ -233,6 +234,8 @@ class LengthAwarePolicy(SchedulingPolicy):
             self.long_cap = max(1, int(budget * (1 - share)))
             if self.config.long_lane_chunk_tokens:
                 self.long_cap = min(self.long_cap, self.config.long_lane_chunk_tokens)
+        elif not self.num_short and self.config.long_solo_chunk_tokens:
+            self.long_cap = self.config.long_solo_chunk_tokens
         self.long_running = sum(1 for r in running if not r.is_short)
         self.since_long += 1
         self.long_yields = self._long_yields()

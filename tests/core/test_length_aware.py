@@ -81,7 +81,9 @@ def test_ttft_deadlines_come_first_earliest_first():
 
 def test_the_short_lane_caps_long_prefills_only_while_short_work_exists():
     clock = Clock()
-    s = make(clock, budget=256, short_budget_share=0.5, short_request_tokens=100, long_lane_period=0)
+    s = make(
+        clock, budget=256, short_budget_share=0.5, short_request_tokens=100, long_lane_period=0, long_solo_chunk_tokens=0
+    )
     s.add_request(req("doc", 2000, 10, clock))
     so = s.schedule()
     assert len(so.scheduled[0].token_ids) == 256  # alone: the whole budget
@@ -97,7 +99,7 @@ def test_the_long_lane_chunk_bounds_a_long_prefill_beside_short_work():
     clock = Clock()
     s = make(
         clock, budget=2048, short_budget_share=0.5, short_request_tokens=100, long_lane_chunk_tokens=200,
-        long_lane_period=0,
+        long_lane_period=0, long_solo_chunk_tokens=0,
     )
     s.add_request(req("doc", 3000, 10, clock))
     assert len(s.schedule().scheduled[0].token_ids) == 2048  # alone: the whole budget
@@ -106,13 +108,32 @@ def test_the_long_lane_chunk_bounds_a_long_prefill_beside_short_work():
     assert shares == {"doc": 200, "chat": 20}  # min(200, 0.5 x 2048)
 
 
+def test_alone_long_prefills_run_in_solo_chunks_that_fill_the_budget_together():
+    """With no short work a long prefill's chunk is at most long_solo_chunk_tokens, so a chat
+    turn arriving then waits behind one such step; several long prefills still fill the budget."""
+    clock = Clock()
+
+    def shares(s):
+        return {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled if sr.token_ids}
+
+    s = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_solo_chunk_tokens=512)
+    s.add_request(req("doc", 4000, 10, clock))
+    assert shares(s) == {"doc": 512}
+    s.add_request(req("doc2", 4000, 10, clock, base=40_000))
+    assert shares(s) == {"doc": 512, "doc2": 512}
+    s.add_request(req("chat", 20, 30, clock, base=50_000))
+    assert shares(s) == {"chat": 20}  # short work: the lane's rules again (its first step, no doc)
+    s.abort_requests(["chat"])
+    assert shares(s) == {"doc": 512, "doc2": 512}
+
+
 def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_short_request():
     clock = Clock()
 
     def shares(s):
         return {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled if sr.token_ids}
 
-    s = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=1)
+    s = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=1, long_solo_chunk_tokens=0)
     s.add_request(req("doc", 4000, 10, clock))
     assert shares(s) == {"doc": 2048}  # alone: the whole budget
     s.add_request(req("chat1", 20, 30, clock, base=50_000))
@@ -122,7 +143,7 @@ def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_shor
     s.add_request(req("chat3", 20, 30, clock, base=70_000))
     assert shares(s) == {"chat3": 20}
     assert shares(s) == {"doc": 200}  # no short request admitted: no yield (period 1)
-    p2 = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=2)
+    p2 = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=2, long_solo_chunk_tokens=0)
     p2.add_request(req("doc", 4000, 10, clock))
     p2.add_request(req("chat", 20, 60, clock, base=50_000))
     runs = []
@@ -134,7 +155,7 @@ def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_shor
         p2.add_request(req(f"late{i}", 20, 30, clock, base=60_000 + 100 * i))
         late.append("doc" in shares(p2))
     assert late == [False, False, True]  # it waits for them, but at most 2P steps apart
-    p0 = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=0)
+    p0 = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=0, long_solo_chunk_tokens=0)
     p0.add_request(req("doc", 3000, 10, clock))
     p0.schedule()
     p0.add_request(req("chat1", 20, 30, clock, base=50_000))
