@@ -1,0 +1,95 @@
+"""bf16 decode attention alone, pagedserve's kernel beside vLLM CPU's (BENCHMARKS section 36).
+
+30 layers of one query token per row at SmolLM2's shapes (9 query heads, 3 KV heads of 64), each
+layer its own bf16 cache (K/V come from memory), random block tables; prints ms for the 30 layers
+and the K/V bytes read per second. `--engine vllm` runs vLLM's `cpu_attention_with_kv_cache`
+(its own layout and ISA choice, blocks of 128 by default, as its server does) and must run under
+the anchors' venv; `--with-vllm` does that in a subprocess after pagedserve's run.
+
+    .venv/bin/python benchmarks/decode_attention_vs_vllm.py --rows 12 --context 2500 --with-vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+H, KVH, D, LAYERS = 9, 3, 64, 30
+
+
+def timed(run, iters: int) -> float:
+    run()
+    t = time.perf_counter()
+    for _ in range(iters):
+        run()
+    return (time.perf_counter() - t) / iters
+
+
+def pagedserve_run(rows: int, ctx: int, bs: int):
+    from pagedserve.executor.attention import cpu_kernels
+
+    cpp = cpu_kernels.load()
+    nb_per = -(-ctx // bs)
+    nblocks = rows * nb_per + 8
+    kc = [torch.randn(nblocks, bs, KVH, D).bfloat16() for _ in range(LAYERS)]
+    vc = [torch.randn(nblocks, bs, KVH, D).bfloat16() for _ in range(LAYERS)]
+    bt = (torch.randperm(nblocks - 1)[: rows * nb_per] + 1).view(rows, nb_per).long()
+    sl = torch.full((rows,), ctx, dtype=torch.int64)
+    q = torch.randn(rows, H, D).bfloat16()
+    return lambda: [cpp.paged_decode(q, kc[i], vc[i], bt, sl, D**-0.5, 0, 0.0) for i in range(LAYERS)]
+
+
+def vllm_run(rows: int, ctx: int, bs: int):
+    import vllm._custom_ops as ops
+
+    torch._C._cpu._init_amx()  # the tiles' permission, as vLLM's worker asks for it
+    isa = "amx" if torch.cpu._is_amx_tile_supported() and bs % 32 == 0 else "vec"
+    nb_per = -(-ctx // bs)
+    nblocks = rows * nb_per + 8
+    caches = [torch.randn(nblocks, KVH, 2 * bs, D).bfloat16() for _ in range(LAYERS)]
+    bt = (torch.randperm(nblocks - 1)[: rows * nb_per] + 1).view(rows, nb_per).int()
+    sl = torch.full((rows,), ctx, dtype=torch.int32)
+    qsl = torch.arange(rows + 1, dtype=torch.int32)
+    q = torch.randn(rows, H, D).bfloat16()
+    out = torch.empty_like(q)
+    meta = ops.cpu_attn_get_scheduler_metadata(rows, H, KVH, D, sl, torch.bfloat16, qsl, True, -1, isa, False)
+
+    def run():
+        for c in caches:
+            k, v = c.chunk(2, dim=2)
+            ops.cpu_attention_with_kv_cache(q, k, v, out, qsl, sl, D**-0.5, True, None, -1, bt, 0.0, meta, None)
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--context", type=int, default=320)
+    ap.add_argument("--block-size", type=int, default=None, help="default: 16 (pagedserve), 128 (vLLM)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--engine", choices=["pagedserve", "vllm"], default="pagedserve")
+    ap.add_argument("--with-vllm", action="store_true", help="then vLLM's kernel, under the anchors' venv")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    bs = a.block_size or (16 if a.engine == "pagedserve" else 128)
+    make = pagedserve_run if a.engine == "pagedserve" else vllm_run
+    dt = timed(make(a.rows, a.context, bs), a.iters)
+    kv_bytes = LAYERS * a.rows * a.context * KVH * D * 2 * 2
+    print(json.dumps({"engine": a.engine, "rows": a.rows, "context": a.context, "block_size": bs,
+                      "ms_30_layers": round(dt * 1e3, 2), "kv_gb_s": round(kv_bytes / dt / 1e9, 1),
+                      "threads": torch.get_num_threads()}), flush=True)
+    if a.with_vllm:
+        py = os.path.expanduser("~/.cache/pagedserve-anchors/venv/bin/python")
+        cmd = [py, __file__, "--engine", "vllm", "--rows", str(a.rows), "--context", str(a.context), "--iters", str(a.iters)]
+        subprocess.run(cmd, check=True, cwd="/tmp", env={**os.environ, "PYTHONPATH": ""})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
