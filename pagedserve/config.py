@@ -107,7 +107,8 @@ class SchedulerConfig:
         512,
         "length_aware: with no short work waiting or running, a long request's prefill chunk per step is at "
         "most this many tokens, so a short request arriving then waits behind one such step, not a whole "
-        "budget's (0: the whole budget)",
+        "budget's; beside short work the cap is never above it either (0: the whole budget; no effect "
+        "with short_budget_share 0)",
     )
     long_lane_period: int = setting(
         4,

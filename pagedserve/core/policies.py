@@ -189,9 +189,11 @@ class LengthAwarePolicy(SchedulingPolicy):
     request waits behind, and decodes with, stays short), and long requests hold at most
     (1 - share) of the running seats; with no short work they take every seat and chunks of
     up to `long_solo_chunk_tokens` (several long prefills fill the budget; a short request
-    arriving then waits behind one such step, not a whole budget's). Steps, too: while short work exists, long prefill chunks run in at most one
-    step of `long_lane_period` (P; the steps between decode without them, so a short
-    request's tokens mostly come from short steps), and a step whose queue starts with a
+    arriving then waits behind one such step, not a whole budget's; beside short work the
+    cap is never above it either). Lanes off (share 0): no cap either way. Steps, too: while
+    short work exists, long prefill chunks run in at most one step of `long_lane_period` (P;
+    the steps between decode without them, so a short request's tokens mostly come from
+    short steps), and a step whose queue starts with a
     short request (admitted now: this step makes its first token) carries none unless 2P
     steps passed: a long prefill advances at least once every 2P steps.
     Victim: the running request whose preemption costs least, computed tokens to redo
@@ -230,12 +232,14 @@ class LengthAwarePolicy(SchedulingPolicy):
         self.waiting.touch()
         share = self.config.short_budget_share
         self.long_cap = None
+        solo = self.config.long_solo_chunk_tokens
         if self.num_short and share:
             self.long_cap = max(1, int(budget * (1 - share)))
-            if self.config.long_lane_chunk_tokens:
-                self.long_cap = min(self.long_cap, self.config.long_lane_chunk_tokens)
-        elif not self.num_short and self.config.long_solo_chunk_tokens:
-            self.long_cap = self.config.long_solo_chunk_tokens
+            for cap in (self.config.long_lane_chunk_tokens, solo):
+                if cap:
+                    self.long_cap = min(self.long_cap, cap)
+        elif share and solo:  # no short work: bounded chunks all the same
+            self.long_cap = solo
         self.long_running = sum(1 for r in running if not r.is_short)
         self.since_long += 1
         self.long_yields = self._long_yields()

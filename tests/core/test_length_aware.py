@@ -82,7 +82,8 @@ def test_ttft_deadlines_come_first_earliest_first():
 def test_the_short_lane_caps_long_prefills_only_while_short_work_exists():
     clock = Clock()
     s = make(
-        clock, budget=256, short_budget_share=0.5, short_request_tokens=100, long_lane_period=0, long_solo_chunk_tokens=0
+        clock, budget=256, short_budget_share=0.5, short_request_tokens=100, long_lane_period=0,
+        long_solo_chunk_tokens=0,
     )
     s.add_request(req("doc", 2000, 10, clock))
     so = s.schedule()
@@ -125,6 +126,16 @@ def test_alone_long_prefills_run_in_solo_chunks_that_fill_the_budget_together():
     assert shares(s) == {"chat": 20}  # short work: the lane's rules again (its first step, no doc)
     s.abort_requests(["chat"])
     assert shares(s) == {"doc": 512, "doc2": 512}
+    wide = make(
+        clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=0, long_lane_period=0,
+        long_solo_chunk_tokens=512,
+    )
+    wide.add_request(req("doc", 4000, 10, clock))
+    wide.add_request(req("chat", 20, 30, clock, base=50_000))
+    assert shares(wide)["doc"] == 512  # beside short work (1 - share) x 2048, but never above the solo cap
+    off = make(clock, budget=2048, short_budget_share=0.0, short_request_tokens=100, long_solo_chunk_tokens=512)
+    off.add_request(req("doc", 4000, 10, clock))
+    assert shares(off) == {"doc": 2048}  # lanes off: no cap at all
 
 
 def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_short_request():
@@ -133,7 +144,10 @@ def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_shor
     def shares(s):
         return {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled if sr.token_ids}
 
-    s = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=1, long_solo_chunk_tokens=0)
+    s = make(
+        clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=1,
+        long_solo_chunk_tokens=0,
+    )
     s.add_request(req("doc", 4000, 10, clock))
     assert shares(s) == {"doc": 2048}  # alone: the whole budget
     s.add_request(req("chat1", 20, 30, clock, base=50_000))
@@ -143,7 +157,10 @@ def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_shor
     s.add_request(req("chat3", 20, 30, clock, base=70_000))
     assert shares(s) == {"chat3": 20}
     assert shares(s) == {"doc": 200}  # no short request admitted: no yield (period 1)
-    p2 = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=2, long_solo_chunk_tokens=0)
+    p2 = make(
+        clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=2,
+        long_solo_chunk_tokens=0,
+    )
     p2.add_request(req("doc", 4000, 10, clock))
     p2.add_request(req("chat", 20, 60, clock, base=50_000))
     runs = []
@@ -155,7 +172,10 @@ def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_shor
         p2.add_request(req(f"late{i}", 20, 30, clock, base=60_000 + 100 * i))
         late.append("doc" in shares(p2))
     assert late == [False, False, True]  # it waits for them, but at most 2P steps apart
-    p0 = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=0, long_solo_chunk_tokens=0)
+    p0 = make(
+        clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=0,
+        long_solo_chunk_tokens=0,
+    )
     p0.add_request(req("doc", 3000, 10, clock))
     p0.schedule()
     p0.add_request(req("chat1", 20, 30, clock, base=50_000))

@@ -276,10 +276,11 @@ static inline void with_heads(int64_t gn, F&& f) {
 
 // exp(x) for 16 lanes (Cephes' expf: n = round(x log2 e), r = x - n ln 2 in two parts, a
 // degree-7 polynomial, then scaled by 2^n; within 2 ulp of expf); lanes below -87.3 (where
-// expf leaves the normal range) give 0. The softmax no longer depends on the compiler
+// expf leaves the normal range) and -inf give 0, a NaN stays NaN. The softmax no longer depends on the compiler
 // vectorizing std::exp: a build of this file with an unrelated change left the exponentials
 // as scalar expf calls, a fifth of the kernel's time at 64 rows of context 320 (BENCHMARKS
-// section 36); where it does vectorize them (libmvec) this is as fast.
+// section 36); where it does vectorize them (libmvec) this is as fast. (The AVX2 path keeps
+// std::exp: not measured on an AVX2 CPU this session.)
 static inline __m512 exp16(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -292,22 +293,25 @@ static inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447f), _CMP_GE_OQ);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447f), _CMP_NLT_UQ);
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
+
+// the first min(n, 16) lanes (n >= 1)
+static inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
 // exp_scores on 16 lanes (the tail through a mask, so every position takes the same path)
 static inline float exp_scores16(float* sc, int64_t L, float* m_out) {
   __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < L; t += 16) {
-    const __mmask16 k = L - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (L - t)) - 1);
+    const __mmask16 k = tail_mask16(L - t);
     mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sc + t));
   }
   const float m = _mm512_reduce_max_ps(mv);
   const __m512 vm = _mm512_set1_ps(m);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t += 16) {
-    const __mmask16 k = L - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (L - t)) - 1);
+    const __mmask16 k = tail_mask16(L - t);
     const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), vm)));
     _mm512_mask_storeu_ps(sc + t, k, e);
     sum = _mm512_add_ps(sum, e);
@@ -316,11 +320,12 @@ static inline float exp_scores16(float* sc, int64_t L, float* m_out) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// softmax_inplace on 16 lanes: exp_scores16, then one multiply by 1 / sum
 static inline void softmax16(float* sc, int64_t L) {
   float m;
   const __m512 inv = _mm512_set1_ps(1.f / exp_scores16(sc, L, &m));
   for (int64_t t = 0; t < L; t += 16) {
-    const __mmask16 k = L - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (L - t)) - 1);
+    const __mmask16 k = tail_mask16(L - t);
     _mm512_mask_storeu_ps(sc + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + t), inv));
   }
 }
