@@ -11,9 +11,9 @@ with the ratio pagedserve / transformers.
 
     python -m pagedserve.bench.forward --profile [--dtypes bfloat16] [--batches 1 64] [--context 256] [--steps 10]
 
-Where the time of a decode step goes, on the ModelRunner alone (no scheduler): per dtype of
---dtypes and batch size, steps alternate between the fused C++ ops and their PyTorch references (same
-process, interleaved, so a noisy machine hits both alike); each line gives the median
+Where the time of a decode step goes, on the ModelRunner alone (no scheduler): per dtype
+(--dtypes) and batch size, steps alternate between the fused C++ ops and their PyTorch
+references (same process, interleaved, so a noisy machine hits both alike); each line gives the median
 step, its split (input preparation, forward, logits, sampling) and the torch profiler's
 top operators (what runs outside them, e.g. the C++ attention call, shows as the rest).
 """

@@ -193,9 +193,9 @@ class LengthAwarePolicy(SchedulingPolicy):
     cap is never above it either). Lanes off (share 0): no cap either way. Steps, too: while
     short work exists, long prefill chunks run in at most one step of `long_lane_period` (P;
     the steps between decode without them, so a short request's tokens mostly come from
-    short steps), and a step whose queue starts with a
-    short request (admitted now: this step makes its first token) carries none unless 2P
-    steps passed: a long prefill advances at least once every 2P steps.
+    short steps), and a step whose queue starts with a short request (admitted now: this
+    step makes its first token) carries none unless 2P steps passed: a long prefill
+    advances at least once every 2P steps.
     Victim: the running request whose preemption costs least, computed tokens to redo
     per expected remaining token (ties: the latest admitted).
     """
@@ -234,10 +234,8 @@ class LengthAwarePolicy(SchedulingPolicy):
         self.long_cap = None
         solo = self.config.long_solo_chunk_tokens
         if self.num_short and share:
-            self.long_cap = max(1, int(budget * (1 - share)))
-            for cap in (self.config.long_lane_chunk_tokens, solo):
-                if cap:
-                    self.long_cap = min(self.long_cap, cap)
+            caps = (max(1, int(budget * (1 - share))), self.config.long_lane_chunk_tokens, solo)
+            self.long_cap = min(c for c in caps if c)
         elif share and solo:  # no short work: bounded chunks all the same
             self.long_cap = solo
         self.long_running = sum(1 for r in running if not r.is_short)

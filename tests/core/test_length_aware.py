@@ -56,6 +56,11 @@ def admitted(s, so):
     return [sr.req_id for sr in so.scheduled if sr.is_new]
 
 
+def shares(s):
+    """One step: prompt/decode tokens per request that got any."""
+    return {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled if sr.token_ids}
+
+
 def test_short_requests_are_admitted_before_long_ones_and_aging_bounds_the_wait():
     clock = Clock()
     s = make(clock, budget=64, seqs=1, max_wait_s=5.0)
@@ -114,9 +119,6 @@ def test_alone_long_prefills_run_in_solo_chunks_that_fill_the_budget_together():
     turn arriving then waits behind one such step; several long prefills still fill the budget."""
     clock = Clock()
 
-    def shares(s):
-        return {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled if sr.token_ids}
-
     s = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_solo_chunk_tokens=512)
     s.add_request(req("doc", 4000, 10, clock))
     assert shares(s) == {"doc": 512}
@@ -140,9 +142,6 @@ def test_alone_long_prefills_run_in_solo_chunks_that_fill_the_budget_together():
 
 def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_short_request():
     clock = Clock()
-
-    def shares(s):
-        return {sr.req_id: len(sr.token_ids) for sr in s.schedule().scheduled if sr.token_ids}
 
     s = make(
         clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=1,

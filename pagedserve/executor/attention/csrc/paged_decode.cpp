@@ -276,11 +276,11 @@ static inline void with_heads(int64_t gn, F&& f) {
 
 // exp(x) for 16 lanes (Cephes' expf: n = round(x log2 e), r = x - n ln 2 in two parts, a
 // degree-7 polynomial, then scaled by 2^n; within 2 ulp of expf); lanes below -87.3 (where
-// expf leaves the normal range) and -inf give 0, a NaN stays NaN. The softmax no longer depends on the compiler
-// vectorizing std::exp: a build of this file with an unrelated change left the exponentials
-// as scalar expf calls, a fifth of the kernel's time at 64 rows of context 320 (BENCHMARKS
-// section 36); where it does vectorize them (libmvec) this is as fast. (The AVX2 path keeps
-// std::exp: not measured on an AVX2 CPU this session.)
+// expf leaves the normal range) and -inf give 0, a NaN stays NaN. The softmax no longer
+// depends on the compiler vectorizing std::exp: a build of this file with an unrelated
+// change left the exponentials as scalar expf calls, a fifth of the kernel's time at 64
+// rows of context 320 (BENCHMARKS section 36); where it does vectorize them (libmvec) this
+// is as fast. (The AVX2 path keeps std::exp: not measured on an AVX2 CPU.)
 static inline __m512 exp16(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
