@@ -1,47 +1,84 @@
-"""Fresh-prompt attention in bf16 (BENCHMARKS.md section 33): the C++ causal kernel (one call for all
-prompts) against torch's SDPA on [1, heads, n, d] views of the same strided QKV rows (one call per
-prompt: what torch_backend runs on an AMX CPU), 9 query / 3 KV heads, d 64, median ms per call.
+"""Prefill attention in bf16 (BENCHMARKS.md sections 33 and 37), 9 query / 3 KV heads, d 64, median
+ms per call (one layer): the AMX tile kernel (csrc/prefill_amx.h, one call for all chunks, K/V read
+from a paged cache of 16-token blocks), torch's SDPA one call per chunk (fresh chunks on [1, heads,
+n, d] views of the fused QKV rows; a chunk after cached context on its gathered K/V with a mask, as
+torch_backend runs it without the kernel) and, for fresh prompts, the float32 C++ causal kernel.
 
     python benchmarks/prefill_attention_ab.py
 """
+
+import random
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.bench.forward import _median_time
 from pagedserve.executor.attention import cpu_kernels
+from pagedserve.executor.attention.torch_backend import TorchAttentionBackend
+
+H, KVH, D, BS = 9, 3, 64, 16
 
 
 def ms(fn, n=20):
     return round(_median_time(fn, n) * 1e3, 3)
 
 
-def case(cpp, t: int, nseq: int) -> dict:
-    h, kvh, d = 9, 3, 64
-    qkv = torch.randn(t * nseq, (h + 2 * kvh) * d).bfloat16()
-    q = qkv[:, : h * d].view(-1, h, d)
-    k = qkv[:, h * d : (h + kvh) * d].view(-1, kvh, d)
-    v = qkv[:, (h + kvh) * d :].view(-1, kvh, d)
-    out = torch.empty(t * nseq, h, d, dtype=torch.bfloat16)
-    starts, lens = torch.arange(nseq) * t, torch.full((nseq,), t)
+def case(cpp, name: str, reqs: list[tuple[int, int]]) -> dict:
+    """reqs: (cached tokens, query tokens) per chunk."""
+    t = sum(n for _, n in reqs)
+    qkv = torch.randn(t, (H + 2 * KVH) * D).bfloat16()
+    q = qkv[:, : H * D].view(t, H, D)
+    k = qkv[:, H * D : (H + KVH) * D].view(t, KVH, D)
+    v = qkv[:, (H + KVH) * D :].view(t, KVH, D)
+    blocks = [-(-(c + n) // BS) for c, n in reqs]
+    kc = torch.randn(sum(blocks) + 1, BS, KVH, D).bfloat16()
+    vc = torch.randn_like(kc)
+    bt = torch.zeros(len(reqs), max(blocks), dtype=torch.int64)
+    starts, first = [], 1
+    for r, nb in enumerate(blocks):
+        bt[r, :nb] = torch.arange(first, first + nb)
+        first += nb
+        starts.append(sum(n for _, n in reqs[:r]))
+    seq = [c + n for c, n in reqs]
+    out = torch.empty(t, H, D, dtype=torch.bfloat16)
+    args = (torch.tensor(starts), torch.tensor([n for _, n in reqs]), torch.tensor(seq), bt)
 
     def sdpa():
-        for i in range(nseq):
-            s = i * t
-            views = [x[s : s + t].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-            o = F.scaled_dot_product_attention(*views, is_causal=True, enable_gqa=True, scale=0.125)
-            out[s : s + t] = o[0].transpose(0, 1)
+        for r, ((c, n), s) in enumerate(zip(reqs, starts)):
+            if c == 0:
+                views = [x[s : s + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+                o = F.scaled_dot_product_attention(*views, is_causal=True, enable_gqa=True, scale=0.125)
+                out[s : s + n] = o[0].transpose(0, 1)
+            else:
+                out[s : s + n] = TorchAttentionBackend._prefill(q[s : s + n], k, v, kc, vc, bt[r], seq[r], 0.125)
 
-    a = ms(lambda: cpp.prefill_causal(q, k, v, out, starts, lens, 0.125))
-    b = ms(sdpa)
-    return {"tokens": t, "prompts": nseq, "cpp_ms": a, "sdpa_ms": b, "cpp_over_sdpa": round(a / b, 2)}
+    res = {"case": name, "tokens": t, "chunks": len(reqs)}
+    if hasattr(cpp, "prefill_amx"):
+        res["amx_ms"] = ms(lambda: cpp.prefill_amx(q, kc, vc, out, *args, 0.125))
+    res["sdpa_ms"] = ms(sdpa)
+    if all(c == 0 for c, _ in reqs):
+        res["cpp_f32_ms"] = ms(lambda: cpp.prefill_causal(q, k, v, out, args[0], args[1], 0.125))
+    if "amx_ms" in res:
+        res["sdpa_over_amx"] = round(res["sdpa_ms"] / res["amx_ms"], 2)
+    return res
 
 
 def main():
     cpp = cpu_kernels.load()
-    for t in (256, 1024):
-        for nseq in (1, 8):
-            print(case(cpp, t, nseq), flush=True)
+    rng = random.Random(0)
+    cases = {
+        "1 x 256": [(0, 256)],
+        "8 x 256": [(0, 256)] * 8,
+        "1 x 1024": [(0, 1024)],
+        "8 x 1024": [(0, 1024)] * 8,
+        "1 x 2048": [(0, 2048)],
+        "embed step: 15 x 16-256": [(0, rng.randint(16, 256)) for _ in range(15)],
+        "32 x 64": [(0, 64)] * 32,
+        "chunk 512 after 2,500": [(2500, 512)],
+        "chunk 2,048 after 2,048": [(2048, 2048)],
+    }
+    for name, reqs in cases.items():
+        print(case(cpp, name, reqs), flush=True)
 
 
 if __name__ == "__main__":

@@ -248,18 +248,89 @@ def _amx() -> bool:
     return quant_kernels.amx_in_use()
 
 
-@pytest.mark.skipif(kernels is None or not _amx(), reason="needs the C++ kernels and a CPU with AMX tiles (granted)")
-def test_bf16_fresh_prefills_go_to_sdpa_on_amx(monkeypatch):
-    """On an AMX CPU a bf16 step's fresh prompts are attended by torch's SDPA (its flash
-    attention on the tiles), one call per prompt, the other requests as before; the step
-    equals the reference backend within bf16's rounding. A kernel path below AMX, or
-    float32, keeps the C++ kernel."""
-    from pagedserve.executor.attention import cpu_kernels, torch_backend
+_NO_AMX = "needs the C++ kernels built with AMX-BF16 (a CPU with the tiles) and the tiles granted"
 
-    assert cpu_kernels.sdpa_fresh_prefill(torch.bfloat16) and not cpu_kernels.sdpa_fresh_prefill(torch.float32)
-    calls = []
-    real = torch_backend.F.scaled_dot_product_attention
-    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+def _amx_kernel() -> bool:
+    return kernels is not None and hasattr(kernels, "prefill_amx") and _amx()
+
+
+@pytest.mark.skipif(not _amx_kernel(), reason=_NO_AMX)
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 1, 256)])
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_amx_kernel_matches_float64_sdpa(heads, kv_heads, d, bs, threads):
+    """Prefill chunks on the AMX tiles (csrc/prefill_amx.h): fresh prompts and chunks after
+    cached context (query and key counts around the kernel's 16-row, 32-row and 32-key
+    blocks), q as a strided view of fused QKV rows, K/V read from a paged cache with
+    scattered blocks of any size: against SDPA in float64, each within 1.5x the error of SDPA
+    in bf16 or one bf16 unit in the last place of its largest output (2^-8 relative: P is
+    rounded to bf16 for the tiles, as in torch's flash attention); rows outside the listed
+    requests untouched."""
+    g = torch.Generator().manual_seed(heads * d + bs + threads)
+    reqs = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (5, 40), (37, 1), (31, 2), (100, 70), (0, 150)]
+    starts, t = [], 2
+    for _, n in reqs:
+        starts.append(t)
+        t += n + 3  # gaps: rows the kernel must leave alone
+    blocks = [-(-(c + n) // bs) for c, n in reqs]
+    nb = sum(blocks) + 1
+    kc = torch.randn(nb, bs, kv_heads, d, generator=g).bfloat16()
+    vc = torch.randn(nb, bs, kv_heads, d, generator=g).bfloat16()
+    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    bt = torch.zeros(len(reqs), max(blocks), dtype=torch.int64)
+    for r, n in enumerate(blocks):
+        bt[r, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).bfloat16()
+    q = qkv[:, : heads * d].view(t, heads, d)
+    out = torch.full((t, heads, d), 7.0, dtype=torch.bfloat16)
+    args = [torch.tensor(x) for x in (starts, [n for _, n in reqs], [c + n for c, n in reqs])]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.prefill_amx(q, kc, vc, out, *args, bt, d**-0.5)
+    finally:
+        torch.set_num_threads(prev)
+    touched = torch.zeros(t, dtype=torch.bool)
+    for r, ((c, n), s) in enumerate(zip(reqs, starts)):
+        touched[s : s + n] = True
+        keys = [x[bt[r, : blocks[r]]].reshape(-1, kv_heads, d)[: c + n].transpose(0, 1)[None] for x in (kc, vc)]
+        mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+        qs = q[s : s + n].transpose(0, 1)[None]
+
+        def sdpa(*xs, mask=mask):
+            return torch.nn.functional.scaled_dot_product_attention(
+                *xs, attn_mask=mask, scale=d**-0.5, enable_gqa=True
+            )[0].transpose(0, 1)
+
+        ref = sdpa(qs.double(), *(x.double() for x in keys))
+        bound = (sdpa(qs, *keys).double() - ref).abs().max().item()
+        err = (out[s : s + n].double() - ref).abs().max().item()
+        assert err <= max(bound * 1.5, ref.abs().max().item() * 2**-8), (c, n, err, bound)
+    assert torch.equal(out[~touched], torch.full_like(out[~touched], 7.0))
+
+
+class _Counting:
+    """A kernel module that counts its prefill_amx calls."""
+
+    def __init__(self, mod):
+        self.mod, self.calls = mod, 0
+
+    def __getattr__(self, name):
+        return getattr(self.mod, name)
+
+    def prefill_amx(self, *a):
+        self.calls += 1
+        return self.mod.prefill_amx(*a)
+
+
+@pytest.mark.skipif(not _amx_kernel(), reason=_NO_AMX)
+def test_bf16_prefills_go_to_the_amx_kernel():
+    """On an AMX CPU a bf16 step's prefill chunks (fresh, and over a cached prefix) are
+    attended in one call of the tile kernel, decodes and short queries as before; the step
+    equals the reference backend within bf16's rounding. A kernel path below AMX, float32,
+    or a narrower cache keeps the other kernels."""
     reqs = [(40, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
     g = torch.Generator().manual_seed(3)
     meta = _mixed_meta(reqs, 16, 96, g)
@@ -267,18 +338,21 @@ def test_bf16_fresh_prefills_go_to_sdpa_on_amx(monkeypatch):
     q = torch.randn(t, 8, 64, generator=g).to(bf)
     k, v = torch.randn(t, 2, 64, generator=g).to(bf), torch.randn(t, 2, 64, generator=g).to(bf)
     kc0, vc0 = torch.randn(96, 16, 2, 64, generator=g).to(bf), torch.randn(96, 16, 2, 64, generator=g).to(bf)
-    out = TorchAttentionBackend(use_cpp_decode=True).forward(q, k, v, kc0.clone(), vc0.clone(), meta, 0.125)
-    fresh = len(calls)
+    backend = TorchAttentionBackend(use_cpp_decode=True)
+    backend._cpp = counting = _Counting(backend._cpp)
+    out = backend.forward(q, k, v, kc0.clone(), vc0.clone(), meta, 0.125)
     ref = TorchAttentionBackend().forward(
         q, k, v, kc0.clone(), vc0.clone(), _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(3)), 0.125
     )
-    assert fresh == 3 + 1  # the three fresh prompts, and (20, 33) over its cached prefix
+    assert counting.calls == 1 and meta.backend_cache["amx"][1].tolist() == [30, 33, 17, 64]
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert not cpu_kernels.amx_prefill(kernels, q.float(), kc0.float())
+    assert not cpu_kernels.amx_prefill(kernels, q, kc0.half())
     from pagedserve.executor.quant import kernels as quant_kernels
 
     prev = quant_kernels.set_isa("avx512_bf16")
     try:
-        assert not cpu_kernels.sdpa_fresh_prefill(torch.bfloat16)
+        assert not cpu_kernels.amx_prefill(kernels, q, kc0)
     finally:
         quant_kernels.set_isa(prev)
 

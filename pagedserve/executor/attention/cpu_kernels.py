@@ -17,7 +17,7 @@ from pagedserve.executor.cpp_build import load_extension
 logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
-_HEADERS = (os.path.join(os.path.dirname(__file__), "csrc", "prefill_causal.h"),)
+_HEADERS = tuple(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("prefill_causal.h", "prefill_amx.h"))
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 
@@ -32,13 +32,25 @@ def load():
         return None
 
 
-def sdpa_fresh_prefill(dtype) -> bool:
-    """Whether a step's fresh bfloat16 prompts go to torch's SDPA instead of the C++ causal
-    kernel: where the kernels run on an AMX path (quant.kernels.amx_in_use; PyTorch's flash
-    attention runs its products on the tiles, 2-3.5x the float32 C++ kernel: BENCHMARKS
-    section 33); float32 keeps the C++ kernel."""
+def amx_prefill(mod, q, k_cache) -> bool:
+    """Whether a step's prefill chunks go to the AMX tile kernel (csrc/prefill_amx.h: one
+    call for all of them, fresh or after cached context, K/V read from the cache): bf16
+    queries and cache, head_dim a multiple of 32 up to 256, the module built with it (the
+    compiler targets AMX-BF16) and the kernels on an AMX path (quant.kernels.amx_in_use: the
+    CPU has the tiles, Linux granted them, PAGEDSERVE_CPU_ISA did not choose a path below).
+    1.3-2.4x torch's SDPA per prompt (BENCHMARKS section 37)."""
     import torch
 
     from pagedserve.executor.quant import kernels as quant_kernels
 
-    return dtype == torch.bfloat16 and quant_kernels.amx_in_use()
+    d = q.shape[-1]
+    return (
+        hasattr(mod, "prefill_amx")
+        and q.dtype == torch.bfloat16
+        and k_cache.dtype == torch.bfloat16
+        and d % 32 == 0
+        and d <= 256
+        and q.stride(-1) == 1
+        and q.stride(-2) == d
+        and quant_kernels.amx_in_use()
+    )

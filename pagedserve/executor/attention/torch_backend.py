@@ -10,10 +10,13 @@ context with an offset causal mask. No loop over tokens.
 Sliding windows mask positions before the window and read no block wholly before it;
 logit soft-capping (Gemma 2) replaces SDPA by transformers' eager order of operations.
 
-With the C++ decode kernel, requests with a few query tokens over a cached context
-(speculative verification: the last token and k guesses) go through it too, each query
-token as its own row that sees the context up to itself: the kernel reads K/V in place,
-where SDPA would need the context gathered into a copy and a mask, per request and layer.
+With the C++ kernels, a step's prefill chunks go through one call: on an AMX CPU in bf16
+the tile kernel (csrc/prefill_amx.h: fresh or after cached context, K/V read from the
+cache), else the causal kernel for fresh prompts (csrc/prefill_causal.h) and SDPA for the
+others. Requests with a few query tokens over a cached context (speculative verification:
+the last token and k guesses) go through the decode kernel, each query token as its own
+row that sees the context up to itself: the kernel reads K/V in place, where SDPA would
+need the context gathered into a copy and a mask, per request and layer.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.executor.attention.backend import AttentionBackend, AttentionMetadata
-from pagedserve.executor.attention.cpu_kernels import sdpa_fresh_prefill
+from pagedserve.executor.attention.cpu_kernels import amx_prefill
 
 
 def write_kv(
@@ -164,8 +167,13 @@ class TorchAttentionBackend(AttentionBackend):
             if short is not None:
                 tok, bt, lens = short
                 out.index_copy_(0, tok, cpp.paged_decode(q.index_select(0, tok), k_cache, v_cache, bt, lens, scale, w, c))
-        if cpp is not None and rest and not w and not c and _fresh_prefill_ok(q, k, v, k_cache):
-            rest = self._fresh_prefills(q, k, v, out, meta, rest, scale)
+        if cpp is not None and rest and not w and not c:
+            if "amx_ok" not in meta.backend_cache:  # once per step
+                meta.backend_cache["amx_ok"] = amx_prefill(cpp, q, k_cache)
+            if meta.backend_cache["amx_ok"]:
+                rest = self._amx_prefills(q, k_cache, v_cache, out, meta, rest, scale)
+            elif _fresh_prefill_ok(q, k, v, k_cache):
+                rest = self._fresh_prefills(q, k, v, out, meta, rest, scale)
         for r in rest:
             s, e = qsl[r], qsl[r + 1]
             out[s:e] = self._prefill(
@@ -173,11 +181,27 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return out
 
+    def _amx_prefills(self, q, k_cache, v_cache, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
+        """The requests of `rest` (prefill chunks, fresh or after cached context) attended in
+        one call of the AMX tile kernel (csrc/prefill_amx.h), K/V read from the cache, into
+        `out`; returns none left. The requests' rows are worked out once per step."""
+        if "amx" not in meta.backend_cache:
+            qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
+            dev = meta.block_tables.device
+            rows = torch.tensor(list(rest), dtype=torch.int64, device=dev)
+            meta.backend_cache["amx"] = (
+                torch.tensor([qsl[r] for r in rest], dtype=torch.int64),
+                torch.tensor([qsl[r + 1] - qsl[r] for r in rest], dtype=torch.int64),
+                torch.tensor([sl[r] for r in rest], dtype=torch.int64),
+                meta.block_tables.index_select(0, rows),
+            )
+        self._cpp.prefill_amx(q, k_cache, v_cache, out, *meta.backend_cache["amx"], scale)
+        return []
+
     def _fresh_prefills(self, q, k, v, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
         """The requests of `rest` with no cached context (a prompt's first chunk: causal over
-        its own rows) attended in one C++ call (csrc/prefill_causal.h), or in bf16 on an AMX
-        CPU by SDPA per prompt (cpu_kernels.sdpa_fresh_prefill), into `out`; returns the
-        others. The split is worked out once per step."""
+        its own rows) attended in one C++ call (csrc/prefill_causal.h), into `out`; returns
+        the others. The split is worked out once per step."""
         if "fresh" not in meta.backend_cache:
             qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
             fresh = [r for r in rest if sl[r] == qsl[r + 1] - qsl[r]]
@@ -186,14 +210,7 @@ class TorchAttentionBackend(AttentionBackend):
             lens = torch.tensor([sl[r] for r in fresh], dtype=torch.int64)
             meta.backend_cache["fresh"] = (starts, lens, others)
         starts, lens, others = meta.backend_cache["fresh"]
-        if not len(starts):
-            return others
-        if sdpa_fresh_prefill(q.dtype):  # AMX: torch's flash attention, one call per prompt
-            for s, n in zip(starts.tolist(), lens.tolist()):
-                heads = [x[s : s + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, heads, n, d] views
-                o = F.scaled_dot_product_attention(*heads, is_causal=True, scale=scale, enable_gqa=True)
-                out[s : s + n] = o[0].transpose(0, 1)
-        else:
+        if len(starts):
             self._cpp.prefill_causal(q, k, v, out, starts, lens, scale)
         return others
 

@@ -1,0 +1,285 @@
+#pragma once
+// Prefill attention on the AMX tiles, bfloat16: every listed request's query rows (a prompt
+// chunk, fresh or after cached context) attend causally to keys 0 .. their own position, K/V
+// read through the block table from the paged cache (written before the call). One call for
+// all of a step's prefill chunks: a step of many short prompts is not one SDPA call per prompt
+// and layer (~150-250 us each for 64-256 tokens on two cores), and a chunk over a cached
+// prefix reads the cache in place instead of a gathered copy.
+//
+//   q        [T, h, d] bf16, heads contiguous in a row (the row stride may be larger)
+//   k_cache, v_cache  [num_blocks, bs, kvh, d] bf16
+//   out      [T, h, d] bf16, heads contiguous in a row; the listed requests' rows are written
+//   starts, qlens, seq_lens  int64 [R]: request r's queries are rows starts[r] ..
+//            starts[r] + qlens[r] - 1, at positions seq_lens[r] - qlens[r] .. seq_lens[r] - 1
+//   block_tables  int64 [R, max_blocks] (row r: request r's blocks)
+//
+// d a multiple of 32, at most 256. Per (request, KV head), K is packed once as TDPBF16PS's B
+// operand for Q K^T (16 keys x 32 dims a tile, pairs of dims interleaved) and V as the B
+// operand for P V (16 dims x 32 keys a tile, pairs of keys interleaved), zero past the last key.
+// Per (request, query head, block of 32 query rows): S = Q K^T on the tiles in float32, an
+// exact softmax per row (max over the row, Cephes exponentials, the scale folded in; P
+// rounded to bf16 for the tiles, its sum kept in float32), O = P V on the tiles, divided by
+// the sum and rounded once to bf16. Blocks are handed out from a shared counter, costliest
+// first. Built only where the compiler targets AMX-BF16 (this module is built for the
+// machine's CPU); callers check `has_prefill_amx` and that the process may use the tiles.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PAGEDSERVE_PREFILL_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace amx_prefill {
+
+constexpr int64_t QROWS = 32;  // query rows per work item: two 16-row A tiles
+constexpr int64_t KEYS = 32;  // keys per step: two 16-key tiles of K^T, one 32-key tile of V
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: 0-3 float32 sums (16 x 16), 4-5 A (16 rows x 32 bf16),
+// 6-7 B (16 pairs x 16 columns x 2 bf16).
+inline void configure() {
+  TileConfig c;
+  for (int i = 0; i < 8; ++i) {
+    c.colsb[i] = 64;
+    c.rows[i] = 16;
+  }
+  // as asm with the config as a memory operand: GCC 12's _tile_loadconfig builtin does not
+  // tell the optimizer it reads `c`, whose stores were then dropped (SIGILL at the first tile op)
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// Whether Linux lets this process use the tile data (asked once; the quant kernels ask the
+// same at load, and a process may ask again): without it the first tile op is a SIGILL.
+inline bool tiles_granted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct Req {
+  int64_t start, qlen, ctx, nt;  // rows, query count, cached positions before them, 32-key blocks
+  const int64_t* table;
+  int64_t packed;  // offset of its (KV head 0) packed K / V, in bf16 elements
+};
+
+// Pack request r's keys and values of KV head g: K into [2 nt][d / 32][16 pairs][16 keys][2],
+// V into [nt][d / 16][16 pairs][16 dims][2] (pairs of dims / keys interleaved), zero past the
+// last key. Each buffer is nt * 32 * d elements.
+inline void pack_kv(const Req& r, int64_t g, const uint16_t* kc, const uint16_t* vc, int64_t bs, int64_t kvh,
+                    int64_t d, uint16_t* kp, uint16_t* vp) {
+  const int64_t L = r.ctx + r.qlen, nc = d / 32, nu = d / 16;
+  uint32_t* kp32 = reinterpret_cast<uint32_t*>(kp);
+  for (int64_t j = 0; j < r.nt * KEYS; ++j) {
+    const int64_t kb = j / 16, key = j % 16, t = j / KEYS, p = (j % KEYS) / 2, e = j % 2;
+    if (j >= L) {
+      for (int64_t c = 0; c < nc; ++c)
+        for (int64_t q = 0; q < 16; ++q) kp32[(kb * nc + c) * 256 + q * 16 + key] = 0;
+      for (int64_t x = 0; x < d; ++x) vp[(t * nu + x / 16) * 512 + p * 32 + (x % 16) * 2 + e] = 0;
+      continue;
+    }
+    const int64_t row = (r.table[j / bs] * bs + j % bs) * kvh + g;
+    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kc + row * d);
+    for (int64_t c = 0; c < nc; ++c)
+      for (int64_t q = 0; q < 16; ++q) kp32[(kb * nc + c) * 256 + q * 16 + key] = k32[c * 16 + q];
+    const uint16_t* v = vc + row * d;
+    for (int64_t x = 0; x < d; ++x) vp[(t * nu + x / 16) * 512 + p * 32 + (x % 16) * 2 + e] = v[x];
+  }
+}
+
+// Row i's softmax over its n keys: P (bf16) and the float32 sum of its exponentials; P is
+// zero from n to `width` (a multiple of 16).
+inline float softmax_row(const float* s, int64_t n, int64_t width, float scale, uint16_t* p) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = ::tail_mask16(n - t);
+    mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + t));
+  }
+  const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(mv) * scale), vs = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < width; t += 16) {
+    const __mmask16 k = t < n ? ::tail_mask16(n - t) : __mmask16(0);
+    const __m512 e = _mm512_maskz_mov_ps(k, ::exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + t), vs, vm)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// Scratch of one thread: the query block, scores, probabilities and output sums.
+struct Scratch {
+  std::vector<uint16_t> qb, pb;
+  std::vector<float> sb, ob;
+};
+
+// Query rows i0 .. i1 - 1 of request r (i1 - i0 <= QROWS), query head hq, against its packed
+// K / V; the output rows written to out (row stride so).
+inline void attend_block(const Req& r, int64_t hq, int64_t i0, int64_t i1, const uint16_t* q, int64_t sq,
+                         const uint16_t* kp, const uint16_t* vp, int64_t d, float scale, uint16_t* out, int64_t so,
+                         Scratch& w) {
+  const int64_t mb = i1 - i0, halves = mb > 16 ? 2 : 1, nc = d / 32, nu = d / 16;
+  const int64_t keys = r.ctx + i1, nt = (keys + KEYS - 1) / KEYS, ls = nt * KEYS;  // keys the block sees
+  w.qb.assign(QROWS * d, 0);
+  for (int64_t i = 0; i < mb; ++i)
+    std::memcpy(w.qb.data() + i * d, q + (r.start + i0 + i) * sq + hq * d, d * sizeof(uint16_t));
+  if ((int64_t)w.sb.size() < QROWS * ls) w.sb.resize(QROWS * ls), w.pb.resize(QROWS * ls);
+  float* S = w.sb.data();
+  uint16_t* P = w.pb.data();
+  for (int64_t t = 0; t < nt; ++t) {  // S = Q K^T, 32 x 32 keys at a time
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < nc; ++c) {
+      _tile_loadd(4, w.qb.data() + c * 32, d * 2);
+      _tile_loadd(6, kp + ((2 * t) * nc + c) * 512, 64);
+      _tile_loadd(7, kp + ((2 * t + 1) * nc + c) * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (halves == 2) {
+        _tile_loadd(5, w.qb.data() + 16 * d + c * 32, d * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, S + t * KEYS, ls * 4);
+    _tile_stored(1, S + t * KEYS + 16, ls * 4);
+    if (halves == 2) {
+      _tile_stored(2, S + 16 * ls + t * KEYS, ls * 4);
+      _tile_stored(3, S + 16 * ls + t * KEYS + 16, ls * 4);
+    }
+  }
+  float inv[QROWS];
+  for (int64_t i = 0; i < halves * 16; ++i) {
+    if (i < mb) inv[i] = 1.f / softmax_row(S + i * ls, r.ctx + i0 + i + 1, ls, scale, P + i * ls);
+    else std::memset(P + i * ls, 0, ls * sizeof(uint16_t));
+  }
+  if ((int64_t)w.ob.size() < 16 * d) w.ob.resize(16 * d);
+  float* O = w.ob.data();
+  for (int64_t hh = 0; hh < halves; ++hh) {
+    const int64_t last = std::min(r.ctx + i0 + 16 * hh + 16, keys);  // keys these 16 rows see
+    const int64_t th = (last + KEYS - 1) / KEYS;
+    for (int64_t u0 = 0; u0 < nu; u0 += 4) {  // 64 output dims (four tiles) at a time
+      const int64_t un = std::min<int64_t>(4, nu - u0);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t = 0; t < th; ++t) {
+        _tile_loadd(4, P + 16 * hh * ls + t * KEYS, ls * 2);
+        const uint16_t* vt = vp + (t * nu + u0) * 512;
+        _tile_loadd(6, vt, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (un > 1) {
+          _tile_loadd(7, vt + 512, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (un > 2) {
+          _tile_loadd(6, vt + 1024, 64);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_loadd(7, vt + 1536, 64);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+      }
+      _tile_stored(0, O + u0 * 16, d * 4);
+      if (un > 1) _tile_stored(1, O + u0 * 16 + 16, d * 4);
+      if (un > 2) {
+        _tile_stored(2, O + u0 * 16 + 32, d * 4);
+        _tile_stored(3, O + u0 * 16 + 48, d * 4);
+      }
+    }
+    for (int64_t i = 16 * hh; i < std::min(mb, 16 * hh + 16); ++i) {
+      uint16_t* o = out + (r.start + i0 + i) * so + hq * d;
+      const __m512 vi = _mm512_set1_ps(inv[i]);
+      for (int64_t x = 0; x < d; x += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + x),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + (i - 16 * hh) * d + x), vi)));
+    }
+  }
+}
+
+}  // namespace amx_prefill
+
+// prefill_amx(q, k_cache, v_cache, out, starts, qlens, seq_lens, block_tables, scale): see the
+// top of this file.
+inline void prefill_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
+                        torch::Tensor starts, torch::Tensor qlens, torch::Tensor seq_lens, torch::Tensor block_tables,
+                        double scale) {
+  using namespace amx_prefill;
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q/out [T,h,d], k_cache/v_cache [nb,bs,kvh,d]");
+  const int64_t T = q.size(0), h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0 && out.sizes() == q.sizes(), "head shapes");
+  TORCH_CHECK(d % 32 == 0 && d <= 256, "prefill_amx: head_dim a multiple of 32, at most 256");
+  TORCH_CHECK(tiles_granted(), "prefill_amx: Linux refused this process the AMX tile state");
+  for (const auto& x : {q, k_cache, v_cache, out}) TORCH_CHECK(x.scalar_type() == at::kBFloat16, "prefill_amx: bf16");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d,
+              "q/out: rows of contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches contiguous");
+  auto st = starts.contiguous(), ql = qlens.contiguous(), sl = seq_lens.contiguous(), bt = block_tables.contiguous();
+  for (const auto& x : {st, ql, sl, bt}) TORCH_CHECK(x.scalar_type() == at::kLong && x.device().is_cpu(), "int64 on the CPU");
+  const int64_t R = st.numel();
+  TORCH_CHECK(ql.numel() == R && sl.numel() == R && bt.dim() == 2 && bt.size(0) == R, "one entry per request");
+  std::vector<Req> reqs(R);
+  int64_t packed = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    Req& r = reqs[i];
+    r.start = st.data_ptr<int64_t>()[i], r.qlen = ql.data_ptr<int64_t>()[i];
+    r.ctx = sl.data_ptr<int64_t>()[i] - r.qlen;
+    TORCH_CHECK(r.qlen > 0 && r.ctx >= 0 && r.start >= 0 && r.start + r.qlen <= T, "a request outside q's rows");
+    TORCH_CHECK((r.ctx + r.qlen + bs - 1) / bs <= bt.size(1), "a request's context past its block table");
+    r.nt = (r.ctx + r.qlen + KEYS - 1) / KEYS;
+    r.table = bt.data_ptr<int64_t>() + i * bt.size(1);
+    r.packed = packed;
+    packed += kvh * r.nt * KEYS * d;
+  }
+  static std::vector<uint16_t> kpack, vpack;  // reused across layers (calls hold the GIL)
+  kpack.resize(packed);
+  vpack.resize(packed);
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  at::parallel_for(0, R * kvh, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const Req& r = reqs[i / kvh];
+      const int64_t g = i % kvh, off = r.packed + g * r.nt * KEYS * d;
+      pack_kv(r, g, kc, vc, bs, kvh, d, kpack.data() + off, vpack.data() + off);
+    }
+  });
+  struct Item {
+    int64_t cost, r, hq, i0;
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t i0 = 0; i0 < reqs[i].qlen; i0 += QROWS)
+      for (int64_t hq = 0; hq < h; ++hq) {
+        const int64_t i1 = std::min(reqs[i].qlen, i0 + QROWS);  // cost: rows x keys they see
+        items.push_back({(i1 - i0) * (reqs[i].ctx + i1 + KEYS), i, hq, i0});
+      }
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size()), g = h / kvh;
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    configure();
+    Scratch w;
+    for (int64_t i = next++; i < n; i = next++) {
+      const Item& it = items[i];
+      const Req& r = reqs[it.r];
+      const int64_t off = r.packed + (it.hq / g) * r.nt * KEYS * d;
+      attend_block(r, it.hq, it.i0, std::min(r.qlen, it.i0 + QROWS), qd, q.stride(0), kpack.data() + off,
+                   vpack.data() + off, d, (float)scale, od, out.stride(0), w);
+    }
+    _tile_release();
+  });
+}
+#endif  // AMX-BF16
