@@ -1,6 +1,7 @@
 """Embedding throughput (issue 32).
 
     pagedserve bench embed [--model default] [--num 512] [--len 16 256] [--batch 32] [--concurrency 8]
+        [--server-arg=--kv-cache-prefault ...]  # more `pagedserve serve` flags
         [--url URL --served-model NAME]   # any server's /v1/embeddings (vLLM's too)
         [--offline]                        # LLM.embed beside sentence-transformers' encode
 
@@ -103,6 +104,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this (the model's vocabulary)")
     ap.add_argument("--offline", action="store_true")
+    ap.add_argument(
+        "--server-arg", action="append", default=[], help="more `pagedserve serve` flags, e.g. --kv-cache-prefault"
+    )
     a = ap.parse_args(argv)
     inputs = make_inputs(a.num, a.len[0], a.len[1], a.seed, a.vocab)
     res = {"bench": "embed", "num": a.num, "len": list(a.len), "batch": a.batch}
@@ -115,7 +119,8 @@ def main(argv=None) -> None:
     else:
         from pagedserve.bench.serve import LocalServer
 
-        server = LocalServer(a.model, runner="pooling")
+        flags = dict((f.lstrip("-").split("=", 1) + [True])[:2] for f in a.server_arg)  # a bare flag: a switch on
+        server = LocalServer(a.model, runner="pooling", **{k.replace("-", "_"): v for k, v in flags.items()})
         try:
             res |= {"server": "pagedserve"} | asyncio.run(run_server(server.url, "bench", inputs, a.batch, a.concurrency))
         finally:

@@ -144,8 +144,11 @@ class LocalServer:
         argv += ["--served-model-name", "bench", "--log-level", "warning"]
         argv += ["--engine-core-process" if engine_core_process else "--no-engine-core-process"]
         for k, v in flags.items():
-            if v is not None:
-                argv += ["--" + k.replace("_", "-"), str(v)]
+            name = k.replace("_", "-")
+            if isinstance(v, bool):  # a switch: --flag / --no-flag
+                argv.append(("--" if v else "--no-") + name)
+            elif v is not None:
+                argv += ["--" + name, str(v)]
         self.proc = subprocess.Popen(argv, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.time() + 300
         while True:

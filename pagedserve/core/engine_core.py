@@ -126,7 +126,7 @@ class EngineCore:
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()
         self.executor.initialize_kv_cache(self.num_blocks, cc.block_size)
-        self.executor.compile_or_warm_up(sc.max_num_seqs, sc.max_model_len)
+        self.executor.compile_or_warm_up(sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens)
         spec = {"speculative": config.speculative} if config.speculative is not None else {}
         windows = kv_cache_layout(self.model_config).windows
         if windows != (None,):  # sliding-window layers: the hybrid KV cache manager

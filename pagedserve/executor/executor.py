@@ -5,7 +5,7 @@ Life cycle, driven by the engine core (`core/engine_core.py`), which never reach
   2. `kv_bytes_per_block()` and `determine_available_kv_memory()` size the KV cache
      (the core turns bytes into blocks, in one place for CPU and GPU);
   3. `initialize_kv_cache(num_blocks, block_size)`;
-  4. `compile_or_warm_up(...)` (CUDA graph capture on a GPU; nothing on a CPU);
+  4. `compile_or_warm_up(...)` (CUDA graph capture on a GPU; oneDNN primitives built on a CPU);
   5. `execute_model(SchedulerOutput) -> ModelRunnerOutput`, once per step;
   6. `shutdown()`.
 `UniProcExecutor` runs the ModelRunner in the core's process. Requests, outputs and
@@ -44,8 +44,8 @@ class Executor(ABC):
         """Raise if the executor cannot run another step (e.g. a worker process died);
         called by the idle core loop about once a second."""
 
-    def compile_or_warm_up(self, max_num_seqs: int, max_model_len: int) -> None:  # noqa: B027 (optional)
-        """After the KV cache exists: capture CUDA graphs, warm kernels up."""
+    def compile_or_warm_up(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:  # noqa: B027
+        """After the KV cache exists: capture CUDA graphs, warm kernels up (optional)."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -107,6 +107,7 @@ class UniProcExecutor(Executor):
             enforce_eager=mc.enforce_eager,
             quantization=mc.quantization,
             kv_cache_dtype=config.cache.kv_cache_dtype,
+            kv_cache_prefault=config.cache.kv_cache_prefault,
             block_size=config.cache.block_size,
             drafter_factory=draft_model_factory(config.speculative),
             pooler=pooler,
@@ -124,9 +125,11 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.initialize_kv_cache(num_blocks, block_size)
 
-    def compile_or_warm_up(self, max_num_seqs: int, max_model_len: int) -> None:
+    def compile_or_warm_up(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
         if self.runner.device.type == "cuda":
             self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
+        else:
+            self.runner.warm_up_cpu(max_num_batched_tokens, max_num_seqs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

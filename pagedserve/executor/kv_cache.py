@@ -13,6 +13,7 @@ K/V, and a group's blocks are managed (freed out of the window) on their own.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 from dataclasses import dataclass
@@ -27,13 +28,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 2 << 30  # committed lazily: RSS grows only as blocks fill
 
 
-def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without touching it
+
+
+def prefault(buf: mmap.mmap) -> None:
+    """Commit every page of an anonymous mapping now: madvise(MADV_POPULATE_WRITE), or a
+    write per page where the kernel lacks it. On the VM of BENCHMARKS section 37 committing
+    2 GiB takes ~2.9 s (first touch of guest memory the host backs lazily), and an embedding
+    server that faulted its KV cache in as it filled spent ~20% of its first 12 s on it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(buf)), MADV_POPULATE_WRITE) != 0:
+        np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+
+
+def lazy_zeros(shape, dtype: torch.dtype, commit: bool = False) -> torch.Tensor:
     """A zeroed CPU tensor whose memory is committed page by page on first write (anonymous
     mmap), in base pages: transparent huge pages would commit (and zero) 2 MB at a time per
     tensor, which on VMs whose memory is backed lazily costs ~10x more per byte on first
     touch (measured here: prefill of 64 x 256 tokens on a fresh engine 31.3-32.7 -> 27.3 s,
     BENCHMARKS 21) and lets RSS run ahead of the blocks in use. Without mmap's
-    MADV_NOHUGEPAGE (non-Linux): numpy's calloc, also lazily committed."""
+    MADV_NOHUGEPAGE (non-Linux): numpy's calloc, also lazily committed. `commit`: every page
+    faulted in now instead (kv_cache_prefault; `prefault`), in base pages as well."""
     nbytes = int(np.prod(shape)) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
@@ -41,14 +57,17 @@ def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.madvise(mmap.MADV_NOHUGEPAGE)
+    if commit:
+        prefault(buf)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
-def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache tensor: lazily committed on the CPU, allocated at once elsewhere."""
+def zeros(shape, dtype: torch.dtype, device: torch.device, commit: bool = False) -> torch.Tensor:
+    """A zeroed cache tensor: on the CPU lazily committed (unless `commit`), allocated at
+    once elsewhere."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return lazy_zeros(shape, dtype)
+    return lazy_zeros(shape, dtype, commit)
 
 
 @dataclass(frozen=True)
@@ -90,8 +109,10 @@ def kv_bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim
     return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
 
-def allocate(num_layers: int, shape, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(zeros(shape, dtype, device), zeros(shape, dtype, device)) for _ in range(num_layers)]
+def allocate(
+    num_layers: int, shape, dtype: torch.dtype, device: torch.device, commit: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(zeros(shape, dtype, device, commit), zeros(shape, dtype, device, commit)) for _ in range(num_layers)]
 
 
 @torch.inference_mode()

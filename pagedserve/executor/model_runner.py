@@ -14,6 +14,7 @@ given to the constructor.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        kv_cache_prefault: bool = False,
         block_size: int = 16,
         drafter_factory=None,
         pooler: PoolerConfig | None = None,
@@ -62,6 +64,7 @@ class ModelRunner:
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, model_config, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device)
+        self.kv_cache_prefault = kv_cache_prefault
         self.backend = get_attention_backend(attention_backend, self.device.type)
         if self.kv_dtype != self.dtype and not self.backend.supports_narrow_kv_cache:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs the torch attention backend, not {self.backend.name}.")
@@ -113,14 +116,15 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """K and V per layer: [num_blocks, block_size, kv_heads, head_dim], zeroed (on the CPU
-        committed page by page as blocks are first written: kv_cache.lazy_zeros). With KV
+        committed page by page as blocks are first written, or at once with
+        kv_cache_prefault: kv_cache.lazy_zeros). With KV
         cache groups, slot s of every group shares one pair (kv_cache.KVCacheLayout)."""
         c, lay = self.model_config, self.kv_layout
         shape = (num_blocks, block_size, self.num_kv_heads, c.head_dim)
         self.input_batch.block_size = block_size
         self.input_batch.num_groups = lay.num_groups
         self.model.kv_group_of_layer = list(lay.group_of_layer)
-        slots = kv_cache.allocate(lay.num_slots, shape, self.kv_dtype, self.device)
+        slots = kv_cache.allocate(lay.num_slots, shape, self.kv_dtype, self.device, self.kv_cache_prefault)
         self.kv_caches = [slots[s] for s in lay.slot_of_layer]
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, block_size, lambda s: kv_cache.zeros(s, self.kv_dtype, self.device))
@@ -170,6 +174,17 @@ class ModelRunner:
             self.model, self.kv_caches, capture_sizes(max_num_seqs), max_blocks, max_model_len, self.device
         )
         self.graph_runner.capture()
+
+    def warm_up_cpu(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        """Build oneDNN's primitives for every row count a step can hand the packed
+        products (onednn_linear.warm_up: up to the token budget, the LM head up to the
+        running requests), so no served step pays their JIT."""
+        from pagedserve.executor import onednn_linear
+
+        t0 = time.perf_counter()
+        n = onednn_linear.warm_up(self.model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
+        if n:
+            logger.info("warmed %d packed products up in %.1f s", n, time.perf_counter() - t0)
 
     # -- one step -------------------------------------------------------------------
     @torch.inference_mode()

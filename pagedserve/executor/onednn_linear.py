@@ -71,6 +71,35 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
+def bucket_sizes(lo: int, hi: int) -> list[int]:
+    """The row counts products of lo..hi rows run at (rows_bucket's values), ascending."""
+    return sorted({rows_bucket(m) for m in range(max(1, lo), hi + 1)})
+
+
+def warm_up(model: nn.Module, max_rows: int, head_rows: int) -> int:
+    """Run every packed product of `model` once at each row count a step can hand it
+    (`bucket_sizes` up to max_rows, the LM head's up to head_rows), once per distinct weight
+    shape: oneDNN JIT-builds a primitive at the first product of a new row count (~4 ms for
+    a 3,072 x 576 bf16 weight on an AMX Xeon; the same shape's other weights reuse it), which
+    served steps would otherwise pay mid-run (BENCHMARKS section 37). Modules offer their
+    products through `packed_products()` -> [(packed weight, bias, fewest rows it takes)].
+    Returns how many products ran."""
+    seen, n = set(), 0
+    for name, mod in model.named_modules():
+        products = getattr(mod, "packed_products", None)
+        for packed, bias, lo in products() if callable(products) else ():
+            hi = head_rows if name.rsplit(".", 1)[-1] == "lm_head" else max_rows
+            key = (tuple(packed.shape), packed.dtype, bias is None, lo, hi)
+            if key in seen:
+                continue
+            seen.add(key)
+            with torch.inference_mode():
+                for m in bucket_sizes(lo, hi):
+                    packed_linear(torch.zeros(m, packed.shape[1], dtype=packed.dtype), packed, bias)
+                    n += 1
+    return n
+
+
 class OneDNNLinear(nn.Linear):
     """An nn.Linear whose forward runs on the pre-packed weight (`packed`, set by `pack`)."""
 
@@ -80,6 +109,9 @@ class OneDNNLinear(nn.Linear):
         self.packed = pack_weight(self.weight)
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def packed_products(self) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+        return [(self.packed, self.bias, 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.packed.dtype:  # e.g. float32 activations into a bf16 layer

@@ -35,3 +35,31 @@ def test_lazy_zeros_commits_only_what_is_written():
     grown = _rss_bytes() - before
     assert grown < (64 << 20), f"RSS grew {grown >> 20} MiB for 256 touched pages"
     del t
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_committed_zeros_are_resident_at_once():
+    """kv_cache_prefault: 256 MiB committed when allocated (MADV_POPULATE_WRITE, or a write per
+    page), still zeroed and writable."""
+    before = _rss_bytes()
+    t = lazy_zeros((1 << 26,), torch.float32, commit=True)
+    grown = _rss_bytes() - before
+    assert grown >= (240 << 20), f"RSS grew only {grown >> 20} MiB"
+    assert not t[:: 1 << 16].any()
+    t[5] = 2.0
+    assert t[5].item() == 2.0
+    del t
+
+
+@pytest.mark.parametrize("prefault", [False, True])
+def test_prefault_setting_reaches_the_cache(monkeypatch, checkpoint, prefault):
+    """kv_cache_prefault reaches the runner's allocation: every K/V tensor committed or none."""
+    from pagedserve.executor import kv_cache
+    from pagedserve.frontend.llm import LLM
+
+    seen = []
+    real = kv_cache.lazy_zeros
+    monkeypatch.setattr(kv_cache, "lazy_zeros", lambda s, d, commit=False: seen.append(commit) or real(s, d, commit))
+    llm = LLM(checkpoint("llama"), num_kv_blocks=8, kv_cache_prefault=prefault)
+    llm.shutdown()
+    assert seen and all(c == prefault for c in seen)

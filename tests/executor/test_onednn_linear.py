@@ -76,6 +76,28 @@ def test_pack_linears_holds_each_weight_once(dtype):
     torch.testing.assert_close(m.proj(x.float()), want_proj.float(), atol=0.05, rtol=0.02)  # other dtype in
 
 
+class TwoOfAShape(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 512)  # one shape: one set of primitives
+        self.lm_head = nn.Linear(512, 1024, bias=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_warm_up_runs_each_shape_at_each_bucket_once(dtype, monkeypatch):
+    """warm_up: every row count rows_bucket can produce up to the budget, once per distinct
+    weight shape (not per layer), the LM head only up to its own bound."""
+    m = TwoOfAShape().to(dtype)
+    assert od.pack_linears(m) == 3
+    assert od.bucket_sizes(1, 40) == [*range(1, 17), 18, 20, 22, 24, 26, 28, 30, 32, 36, 40]
+    calls = []
+    real = od.packed_linear
+    monkeypatch.setattr(od, "packed_linear", lambda x, p, b: calls.append((x.shape[0], p.shape)) or real(x, p, b))
+    assert od.warm_up(m, 40, 6) == len(calls) == 26 + 6
+    assert sorted(r for r, s in calls if s[0] == 512) == od.bucket_sizes(1, 40)
+    assert sorted(r for r, s in calls if s[0] == 1024) == list(range(1, 7))
+
+
 def test_the_variable_turns_it_off(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_NO_ONEDNN_PACK", "1")
     assert od.pack_linears(Tied()) == 0

@@ -83,6 +83,10 @@ class QuantLinear(nn.Module):
         self._dense = onednn_linear.pack_weight(w.to(torch.bfloat16), rows_hint=max(8, min_rows))
         self._dense_min = max(1, min_rows) * self.in_features
 
+    def packed_products(self) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+        """The bf16 copy's product (onednn_linear.warm_up), from its fewest rows."""
+        return [] if self._dense is None else [(self._dense, self._bias, self._dense_min // self.in_features)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dense = self._dense
         if dense is not None and x.dtype is torch.bfloat16 and x.numel() >= self._dense_min:
