@@ -9,7 +9,7 @@
 //
 // Built per machine with -march=native (the build is keyed by the CPU's flags, as the
 // attention kernel's): plain loops the compiler vectorizes for what the CPU has (SSE/AVX2/
-// AVX-512). Rounding follows PyTorch's eager ops step by step (-ffp-contract=off, no
+// AVX-512; bfloat16 silu on AVX-512 intrinsics). Rounding follows PyTorch's eager ops step by step (-ffp-contract=off, no
 // fast-math): rotary and the norm's scaling are bit-identical to the reference; the norm's
 // sum of squares and silu's exp (a Cephes polynomial, ~2 ulp) differ in the last bits.
 // bfloat16 rounds where transformers rounds (the residual sum, the normed value, the
@@ -22,6 +22,10 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -260,6 +264,45 @@ inline void store_silu_mul(T* o, const vf& act, const vf& u) {
   store_w(o, round_w<T>(act) * u);  // silu(gate) rounded to T
 }
 
+#if defined(__AVX512F__)
+// silu(g) = g / (1 + e^-g) on 16 lanes for bfloat16 rows: e^-g by the same Cephes polynomial
+// with its range reduction by roundscale and 2^n by scalef (the portable version's floor
+// through two conversions and a select made this loop ~40% slower than float32's: 12% of an
+// embedding step on an AMX Xeon, BENCHMARKS section 37), fused multiply-adds. Against
+// torch's bf16 silu * up: the same bits on 3M random elements, as before. float32 rows keep
+// the portable code (its unfused roundings are closer to torch's float32 results).
+inline vf silu_fast(vf gv) {
+  __m512 g;
+  std::memcpy(&g, &gv, sizeof g);
+  __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), g);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));  // NaN: g carries it
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.f));  // 1 + e^-g
+  const __m512 act = _mm512_div_ps(g, d);
+  vf out;
+  std::memcpy(&out, &act, sizeof out);
+  return out;
+}
+#endif
+
+template <typename T>
+inline vf silu_w(const vf& gv) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return silu_fast(gv);
+#endif
+  return gv / (1.f + exp_cephes(-gv));
+}
+
 template <typename T>
 void silu_mul_kernel(T* out, const T* gu, int64_t rows, int64_t inter, int64_t sg) {
   for_rows(rows, inter, [&](int64_t b, int64_t end) {
@@ -270,7 +313,7 @@ void silu_mul_kernel(T* out, const T* gu, int64_t rows, int64_t inter, int64_t s
       int64_t j = 0;
       for (; j + W <= inter; j += W) {
         const vf gv = load_w(g + j), uv = load_w(u + j);
-        const vf act = gv / (1.f + exp_cephes(-gv));
+        const vf act = silu_w<T>(gv);
         store_silu_mul(o + j, act, uv);
       }
       for (; j < inter; ++j) {
