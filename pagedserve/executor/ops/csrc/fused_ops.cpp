@@ -94,6 +94,21 @@ inline void store_w(T* p, const vf& v) {
 }
 template <>
 inline void store_w(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// AVX512-BF16: vcvtneps2bf16 rounds to nearest even in one instruction (the bit operations
+// below took ~40 instructions per 16 values with the loads: bf16 add_rms_norm_ ran at 0.44x
+// float32's speed on an AMX Xeon). The same bits except below float32's normal range, which
+// it flushes to zero, and NaN payloads (quieted, as c10 keeps them NaN).
+inline __m256i bf16_bits(const vf& v) {
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  return (__m256i)_mm512_cvtneps_pbh(x);
+}
+template <>
+inline void store_w(c10::BFloat16* p, const vf& v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
+}
+#else
 template <>
 inline void store_w(c10::BFloat16* p, const vf& v) {
   vu u;
@@ -104,6 +119,7 @@ inline void store_w(c10::BFloat16* p, const vf& v) {
   const vh h = __builtin_convertvector(rounded, vh);
   std::memcpy(p, &h, sizeof h);
 }
+#endif
 
 // x rounded to T and back (a no-op for float); bfloat16 in registers: store_w's rounding
 // (nearest even, NaN -> 0x7FC0) with the low half cleared, the bits store_w + load_w give
@@ -112,6 +128,12 @@ inline vf round_w(const vf& x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(x)), 16);
+    vf v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+#else
     vu u;
     std::memcpy(&u, &x, sizeof u);
     vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
@@ -120,6 +142,7 @@ inline vf round_w(const vf& x) {
     vf v;
     std::memcpy(&v, &rounded, sizeof v);
     return v;
+#endif
   } else {
     T tmp[W];
     store_w(tmp, x);
