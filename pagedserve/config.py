@@ -273,7 +273,7 @@ class ModelLoadConfig:
         "int8 | int4 weight-only; none: dequantize",
         choices=QUANTIZATION_METHODS,
     )
-    enforce_eager: bool = setting(False, "GPU: no CUDA graphs")
+    enforce_eager: bool = setting(False, "no CUDA graphs (GPU); no kernel warm-up at start (CPU)")
     runner: str = setting(
         "generate",
         "generate (text) | pooling (embeddings: LLM.embed / .score, /v1/embeddings, /score, /rerank)",

@@ -117,10 +117,9 @@ def main(argv=None) -> None:
     elif a.url:
         res |= {"server": a.url} | asyncio.run(run_server(a.url.rstrip("/"), a.served_model, inputs, a.batch, a.concurrency))
     else:
-        from pagedserve.bench.serve import LocalServer
+        from pagedserve.bench.serve import LocalServer, server_flags
 
-        flags = dict((f.lstrip("-").split("=", 1) + [True])[:2] for f in a.server_arg)  # a bare flag: a switch on
-        server = LocalServer(a.model, runner="pooling", **{k.replace("-", "_"): v for k, v in flags.items()})
+        server = LocalServer(a.model, runner="pooling", **server_flags(a.server_arg))
         try:
             res |= {"server": "pagedserve"} | asyncio.run(run_server(server.url, "bench", inputs, a.batch, a.concurrency))
         finally:

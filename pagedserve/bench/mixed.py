@@ -24,7 +24,7 @@ import json
 import random
 import re
 
-from pagedserve.bench.serve import LocalServer, one_request, percentiles
+from pagedserve.bench.serve import LocalServer, one_request, percentiles, server_flags
 
 SHORT, LONG = "short", "long"
 
@@ -150,8 +150,7 @@ def main(argv=None) -> None:
     work = make_mixed_workload(a.num_requests, a.seed)
     server = None
     if a.url is None:
-        flags = dict(f.lstrip("-").split("=", 1) for f in a.server_arg)
-        server = LocalServer(a.model, scheduling_policy=a.policy, **{k.replace("-", "_"): v for k, v in flags.items()})
+        server = LocalServer(a.model, scheduling_policy=a.policy, **server_flags(a.server_arg))
         url, name = server.url, "bench"
     else:
         url, name = a.url.rstrip("/"), a.served_model

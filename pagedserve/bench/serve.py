@@ -120,6 +120,16 @@ def summarize(load: dict, slo_ttft: float, slo_tpot: float) -> dict:
     }
 
 
+def server_flags(args: list[str]) -> dict:
+    """--server-arg values ("--max-num-seqs=64", or a bare switch such as
+    "--kv-cache-prefault") as LocalServer keyword arguments."""
+    flags = {}
+    for f in args:
+        name, _, value = f.lstrip("-").partition("=")
+        flags[name.replace("-", "_")] = value if _ else True
+    return flags
+
+
 class LocalServer:
     """`pagedserve serve` in a child process on a free loopback port (the load generator
     stays out of the server's processes, as with any real client)."""

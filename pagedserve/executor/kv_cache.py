@@ -13,7 +13,6 @@ K/V, and a group's blocks are managed (freed out of the window) on their own.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 from dataclasses import dataclass
@@ -36,9 +35,9 @@ def prefault(buf: mmap.mmap) -> None:
     write per page where the kernel lacks it. On the VM of BENCHMARKS section 37 committing
     2 GiB takes ~2.9 s (first touch of guest memory the host backs lazily), and an embedding
     server that faulted its KV cache in as it filled spent ~20% of its first 12 s on it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(buf)), MADV_POPULATE_WRITE) != 0:
+    try:
+        buf.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # EINVAL before Linux 5.14
         np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
 
 

@@ -127,7 +127,8 @@ class ModelRunner:
         slots = kv_cache.allocate(lay.num_slots, shape, self.kv_dtype, self.device, self.kv_cache_prefault)
         self.kv_caches = [slots[s] for s in lay.slot_of_layer]
         if self.drafter is not None:
-            self.drafter.initialize_kv_cache(num_blocks, block_size, lambda s: kv_cache.zeros(s, self.kv_dtype, self.device))
+            self.drafter.initialize_kv_cache(num_blocks, block_size, lambda s: kv_cache.zeros(s, self.kv_dtype, self.device, self.kv_cache_prefault)
+            )
 
     def kv_offload_connector(self, offload_dir: str, capacity_bytes: int, fingerprint: dict):
         """The disk KV tier over this runner's KV tensors, in a namespace of the model files,
@@ -177,12 +178,16 @@ class ModelRunner:
 
     def warm_up_cpu(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         """Build oneDNN's primitives for every row count a step can hand the packed
-        products (onednn_linear.warm_up: up to the token budget, the LM head up to the
-        running requests), so no served step pays their JIT."""
+        products (onednn_linear.warm_up: up to the token budget, at most WARM_UP_MAX_ROWS;
+        the LM head up to the running requests), so no served step pays their JIT. Off with
+        enforce_eager."""
         from pagedserve.executor import onednn_linear
 
+        if self.enforce_eager:
+            return
         t0 = time.perf_counter()
-        n = onednn_linear.warm_up(self.model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
+        rows = min(max_num_batched_tokens, onednn_linear.WARM_UP_MAX_ROWS)
+        n = onednn_linear.warm_up(self.model, rows, min(max_num_seqs, rows))
         if n:
             logger.info("warmed %d packed products up in %.1f s", n, time.perf_counter() - t0)
 

@@ -76,6 +76,11 @@ def bucket_sizes(lo: int, hi: int) -> list[int]:
     return sorted({rows_bucket(m) for m in range(max(1, lo), hi + 1)})
 
 
+# Rows warm_up goes up to: a budget without chunked prefill is the model's whole context
+# (32k+ rows: GB-sized inputs, minutes of start-up); longer steps build theirs when they come.
+WARM_UP_MAX_ROWS = 4096
+
+
 def warm_up(model: nn.Module, max_rows: int, head_rows: int) -> int:
     """Run every packed product of `model` once at each row count a step can hand it
     (`bucket_sizes` up to max_rows, the LM head's up to head_rows), once per distinct weight

@@ -309,3 +309,14 @@ def test_prefix_restart_bench_smoke(checkpoint, capsys, tmp_path):
     assert r["with_tier"]["prompt_tokens_computed"] < r["lru_only"]["prompt_tokens_computed"]
     assert r["with_tier"]["tier_hit_blocks"] > 0
     assert r["after_restart"]["hit_blocks"] == (64 + 16 - 1) // 16 and r["restart_indexed_blocks"] > 0
+
+
+def test_server_flags_take_values_and_bare_switches():
+    """--server-arg values for LocalServer: "name=value" pairs and bare switches (True)."""
+    from pagedserve.bench.serve import server_flags
+
+    assert server_flags(["--kv-cache-prefault", "--max-num-seqs=64", "--x=a=b"]) == {
+        "kv_cache_prefault": True,
+        "max_num_seqs": "64",
+        "x": "a=b",
+    }

@@ -264,9 +264,8 @@ def test_prefill_amx_kernel_matches_float64_sdpa(heads, kv_heads, d, bs, threads
     cached context (query and key counts around the kernel's 16-row, 32-row and 32-key
     blocks), q as a strided view of fused QKV rows, K/V read from a paged cache with
     scattered blocks of any size: against SDPA in float64, each within 1.5x the error of SDPA
-    in bf16 or one bf16 unit in the last place of its largest output (2^-8 relative: P is
-    rounded to bf16 for the tiles, as in torch's flash attention); rows outside the listed
-    requests untouched."""
+    in bf16 or 2^-8 of its largest output (P is rounded to bf16 for the tiles, as in torch's
+    flash attention); rows outside the listed requests untouched."""
     g = torch.Generator().manual_seed(heads * d + bs + threads)
     reqs = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (5, 40), (37, 1), (31, 2), (100, 70), (0, 150)]
     starts, t = [], 2
@@ -346,15 +345,66 @@ def test_bf16_prefills_go_to_the_amx_kernel():
     )
     assert counting.calls == 1 and meta.backend_cache["amx"][1].tolist() == [30, 33, 17, 64]
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    assert not cpu_kernels.amx_prefill(kernels, q.float(), kc0.float())
-    assert not cpu_kernels.amx_prefill(kernels, q, kc0.half())
     from pagedserve.executor.quant import kernels as quant_kernels
 
     prev = quant_kernels.set_isa("avx512_bf16")
     try:
-        assert not cpu_kernels.amx_prefill(kernels, q, kc0)
+        assert not cpu_kernels.amx_prefill_usable(kernels)
     finally:
         quant_kernels.set_isa(prev)
+
+
+class _WithoutAmx:
+    """A kernel module built without the tile kernel (a compiler without AMX-BF16)."""
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    def __getattr__(self, name):
+        if name == "prefill_amx":
+            raise AttributeError(name)
+        return getattr(self.mod, name)
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+def test_amx_route_conditions_and_the_sdpa_fallback(monkeypatch):
+    """Any CPU: the tile kernel's preconditions (bf16 queries and cache, head_dim a multiple of
+    32 up to 256, contiguous heads) and the module's answer (the kernel built, an AMX path);
+    an AMX CPU whose module lacks the kernel sends bf16 fresh prompts to SDPA, one call each,
+    float32 ones to the C++ causal kernel, both equal to the reference backend."""
+    from pagedserve.executor.attention import torch_backend
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    bf = torch.bfloat16
+    q, kc = torch.zeros(4, 8, 64, dtype=bf), torch.zeros(3, 16, 2, 64, dtype=bf)
+    assert cpu_kernels.amx_prefill_fits(q, kc)
+    assert not cpu_kernels.amx_prefill_fits(q.float(), kc.float())
+    assert not cpu_kernels.amx_prefill_fits(q, kc.half())
+    assert not cpu_kernels.amx_prefill_fits(torch.zeros(4, 8, 40, dtype=bf), torch.zeros(3, 16, 2, 40, dtype=bf))
+    assert not cpu_kernels.amx_prefill_fits(torch.zeros(4, 64, 8, dtype=bf).transpose(1, 2), kc)
+    assert not cpu_kernels.amx_prefill_usable(_WithoutAmx(kernels))
+    monkeypatch.setattr(quant_kernels, "amx_in_use", lambda: False)
+    assert not cpu_kernels.amx_prefill_usable(kernels)
+    monkeypatch.setattr(torch_backend, "_amx_in_use", lambda: True)
+    calls = []
+    real = torch_backend.F.scaled_dot_product_attention
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reqs = [(40, 1), (0, 30), (0, 17), (0, 64)]
+    for dtype, sdpa_calls, tol in ((bf, 3, 2e-2), (torch.float32, 0, 2e-5)):
+        g = torch.Generator().manual_seed(4)
+        meta = _mixed_meta(reqs, 16, 96, g)
+        t = meta.num_tokens
+        q = torch.randn(t, 8, 64, generator=g).to(dtype)
+        k, v = torch.randn(t, 2, 64, generator=g).to(dtype), torch.randn(t, 2, 64, generator=g).to(dtype)
+        kc0, vc0 = (torch.randn(96, 16, 2, 64, generator=g).to(dtype) for _ in range(2))
+        backend = TorchAttentionBackend(use_cpp_decode=True)
+        backend._cpp = _WithoutAmx(backend._cpp)
+        calls.clear()
+        out = backend.forward(q, k, v, kc0.clone(), vc0.clone(), meta, 0.125)
+        assert len(calls) == sdpa_calls and meta.backend_cache["amx_ok"] is False
+        ref_meta = _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(4))
+        ref = TorchAttentionBackend().forward(q, k, v, kc0.clone(), vc0.clone(), ref_meta, 0.125)
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")

@@ -32,25 +32,27 @@ def load():
         return None
 
 
-def amx_prefill(mod, q, k_cache) -> bool:
-    """Whether a step's prefill chunks go to the AMX tile kernel (csrc/prefill_amx.h: one
-    call for all of them, fresh or after cached context, K/V read from the cache): bf16
-    queries and cache, head_dim a multiple of 32 up to 256, the module built with it (the
-    compiler targets AMX-BF16) and the kernels on an AMX path (quant.kernels.amx_in_use: the
-    CPU has the tiles, Linux granted them, PAGEDSERVE_CPU_ISA did not choose a path below).
-    1.3-2.4x torch's SDPA per prompt (BENCHMARKS section 37)."""
-    import torch
-
+def amx_prefill_usable(mod) -> bool:
+    """Whether prefill chunks may go to the AMX tile kernel (csrc/prefill_amx.h): the module
+    was built with it (the compiler targets AMX-BF16) and the kernels run on an AMX path
+    (quant.kernels.amx_in_use: the CPU has the tiles, Linux granted them, PAGEDSERVE_CPU_ISA
+    did not choose a path below). 1.3-2.5x torch's SDPA per layer (BENCHMARKS section 37)."""
     from pagedserve.executor.quant import kernels as quant_kernels
+
+    return hasattr(mod, "prefill_amx") and quant_kernels.amx_in_use()
+
+
+def amx_prefill_fits(q, k_cache) -> bool:
+    """The tile kernel's preconditions on a layer's tensors: bf16 queries and cache, head_dim
+    a multiple of 32 up to 256, rows of contiguous heads."""
+    import torch
 
     d = q.shape[-1]
     return (
-        hasattr(mod, "prefill_amx")
-        and q.dtype == torch.bfloat16
+        q.dtype == torch.bfloat16
         and k_cache.dtype == torch.bfloat16
         and d % 32 == 0
         and d <= 256
         and q.stride(-1) == 1
         and q.stride(-2) == d
-        and quant_kernels.amx_in_use()
     )

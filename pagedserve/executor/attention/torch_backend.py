@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.executor.attention import cpu_kernels
 from pagedserve.executor.attention.backend import AttentionBackend, AttentionMetadata
-from pagedserve.executor.attention.cpu_kernels import amx_prefill
 
 
 def write_kv(
@@ -76,6 +76,12 @@ def short_query_rows(
     tok = torch.tensor(toks, dtype=torch.int64, device=dev)
     bt = meta.block_tables.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
     return (tok, bt, torch.tensor(lens, dtype=torch.int64, device=dev)), rest
+
+
+def _amx_in_use() -> bool:
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    return quant_kernels.amx_in_use()
 
 
 def _fresh_prefill_ok(q, k, v, k_cache) -> bool:
@@ -168,9 +174,9 @@ class TorchAttentionBackend(AttentionBackend):
                 tok, bt, lens = short
                 out.index_copy_(0, tok, cpp.paged_decode(q.index_select(0, tok), k_cache, v_cache, bt, lens, scale, w, c))
         if cpp is not None and rest and not w and not c:
-            if "amx_ok" not in meta.backend_cache:  # once per step
-                meta.backend_cache["amx_ok"] = amx_prefill(cpp, q, k_cache)
-            if meta.backend_cache["amx_ok"]:
+            if "amx_ok" not in meta.backend_cache:  # the module's answer, once per step
+                meta.backend_cache["amx_ok"] = cpu_kernels.amx_prefill_usable(cpp)
+            if meta.backend_cache["amx_ok"] and cpu_kernels.amx_prefill_fits(q, k_cache):
                 rest = self._amx_prefills(q, k_cache, v_cache, out, meta, rest, scale)
             elif _fresh_prefill_ok(q, k, v, k_cache):
                 rest = self._fresh_prefills(q, k, v, out, meta, rest, scale)
@@ -200,8 +206,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _fresh_prefills(self, q, k, v, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
         """The requests of `rest` with no cached context (a prompt's first chunk: causal over
-        its own rows) attended in one C++ call (csrc/prefill_causal.h), into `out`; returns
-        the others. The split is worked out once per step."""
+        its own rows) attended in one C++ call (csrc/prefill_causal.h), or in bf16 on an AMX
+        CPU whose module lacks the tile kernel by SDPA per prompt, into `out`; returns the
+        others. The split is worked out once per step."""
         if "fresh" not in meta.backend_cache:
             qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
             fresh = [r for r in rest if sl[r] == qsl[r + 1] - qsl[r]]
@@ -210,7 +217,17 @@ class TorchAttentionBackend(AttentionBackend):
             lens = torch.tensor([sl[r] for r in fresh], dtype=torch.int64)
             meta.backend_cache["fresh"] = (starts, lens, others)
         starts, lens, others = meta.backend_cache["fresh"]
-        if len(starts):
+        if not len(starts):
+            return others
+        if q.dtype == torch.bfloat16 and meta.backend_cache.get("amx_ok") is False and _amx_in_use():
+            # AMX without the tile kernel (a compiler without AMX-BF16): torch's flash attention
+            # runs on the tiles, 2-3.5x the float32 kernel (BENCHMARKS section 33)
+            for s, n in zip(starts.tolist(), lens.tolist()):
+                heads = [x[s : s + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, heads, n, d]
+                out[s : s + n] = F.scaled_dot_product_attention(*heads, is_causal=True, scale=scale, enable_gqa=True)[
+                    0
+                ].transpose(0, 1)
+        else:
             self._cpp.prefill_causal(q, k, v, out, starts, lens, scale)
         return others
 

@@ -101,6 +101,7 @@ class MultiprocExecutor(Executor):
                 enforce_eager=True,  # no CUDA graphs around collectives (not verified on a GPU)
                 quantization=mc.quantization,  # packed GGUF blocks shard too
                 kv_cache_dtype=config.cache.kv_cache_dtype,
+                kv_cache_prefault=config.cache.kv_cache_prefault,
                 block_size=config.cache.block_size,
             ),
             num_threads=max(1, cores // self.num_local),

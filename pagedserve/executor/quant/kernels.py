@@ -104,7 +104,7 @@ def current_isa() -> str:
 def amx_in_use() -> bool:
     """Whether the kernels run on an AMX path now (the CPU has the tiles, Linux granted them,
     and neither PAGEDSERVE_CPU_ISA nor set_isa chose a path below); False without the kernels.
-    The one answer the AMX-only routes read (the bf16 copies, the SDPA prefill)."""
+    The one answer the AMX-only routes read (the bf16 copies, the prefill attention tiles)."""
     return try_load() is not None and current_isa().startswith("amx")
 
 

@@ -21,7 +21,8 @@
 // rounded to bf16 for the tiles, its sum kept in float32), O = P V on the tiles, divided by
 // the sum and rounded once to bf16. Blocks are handed out from a shared counter, costliest
 // first. Built only where the compiler targets AMX-BF16 (this module is built for the
-// machine's CPU); callers check `has_prefill_amx` and that the process may use the tiles.
+// machine's CPU); callers check that the module has `prefill_amx` and that the kernels run on
+// an AMX path (cpu_kernels.amx_prefill).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
 #define PAGEDSERVE_PREFILL_AMX 1
 #include <immintrin.h>
@@ -239,6 +240,8 @@ inline void prefill_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
     TORCH_CHECK((r.ctx + r.qlen + bs - 1) / bs <= bt.size(1), "a request's context past its block table");
     r.nt = (r.ctx + r.qlen + KEYS - 1) / KEYS;
     r.table = bt.data_ptr<int64_t>() + i * bt.size(1);
+    for (int64_t b = 0; b < (r.ctx + r.qlen + bs - 1) / bs; ++b)
+      TORCH_CHECK(r.table[b] >= 0 && r.table[b] < k_cache.size(0), "a block id outside the cache");
     r.packed = packed;
     packed += kvh * r.nt * KEYS * d;
   }

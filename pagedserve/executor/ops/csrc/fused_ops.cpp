@@ -9,8 +9,8 @@
 //
 // Built per machine with -march=native (the build is keyed by the CPU's flags, as the
 // attention kernel's): plain loops the compiler vectorizes for what the CPU has (SSE/AVX2/
-// AVX-512; bfloat16 silu on AVX-512 intrinsics). Rounding follows PyTorch's eager ops step by step (-ffp-contract=off, no
-// fast-math): rotary and the norm's scaling are bit-identical to the reference; the norm's
+// AVX-512), bfloat16 silu and roundings on AVX-512 intrinsics. Rounding follows PyTorch's
+// eager ops step by step (-ffp-contract=off, no fast-math): rotary and the norm's scaling are bit-identical to the reference; the norm's
 // sum of squares and silu's exp (a Cephes polynomial, ~2 ulp) differ in the last bits.
 // bfloat16 rounds where transformers rounds (the residual sum, the normed value, the
 // product with the weight). Rows are split over threads only when a step has enough of them.
@@ -98,7 +98,7 @@ inline void store_w(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
 // AVX512-BF16: vcvtneps2bf16 rounds to nearest even in one instruction (the bit operations
 // below took ~40 instructions per 16 values with the loads: bf16 add_rms_norm_ ran at 0.44x
 // float32's speed on an AMX Xeon). The same bits except below float32's normal range, which
-// it flushes to zero, and NaN payloads (quieted, as c10 keeps them NaN).
+// it flushes to zero, and NaNs, which stay NaN with their payload quieted (not 0x7FC0).
 inline __m256i bf16_bits(const vf& v) {
   __m512 x;
   std::memcpy(&x, &v, sizeof x);
