@@ -25,6 +25,7 @@ from pagedserve.executor.cpp_build import load_extension
 logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "fused_ops.cpp")
+_HEADERS = (os.path.join(os.path.dirname(__file__), "csrc", "avx512_exp.h"),)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -38,7 +39,7 @@ def load():
     if envs.PAGEDSERVE_NO_CPP_KERNELS:
         return None
     try:
-        return load_extension("fused_ops", [_SRC], cflags=_CFLAGS, ldflags=("-fopenmp",), expected_seconds=35)
+        return load_extension("fused_ops", [_SRC], headers=_HEADERS, cflags=_CFLAGS, ldflags=("-fopenmp",), expected_seconds=35)
     except Exception as e:  # noqa: BLE001 (any build failure means: use the references)
         logger.warning("pagedserve: fused C++ ops unavailable (%s); using PyTorch", e)
         return None

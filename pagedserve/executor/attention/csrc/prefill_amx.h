@@ -29,8 +29,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "work_queue.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -120,6 +121,15 @@ inline float softmax_row(const float* s, int64_t n, int64_t width, float scale, 
 struct Scratch {
   std::vector<uint16_t> qb, pb;
   std::vector<float> sb, ob;
+};
+
+// A thread's part of a call: the tiles configured while it lives, its scratch.
+struct TileThread {
+  Scratch scratch;
+  TileThread() { configure(); }
+  ~TileThread() { _tile_release(); }
+  TileThread(const TileThread&) = delete;
+  TileThread& operator=(const TileThread&) = delete;
 };
 
 // Query rows i0 .. i1 - 1 of request r (i1 - i0 <= QROWS), query head hq, against its packed
@@ -267,22 +277,16 @@ inline void prefill_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
         const int64_t i1 = std::min(reqs[i].qlen, i0 + QROWS);  // cost: rows x keys they see
         items.push_back({(i1 - i0) * (reqs[i].ctx + i1 + KEYS), i, hq, i0});
       }
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(items.size()), g = h / kvh;
+  const int64_t g = h / kvh;
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    configure();
-    Scratch w;
-    for (int64_t i = next++; i < n; i = next++) {
-      const Item& it = items[i];
-      const Req& r = reqs[it.r];
-      const int64_t off = r.packed + (it.hq / g) * r.nt * KEYS * d;
-      attend_block(r, it.hq, it.i0, std::min(r.qlen, it.i0 + QROWS), qd, q.stride(0), kpack.data() + off,
-                   vpack.data() + off, d, (float)scale, od, out.stride(0), w);
-    }
-    _tile_release();
-  });
+  costliest_first(
+      items, [] { return TileThread(); },
+      [&](TileThread& w, const Item& it) {
+        const Req& r = reqs[it.r];
+        const int64_t off = r.packed + (it.hq / g) * r.nt * KEYS * d;
+        attend_block(r, it.hq, it.i0, std::min(r.qlen, it.i0 + QROWS), qd, q.stride(0), kpack.data() + off,
+                     vpack.data() + off, d, (float)scale, od, out.stride(0), w.scratch);
+      });
 }
 #endif  // AMX-BF16

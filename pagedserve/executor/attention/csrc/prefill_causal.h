@@ -17,8 +17,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "work_queue.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -176,19 +177,15 @@ void prefill(const T* q, int64_t sq, const T* k, int64_t sk, const T* v, int64_t
         const int64_t i1 = std::min(seqs[r].len, i0 + QB);
         tasks.push_back({(i1 - i0) * (i1 + 8), r, hh, i0});
       }
-  std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t g = h / kvh, nt = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch;
-    for (int64_t i = next++; i < nt; i = next++) {
-      const Task& t = tasks[i];
-      const Seq& s = seqs[t.r];
-      const int64_t kh = t.hh / g;
-      attend_block<T, DC>(q, sq, out, h * d, s, t.hh, t.i0, std::min(s.len, t.i0 + QB), kt.data() + s.off + kh * d * s.lp,
-                          vf.data() + s.off + kh * s.lp * d, scale, scratch);
-    }
-  });
+  const int64_t g = h / kvh;
+  costliest_first(
+      tasks, [] { return std::vector<float>(); },
+      [&](std::vector<float>& scratch, const Task& t) {
+        const Seq& s = seqs[t.r];
+        const int64_t kh = t.hh / g;
+        attend_block<T, DC>(q, sq, out, h * d, s, t.hh, t.i0, std::min(s.len, t.i0 + QB),
+                            kt.data() + s.off + kh * d * s.lp, vf.data() + s.off + kh * s.lp * d, scale, scratch);
+      });
 }
 
 }  // namespace

@@ -23,9 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "avx512_exp.h"  // exp16 (AVX-512 only)
 
 namespace {
 
@@ -296,29 +294,18 @@ inline void store_silu_mul(T* o, const vf& act, const vf& u) {
 }
 
 #if defined(__AVX512F__)
-// silu(g) = g / (1 + e^-g) on 16 lanes for bfloat16 rows: e^-g by the same Cephes polynomial
-// with its range reduction by roundscale and 2^n by scalef (the portable version's floor
-// through two conversions and a select made this loop ~40% slower than float32's: 12% of an
-// embedding step on an AMX Xeon, BENCHMARKS section 37), fused multiply-adds. Against
-// torch's bf16 silu * up: the same bits on 3M random elements, as before. float32 rows keep
-// the portable code (its unfused roundings are closer to torch's float32 results).
+// silu(g) = g / (1 + e^-g) on 16 lanes for bfloat16 rows: e^-g by exp16 (avx512_exp.h: the
+// same Cephes polynomial, its range reduction by roundscale and 2^n by scalef; the portable
+// version's floor through two conversions and a select made this loop ~40% slower than
+// float32's: 12% of an embedding step on an AMX Xeon, BENCHMARKS section 37), fused
+// multiply-adds. Against torch's bf16 silu * up: the same bits on 3M random elements, as
+// before. float32 rows keep the portable code (its unfused roundings are closer to torch's).
 inline vf silu_fast(vf gv) {
   __m512 g;
   std::memcpy(&g, &gv, sizeof g);
   __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), g);
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));  // NaN: g carries it
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.f));  // 1 + e^-g
+  const __m512 d = _mm512_add_ps(exp16(x), _mm512_set1_ps(1.f));  // 1 + e^-g
   const __m512 act = _mm512_div_ps(g, d);
   vf out;
   std::memcpy(&out, &act, sizeof out);
