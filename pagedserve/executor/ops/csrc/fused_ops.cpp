@@ -306,7 +306,10 @@ inline vf silu_fast(vf gv) {
   __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), g);
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));  // NaN: g carries it
   const __m512 d = _mm512_add_ps(exp16(x), _mm512_set1_ps(1.f));  // 1 + e^-g
-  const __m512 act = _mm512_div_ps(g, d);
+  // g / d as g times 1 / d by rcp14 and one Newton step (~23 bits): vdivps alone took
+  // longer than the rest of the loop
+  const __m512 y0 = _mm512_rcp14_ps(d);
+  const __m512 act = _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_fnmadd_ps(d, y0, _mm512_set1_ps(1.f)), y0, y0));
   vf out;
   std::memcpy(&out, &act, sizeof out);
   return out;
