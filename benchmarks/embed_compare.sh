@@ -5,10 +5,10 @@
 cd "$(dirname "$0")/.."; M=$HOME/.cache/pagedserve-anchors/models/smollm2; A=$HOME/.cache/pagedserve-anchors
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PS=${PAGEDSERVE:-.venv/bin/pagedserve}
+# the server commits its KV cache at start (as vLLM's, which allocates VLLM_CPU_KVCACHE_SPACE zeroed)
 echo "== pagedserve server"; timeout 600 $PS bench embed --model $M --num 512 2>&1 | tail -1
-# its KV cache committed at start, as vLLM's (which allocates VLLM_CPU_KVCACHE_SPACE zeroed) is
-echo "== pagedserve server, --kv-cache-prefault"
-timeout 600 $PS bench embed --model $M --num 512 --server-arg=--kv-cache-prefault 2>&1 | tail -1
+echo "== pagedserve server, --no-kv-cache-prefault (committed as blocks first fill)"
+timeout 600 $PS bench embed --model $M --num 512 --server-arg=--no-kv-cache-prefault 2>&1 | tail -1
 echo "== vllm server"
 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 $A/venv/bin/python -m vllm.entrypoints.openai.api_server --model $M \
   --runner pooling --convert embed --served-model-name bench --port 8781 --dtype bfloat16 > /tmp/vllm_embed.log 2>&1 &

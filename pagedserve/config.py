@@ -202,13 +202,16 @@ class CacheConfig:
         None, "KV cache size, e.g. 2GiB (CPU default 2GiB, committed as it fills)", type=parse_bytes,
         alias="--kv-cache-memory",
     )
-    # CPU: the KV tensors are anonymous memory committed page by page as blocks first fill
-    # (a small RSS for a small load); prefault commits them at start, as vLLM's and
-    # llama.cpp's CPU backends do (kv_cache.lazy_zeros)
-    kv_cache_prefault: bool = setting(
-        False,
+    # CPU: the KV tensors are anonymous memory; prefault commits them at start, as vLLM's and
+    # llama.cpp's CPU backends do, else page by page as blocks first fill (a small RSS for a
+    # small load) (kv_cache.lazy_zeros). None: committed for a server (`serve`, AsyncLLM: an
+    # embedding server's first pass through a lazy 2 GiB cache ran ~20% slower, BENCHMARKS
+    # section 38), lazy offline (`LLM`, where start-up and RSS for a small job matter more)
+    kv_cache_prefault: bool | None = setting(
+        None,
         "CPU: commit the KV cache's memory at start instead of page by page as blocks first fill "
-        "(start-up time and the whole cache's RSS at once; no page faults in the first pass through the cache)",
+        "(start-up time and the whole cache's RSS at once; no page faults in the first pass through the cache); "
+        "default: yes for serve, no offline",
     )
     enable_prefix_caching: bool = setting(True, "share KV blocks of identical prefixes")
     gpu_memory_utilization: float = setting(0.9, "GPU: fraction of device memory for weights + activations + KV")

@@ -88,7 +88,7 @@ class EngineArgs:
     block_size: int = _from("cache")
     num_kv_blocks: int | None = _from("cache")
     kv_cache_memory_bytes: int | None = _from("cache")
-    kv_cache_prefault: bool = _from("cache")
+    kv_cache_prefault: bool | None = _from("cache")
     gpu_memory_utilization: float = _from("cache")
     enable_prefix_caching: bool = _from("cache")
     kv_cache_dtype: str = _from("cache")

@@ -122,11 +122,14 @@ def summarize(load: dict, slo_ttft: float, slo_tpot: float) -> dict:
 
 def server_flags(args: list[str]) -> dict:
     """--server-arg values ("--max-num-seqs=64", or a bare switch such as
-    "--kv-cache-prefault") as LocalServer keyword arguments."""
+    "--no-kv-cache-prefault") as LocalServer keyword arguments."""
     flags = {}
     for f in args:
         name, _, value = f.lstrip("-").partition("=")
-        flags[name.replace("-", "_")] = value if _ else True
+        if not _ and name.startswith("no-"):  # --no-X: X off
+            flags[name[3:].replace("-", "_")] = False
+        else:
+            flags[name.replace("-", "_")] = value if _ else True
     return flags
 
 

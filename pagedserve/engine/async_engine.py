@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import pickle
 import threading
@@ -82,7 +83,11 @@ class AsyncLLM(FrontEnd):
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kw) -> AsyncLLM:
+        """A server's defaults where the arguments leave them open (None): the engine core in
+        its own process, the CPU KV cache committed at start."""
         process = True if args.engine_core_process is None else args.engine_core_process
+        if args.kv_cache_prefault is None:
+            args = dataclasses.replace(args, kv_cache_prefault=True)
         return cls(args.create_engine_config(), engine_core_process=process, **kw)
 
     @property

@@ -64,7 +64,7 @@ class ModelRunner:
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, model_config, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device)
-        self.kv_cache_prefault = kv_cache_prefault
+        self.kv_cache_prefault = bool(kv_cache_prefault)  # None (offline default): lazy
         self.backend = get_attention_backend(attention_backend, self.device.type)
         if self.kv_dtype != self.dtype and not self.backend.supports_narrow_kv_cache:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs the torch attention backend, not {self.backend.name}.")

@@ -312,11 +312,13 @@ def test_prefix_restart_bench_smoke(checkpoint, capsys, tmp_path):
 
 
 def test_server_flags_take_values_and_bare_switches():
-    """--server-arg values for LocalServer: "name=value" pairs and bare switches (True)."""
+    """--server-arg values for LocalServer: "name=value" pairs and bare switches (True, or
+    False as --no-X)."""
     from pagedserve.bench.serve import server_flags
 
-    assert server_flags(["--kv-cache-prefault", "--max-num-seqs=64", "--x=a=b"]) == {
-        "kv_cache_prefault": True,
+    assert server_flags(["--no-kv-cache-prefault", "--enforce-eager", "--max-num-seqs=64", "--x=a=b"]) == {
+        "kv_cache_prefault": False,
+        "enforce_eager": True,
         "max_num_seqs": "64",
         "x": "a=b",
     }

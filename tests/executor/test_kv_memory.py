@@ -63,3 +63,20 @@ def test_prefault_setting_reaches_the_cache(monkeypatch, checkpoint, prefault):
     llm = LLM(checkpoint("llama"), num_kv_blocks=8, kv_cache_prefault=prefault)
     llm.shutdown()
     assert seen and all(c == prefault for c in seen)
+
+
+def test_prefault_default_is_lazy_offline_and_committed_for_a_server(monkeypatch, checkpoint):
+    """Left unset (None): `LLM` commits page by page, a server's AsyncLLM at start."""
+    from pagedserve.engine.async_engine import AsyncLLM
+    from pagedserve.engine_args import EngineArgs
+    from pagedserve.executor import kv_cache
+    from pagedserve.frontend.llm import LLM
+
+    seen = []
+    real = kv_cache.lazy_zeros
+    monkeypatch.setattr(kv_cache, "lazy_zeros", lambda s, d, commit=False: seen.append(commit) or real(s, d, commit))
+    LLM(checkpoint("llama"), num_kv_blocks=8).shutdown()
+    offline, seen[:] = list(seen), []
+    AsyncLLM.from_engine_args(EngineArgs(model=checkpoint("llama"), num_kv_blocks=8, engine_core_process=False)).shutdown()
+    assert offline and not any(offline)
+    assert seen and all(seen)
