@@ -78,12 +78,21 @@ inline vf load_w(const float* p) {
 }
 template <>
 inline vf load_w(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // one widening load and a shift (GCC lowers the generic conversion below to two 8-lane
+  // widenings and an insert: ~20% of a bf16 SiLU-and-mul's instructions)
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  vf v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+#else
   vh h;
   std::memcpy(&h, p, sizeof h);
   const vu u = __builtin_convertvector(h, vu) << 16;
   vf v;
   std::memcpy(&v, &u, sizeof v);
   return v;
+#endif
 }
 
 template <typename T>
