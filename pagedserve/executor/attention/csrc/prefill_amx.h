@@ -23,7 +23,8 @@
 // first. Built only where the compiler targets AMX-BF16 (this module is built for the
 // machine's CPU); callers check that the module has `prefill_amx` and that the kernels run on
 // an AMX path (cpu_kernels.amx_prefill).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__)
 #define PAGEDSERVE_PREFILL_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -74,27 +75,64 @@ struct Req {
   int64_t packed;  // offset of its (KV head 0) packed K / V, in bf16 elements
 };
 
+// r[i] (row i: 16 uint32) -> r[i] = column i: unpacks within 128-bit lanes, then a 4 x 4
+// transpose of the lanes
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[4G + m], lane k: rows 4G .. 4G + 3, element 4k + m
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
 // Pack request r's keys and values of KV head g: K into [2 nt][d / 32][16 pairs][16 keys][2],
 // V into [nt][d / 16][16 pairs][16 dims][2] (pairs of dims / keys interleaved), zero past the
-// last key. Each buffer is nt * 32 * d elements.
+// last key. Each buffer is nt * 32 * d elements. 16 keys at a time: K's 16 x 16 pairs
+// transposed in registers, V's rows interleaved two by two.
 inline void pack_kv(const Req& r, int64_t g, const uint16_t* kc, const uint16_t* vc, int64_t bs, int64_t kvh,
                     int64_t d, uint16_t* kp, uint16_t* vp) {
+  static const uint16_t zero[256] = {};
   const int64_t L = r.ctx + r.qlen, nc = d / 32, nu = d / 16;
-  uint32_t* kp32 = reinterpret_cast<uint32_t*>(kp);
-  for (int64_t j = 0; j < r.nt * KEYS; ++j) {
-    const int64_t kb = j / 16, key = j % 16, t = j / KEYS, p = (j % KEYS) / 2, e = j % 2;
-    if (j >= L) {
-      for (int64_t c = 0; c < nc; ++c)
-        for (int64_t q = 0; q < 16; ++q) kp32[(kb * nc + c) * 256 + q * 16 + key] = 0;
-      for (int64_t x = 0; x < d; ++x) vp[(t * nu + x / 16) * 512 + p * 32 + (x % 16) * 2 + e] = 0;
-      continue;
+  alignas(64) static const uint16_t pairs[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i interleave = _mm512_load_si512(pairs);
+  for (int64_t kb = 0; kb < 2 * r.nt; ++kb) {
+    const uint16_t *krow[16], *vrow[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t j = kb * 16 + i, row = (j < L ? (r.table[j / bs] * bs + j % bs) * kvh + g : 0);
+      krow[i] = j < L ? kc + row * d : zero;
+      vrow[i] = j < L ? vc + row * d : zero;
     }
-    const int64_t row = (r.table[j / bs] * bs + j % bs) * kvh + g;
-    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kc + row * d);
-    for (int64_t c = 0; c < nc; ++c)
-      for (int64_t q = 0; q < 16; ++q) kp32[(kb * nc + c) * 256 + q * 16 + key] = k32[c * 16 + q];
-    const uint16_t* v = vc + row * d;
-    for (int64_t x = 0; x < d; ++x) vp[(t * nu + x / 16) * 512 + p * 32 + (x % 16) * 2 + e] = v[x];
+    for (int64_t c = 0; c < nc; ++c) {
+      __m512i m[16];
+      for (int i = 0; i < 16; ++i) m[i] = _mm512_loadu_si512(krow[i] + c * 32);
+      transpose16(m);
+      uint16_t* dst = kp + (kb * nc + c) * 512;
+      for (int q = 0; q < 16; ++q) _mm512_storeu_si512(dst + q * 32, m[q]);
+    }
+    const int64_t t = kb / 2;
+    for (int64_t pp = 0; pp < 8; ++pp) {
+      const int64_t p = (kb % 2) * 8 + pp;
+      for (int64_t u = 0; u < nu; ++u) {
+        const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * pp] + u * 16)));
+        const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * pp + 1] + u * 16)));
+        _mm512_storeu_si512(vp + (t * nu + u) * 512 + p * 32, _mm512_permutex2var_epi16(a, interleave, b));
+      }
+    }
   }
 }
 
