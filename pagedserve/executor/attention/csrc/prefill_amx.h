@@ -177,9 +177,14 @@ inline void attend_block(const Req& r, int64_t hq, int64_t i0, int64_t i1, const
                          Scratch& w) {
   const int64_t mb = i1 - i0, halves = mb > 16 ? 2 : 1, nc = d / 32, nu = d / 16;
   const int64_t keys = r.ctx + i1, nt = (keys + KEYS - 1) / KEYS, ls = nt * KEYS;  // keys the block sees
-  w.qb.assign(QROWS * d, 0);
-  for (int64_t i = 0; i < mb; ++i)
-    std::memcpy(w.qb.data() + i * d, q + (r.start + i0 + i) * sq + hq * d, d * sizeof(uint16_t));
+  // Q's tiles read in place when the block fills them (16 or 32 rows), else from a zero-padded copy
+  const uint16_t* qa = q + (r.start + i0) * sq + hq * d;
+  int64_t qs = sq;
+  if (mb != 16 * halves) {
+    w.qb.assign(QROWS * d, 0);
+    for (int64_t i = 0; i < mb; ++i) std::memcpy(w.qb.data() + i * d, qa + i * sq, d * sizeof(uint16_t));
+    qa = w.qb.data(), qs = d;
+  }
   if ((int64_t)w.sb.size() < QROWS * ls) w.sb.resize(QROWS * ls), w.pb.resize(QROWS * ls);
   float* S = w.sb.data();
   uint16_t* P = w.pb.data();
@@ -189,13 +194,13 @@ inline void attend_block(const Req& r, int64_t hq, int64_t i0, int64_t i1, const
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < nc; ++c) {
-      _tile_loadd(4, w.qb.data() + c * 32, d * 2);
+      _tile_loadd(4, qa + c * 32, qs * 2);
       _tile_loadd(6, kp + ((2 * t) * nc + c) * 512, 64);
       _tile_loadd(7, kp + ((2 * t + 1) * nc + c) * 512, 64);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
       if (halves == 2) {
-        _tile_loadd(5, w.qb.data() + 16 * d + c * 32, d * 2);
+        _tile_loadd(5, qa + 16 * qs + c * 32, qs * 2);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
       }
