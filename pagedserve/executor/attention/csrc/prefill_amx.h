@@ -17,10 +17,10 @@
 // operand for Q K^T (16 keys x 32 dims a tile, pairs of dims interleaved) and V as the B
 // operand for P V (16 dims x 32 keys a tile, pairs of keys interleaved), zero past the last key.
 // Per (request, query head, block of 32 query rows): S = Q K^T on the tiles in float32, an
-// exact softmax per row (max over the row, Cephes exponentials, the scale folded in; P
-// rounded to bf16 for the tiles, its sum kept in float32), O = P V on the tiles, divided by
-// the sum and rounded once to bf16. Blocks are handed out from a shared counter, costliest
-// first. Built only where the compiler targets AMX-BF16 (this module is built for the
+// exact softmax per row, four rows at a time (max over the row, Cephes exponentials, the
+// scale folded in; P rounded to bf16 for the tiles, its sum kept in float32), O = P V on the
+// tiles, divided by the sum and rounded once to bf16. Blocks are handed out from a shared
+// counter, costliest first. Built only where the compiler targets AMX-BF16 (this module is built for the
 // machine's CPU); callers check that the module has `prefill_amx` and that the kernels run on
 // an AMX path (cpu_kernels.amx_prefill).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
@@ -136,23 +136,31 @@ inline void pack_kv(const Req& r, int64_t g, const uint16_t* kc, const uint16_t*
   }
 }
 
-// Row i's softmax over its n keys: P (bf16) and the float32 sum of its exponentials; P is
-// zero from n to `width` (a multiple of 16).
-inline float softmax_row(const float* s, int64_t n, int64_t width, float scale, uint16_t* p) {
-  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = ::tail_mask16(n - t);
-    mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + t));
-  }
-  const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(mv) * scale), vs = _mm512_set1_ps(scale);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < width; t += 16) {
-    const __mmask16 k = t < n ? ::tail_mask16(n - t) : __mmask16(0);
-    const __m512 e = _mm512_maskz_mov_ps(k, ::exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + t), vs, vm)));
-    sum = _mm512_add_ps(sum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
-  }
-  return _mm512_reduce_add_ps(sum);
+// The softmax of R rows (row i: s + i * width, its first n[i] keys; n[i] = 0 for a padding
+// row): P (bf16), zero from n[i] to `width` (a multiple of 16), and 1 / the float32 sum of
+// each row's exponentials in inv. R rows at once: their max / exp / sum chains interleave
+// (rows are short, 32-256 keys in an embedding step, and one row's reductions and
+// exponentials are latency chains).
+template <int R>
+inline void softmax_rows(const float* s, int64_t width, const int64_t* n, float scale, uint16_t* p, float* inv) {
+  __m512 mv[R], vm[R], sum[R];
+  for (int i = 0; i < R; ++i) mv[i] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < width; t += 16)
+    for (int i = 0; i < R; ++i) {
+      const __mmask16 k = t < n[i] ? ::tail_mask16(n[i] - t) : __mmask16(0);
+      mv[i] = _mm512_mask_max_ps(mv[i], k, mv[i], _mm512_maskz_loadu_ps(k, s + i * width + t));
+    }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int i = 0; i < R; ++i) vm[i] = _mm512_set1_ps(_mm512_reduce_max_ps(mv[i]) * scale), sum[i] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < width; t += 16)
+    for (int i = 0; i < R; ++i) {
+      const __mmask16 k = t < n[i] ? ::tail_mask16(n[i] - t) : __mmask16(0);
+      const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + i * width + t), vs, vm[i]);
+      const __m512 e = _mm512_maskz_mov_ps(k, ::exp16(x));
+      sum[i] = _mm512_add_ps(sum[i], e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * width + t), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+  for (int i = 0; i < R; ++i) inv[i] = 1.f / _mm512_reduce_add_ps(sum[i]);
 }
 
 // Scratch of one thread: the query block, scores, probabilities and output sums.
@@ -213,10 +221,9 @@ inline void attend_block(const Req& r, int64_t hq, int64_t i0, int64_t i1, const
     }
   }
   float inv[QROWS];
-  for (int64_t i = 0; i < halves * 16; ++i) {
-    if (i < mb) inv[i] = 1.f / softmax_row(S + i * ls, r.ctx + i0 + i + 1, ls, scale, P + i * ls);
-    else std::memset(P + i * ls, 0, ls * sizeof(uint16_t));
-  }
+  int64_t n[QROWS];  // keys row i sees; none for the padding rows past mb (their P is zero)
+  for (int64_t i = 0; i < halves * 16; ++i) n[i] = i < mb ? r.ctx + i0 + i + 1 : 0;
+  for (int64_t i = 0; i < halves * 16; i += 4) softmax_rows<4>(S + i * ls, ls, n + i, scale, P + i * ls, inv + i);
   if ((int64_t)w.ob.size() < 16 * d) w.ob.resize(16 * d);
   float* O = w.ob.data();
   for (int64_t hh = 0; hh < halves; ++hh) {
