@@ -7,7 +7,11 @@ past its trim threshold, so each step faults its pages in again: ~13% of an embe
 server's core time went to the kernel clearing pages (clear_page_erms) on an AMX Xeon, the
 served embeddings 4,557-4,798 -> 5,137-5,315 prompt tok/s with the settings below
 (BENCHMARKS section 34). vLLM's CPU guide preloads tcmalloc for the same reason; this
-needs nothing installed.
+needs nothing installed. Blocks of 32 MB and more (glibc's largest mmap threshold: a bigger
+model's activations, an MoE step's expert products) would still be mapped afresh each time: the
+main arena maps none (M_MMAP_MAX 0), so they come from the heap as well (a 2,048 x 8,192 bf16
+product, 32 MiB out, 72 -> 59 ms on an AMX Xeon VM, BENCHMARKS section 38); other threads'
+arenas still map what their heaps cannot hold.
 
 Invariants: at most once per process; only where the C library is glibc; never on a
 GPU engine; PAGEDSERVE_NO_MALLOC_TUNING=1 leaves the allocator alone. Memory a step frees
@@ -27,14 +31,15 @@ logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 << 20  # glibc's upper bound for the setting (HEAP_MAX / 2 on 64-bit)
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim in practice
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Blocks up to 32 MB from the heap, and freed memory kept for reuse (no page faults
-    in later steps); True when set."""
+    """Blocks of every size from the heap, and freed memory kept for reuse (no page
+    faults in later steps); True when set."""
     if envs.PAGEDSERVE_NO_MALLOC_TUNING:
         return False
     try:
@@ -43,7 +48,10 @@ def keep_freed_memory() -> bool:
         libc.gnu_get_libc_version()  # glibc only (musl has neither the symbol nor these knobs)
     except (OSError, AttributeError):
         return False
-    ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    ok = all(
+        libc.mallopt(param, value) == 1
+        for param, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_MMAP_MAX, 0))
+    )
     if not ok:
         logger.warning("pagedserve: glibc refused the allocator settings; steps may fault their pages in again")
     return ok

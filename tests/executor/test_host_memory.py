@@ -10,25 +10,30 @@ import pytest
 from pagedserve.executor import host_memory
 
 PROBE = """
-import resource, torch
+import resource, sys, torch
+SIZES = [int(x) for x in sys.argv[1:]]
 from pagedserve.executor import host_memory
 print(host_memory.keep_freed_memory())
 def step(mb):  # a step's activations of a few sizes, alive together, touched, then freed
     xs = []
     for size in (mb, mb // 2, mb * 3 // 4):
         xs.append(torch.empty(size << 20, dtype=torch.uint8).fill_(1))
-for mb in (8, 24):
+for mb in SIZES[:2]:
     step(mb)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for mb in (8, 24, 12, 16, 24, 8) * 2:  # steps of other sizes, as chunked prefill makes them
+for mb in SIZES * 2:  # steps of other sizes, as chunked prefill makes them
     step(mb)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(**env) -> tuple[str, int]:
+def _faults(sizes=(8, 24, 12, 16, 24, 8), **env) -> tuple[str, int]:
     out = subprocess.run(
-        [sys.executable, "-c", PROBE], env={**os.environ, **env}, capture_output=True, text=True, check=True
+        [sys.executable, "-c", PROBE, *map(str, sizes)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     return out[0], int(out[1])
 
@@ -45,6 +50,17 @@ def test_freed_step_memory_is_reused_without_page_faults():
         pytest.skip(f"{untuned} page faults without the setting: too few to tell the two apart here")
     assert faults < untuned / 4  # kept: the same memory serves the next step (glibc alone maps
     # or trims it and faults it in again: 14.5k-60k faults here, against 1.5k)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings: Linux only")
+def test_blocks_over_glibcs_largest_mmap_threshold_come_from_the_heap():
+    """Blocks of 40-64 MB (over the 32 MB that M_MMAP_THRESHOLD can reach: a big model's
+    activations) are kept too, not mapped and faulted in again at every step."""
+    tuned, faults = _faults((64, 40, 64), PAGEDSERVE_NO_MALLOC_TUNING="0")
+    if tuned != "True":
+        pytest.skip("this C library is not glibc")
+    one_block = (40 << 20) // 4096
+    assert faults < one_block / 4, faults  # mapped afresh: ~10k faults per 40 MB block
 
 
 def test_the_variable_turns_it_off(monkeypatch):
