@@ -22,7 +22,7 @@ def _reference(x, offsets, w):
     return torch.cat(parts).bfloat16()
 
 
-@pytest.mark.parametrize("counts", [[3, 0, 40, 1, 7], [1, 0, 0, 0, 0], [0, 33, 0, 64, 2]])
+@pytest.mark.parametrize("counts", [[3, 0, 40, 1, 7], [1, 0, 0, 0, 0], [0, 33, 0, 64, 2], [600, 3]])  # 600: two chunks
 @pytest.mark.parametrize("n,k", [(128, 96), (64, 250)])
 def test_grouped_product_equals_per_expert_products(counts, n, k):
     torch.manual_seed(sum(counts) + n)
@@ -46,6 +46,20 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
         alone = moe_gemm.experts_mm(x[r : r + 1], torch.tensor([0, 1, 1]), packed)
         assert torch.equal(alone[0], together[r])
     assert torch.equal(moe_gemm.experts_mm(x[40:], torch.tensor([0, 0, 5]), packed), together[40:])
+
+
+@pytest.mark.parametrize("t,k,wdtype", [(300, 2, torch.float32), (7, 4, torch.bfloat16), (1, 1, torch.float32)])
+def test_combine_equals_the_unfused_gather_weighting_and_sum(t, k, wdtype):
+    """Each token's k expert outputs weighted and summed in one pass: the same bits as the
+    gather + `_weighted_sum` it replaces (products rounded to bf16, the sum once)."""
+    torch.manual_seed(t * k)
+    ys = torch.randn(t * k, 96).bfloat16()
+    inv = torch.argsort(torch.randperm(t * k))
+    w = torch.rand(t, k).to(wdtype)
+    want = FusedExperts._weighted_sum(ys.index_select(0, inv).view(t, k, -1), w, torch.bfloat16)
+    assert torch.equal(moe_gemm.combine(ys, inv, w), want)
+    with pytest.raises(RuntimeError, match="inv"):
+        moe_gemm.combine(ys, torch.full_like(inv, t * k), w)
 
 
 def test_bad_offsets_are_refused():

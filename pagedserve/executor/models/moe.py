@@ -148,9 +148,14 @@ class FusedExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         ys = self._grouped(x.index_select(0, order // k), counts, kern)  # rows: each pair's token
         # back to (token, choice) order by a gather (a scatter-add is ~30 ms for two rows on
-        # a busy 2-core machine: OpenMP waits), then each token's k outputs weighted and summed
-        pairs = ys.index_select(0, torch.argsort(order)).view(x.shape[0], k, -1)
-        return self._weighted_sum(pairs, weights, x.dtype)
+        # a busy 2-core machine: OpenMP waits), then each token's k outputs weighted and summed;
+        # on the brgemm path in one C++ pass (moe_gemm.combine: the same roundings)
+        inv = torch.argsort(order)
+        if self.b13 is not None:
+            from pagedserve.executor.ops.moe_gemm import combine
+
+            return combine(ys, inv, weights)
+        return self._weighted_sum(ys.index_select(0, inv).view(x.shape[0], k, -1), weights, x.dtype)
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, kern) -> torch.Tensor:
         """Rows grouped by expert (counts[e] rows of expert e, in expert order) through their

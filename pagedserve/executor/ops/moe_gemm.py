@@ -27,6 +27,7 @@ from pagedserve.executor.cpp_build import load_extension
 logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "moe_kernels.cpp")
+_HEADERS = (os.path.join(os.path.dirname(__file__), "csrc", "work_queue.h"),)
 BLOCK_N = 64  # output columns per packed block (32 measured the same; 128 is refused)
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")  # the bf16 rounding on AVX512-BF16 where the CPU has it
 
@@ -37,7 +38,7 @@ def load():
     if envs.PAGEDSERVE_NO_CPP_KERNELS:
         return None
     try:
-        return load_extension("moe", [_SRC], cflags=_CFLAGS, ldflags=("-fopenmp",), expected_seconds=30)
+        return load_extension("moe", [_SRC], headers=_HEADERS, cflags=_CFLAGS, ldflags=("-fopenmp",), expected_seconds=30)
     except Exception as e:  # noqa: BLE001 (any build failure: the per-expert products run)
         logger.warning("pagedserve: MoE brgemm kernels unavailable (%s)", e)
         return None
@@ -66,3 +67,11 @@ def experts_mm(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor) -> 
     """x [R, K] bf16, rows grouped by expert (expert e's rows: offsets[e] .. offsets[e + 1],
     int64 [E + 1]) -> [R, N] bf16: each group times its expert's weight, transposed."""
     return load().experts_mm(x.contiguous(), offsets, packed)
+
+
+def combine(ys: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """ys [T * k, H] bf16 (rows in expert order), inv int64 [T * k] (the row of each (token,
+    choice) pair), weights [T, k] float32 or bf16 -> [T, H] bf16: each token's k outputs
+    weighted, each product rounded to bf16, summed in float32 and rounded once (the unfused
+    gather, weighting and sum's numerics)."""
+    return load().combine(ys, inv, weights)

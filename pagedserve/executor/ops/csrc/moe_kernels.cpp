@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "work_queue.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #endif
@@ -74,31 +76,73 @@ torch::Tensor experts_mm(torch::Tensor x, torch::Tensor offsets, torch::Tensor w
   TORCH_CHECK(off[0] == 0 && off[E] == R, "offsets must start at 0 and end at x's row count");
   for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e + 1] >= off[e], "offsets must not decrease");
   auto out = torch::empty({R, N}, x.options());
-  // items (expert, chunk of its rows, column block), in that order: a thread's consecutive
-  // items share a chunk of rows, which stays in L2 while the blocks stream past it
+  // items (expert, chunk of its rows, column block), costliest (most rows) first from a shared
+  // counter: routing is uneven, and a static split of the items left one thread with the big
+  // experts' chunks. Consecutive items of a thread mostly share a chunk of rows, which stays in
+  // L2 while the blocks stream past it.
   struct Item {
-    int64_t e, r0, r1, b;
+    int64_t cost, e, r0, r1, b;
   };
   std::vector<Item> items;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t r0 = off[e]; r0 < off[e + 1]; r0 += CHUNK)
-      for (int64_t b = 0; b < nb; ++b) items.push_back({e, r0, std::min(off[e + 1], r0 + CHUNK), b});
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t r1 = std::min(off[e + 1], r0 + CHUNK);
+        items.push_back({r1 - r0, e, r0, r1, b});
+      }
   const at::BFloat16* X = x.data_ptr<at::BFloat16>();
   const at::BFloat16* W = wp.data_ptr<at::BFloat16>();
   at::BFloat16* O = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> c(BM * bn);
-    for (int64_t i = i0; i < i1; ++i) {
-      const Item& it = items[i];
-      const int64_t b = it.b;
-      const at::BFloat16* B = W + (it.e * nb + b) * K * bn;
-      for (int64_t m0 = it.r0; m0 < it.r1; m0 += BM) {
-        const int64_t mb = std::min(BM, it.r1 - m0);
-        at::native::cpublas::brgemm(mb, bn, K, K, bn, bn, false, X + m0 * K, B, c.data());
-        for (int64_t r = 0; r < mb; ++r) to_bf16(c.data() + r * bn, O + (m0 + r) * N + b * bn, bn);
-      }
+  struct Thread {  // a thread's float sums; the micro-kernel's hardware state released at the end
+    std::vector<float> c;
+    Thread(int64_t n) : c(n) {}
+    Thread(Thread&&) = default;
+    ~Thread() {
+      if (!c.empty()) at::native::cpublas::brgemm_release();
     }
-    at::native::cpublas::brgemm_release();
+  };
+  costliest_first(
+      items, [&] { return Thread(BM * bn); },
+      [&](Thread& t, const Item& it) {
+        const at::BFloat16* B = W + (it.e * nb + it.b) * K * bn;
+        for (int64_t m0 = it.r0; m0 < it.r1; m0 += BM) {
+          const int64_t mb = std::min(BM, it.r1 - m0);
+          at::native::cpublas::brgemm(mb, bn, K, K, bn, bn, false, X + m0 * K, B, t.c.data());
+          for (int64_t r = 0; r < mb; ++r) to_bf16(t.c.data() + r * bn, O + (m0 + r) * N + it.b * bn, bn);
+        }
+      });
+  return out;
+}
+
+// out[t] = sum_j bf16(ys[inv[t * k + j]] * w[t, j]) for the T tokens: each token's k expert
+// outputs (rows of ys in expert order; inv: row of pair (t, j)) weighted and summed, each
+// product rounded to bf16 and the sum (in float32) rounded once, as the unfused
+// `(pairs.float() * w).to(bf16).sum(1)` (w float32) or `(pairs * w).sum(1)` (w bf16) does.
+// One pass instead of a gather, a float copy, a product, a rounding and a sum.
+torch::Tensor combine(torch::Tensor ys, torch::Tensor inv, torch::Tensor w) {
+  TORCH_CHECK(ys.scalar_type() == at::kBFloat16 && ys.dim() == 2 && ys.is_contiguous(), "ys: contiguous bf16 [R, H]");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16), "w: [T, k] f32/bf16");
+  const int64_t T = w.size(0), k = w.size(1), H = ys.size(1), R = ys.size(0);
+  auto iv = inv.contiguous();
+  TORCH_CHECK(iv.scalar_type() == at::kLong && iv.numel() == T * k && R == T * k, "inv: int64 [T * k]; ys: T * k rows");
+  const auto wf = w.to(at::kFloat).contiguous();
+  const int64_t* ip = iv.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * k; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < R, "inv: a row outside ys");
+  auto out = torch::empty({T, H}, ys.options());
+  const at::BFloat16* Y = ys.data_ptr<at::BFloat16>();
+  const float* Wt = wf.data_ptr<float>();
+  at::BFloat16* O = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < k; ++j) {
+        const at::BFloat16* y = Y + ip[t * k + j] * H;
+        const float wj = Wt[t * k + j];
+        for (int64_t h = 0; h < H; ++h) acc[h] += static_cast<float>(at::BFloat16(static_cast<float>(y[h]) * wj));
+      }
+      to_bf16(acc.data(), O + t * H, H);
+    }
   });
   return out;
 }
@@ -109,4 +153,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this CPU's brgemm packs bf16 (AMX or AVX512-BF16 micro-kernels)");
   m.def("pack_experts", &pack_experts, py::arg("w"), py::arg("bn"));
   m.def("experts_mm", &experts_mm, py::arg("x"), py::arg("offsets"), py::arg("wp"));
+  m.def("combine", &combine, py::arg("ys"), py::arg("inv"), py::arg("w"));
 }

@@ -1,7 +1,8 @@
 #pragma once
 // Work items of uneven cost (prefill attention's blocks of query rows: rows near the end of a
-// long prompt see the most keys) run costliest first, handed out from a shared counter over
-// the thread team, so no thread is left with the big items at the end.
+// long prompt see the most keys; an MoE expert's rows: routing is uneven) run costliest first,
+// handed out from a shared counter over the thread team, so no thread is left with the big
+// items at the end. Shared by the attention and MoE modules (cpp_build copies it beside each).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
