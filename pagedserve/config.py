@@ -199,12 +199,12 @@ class CacheConfig:
     block_size: int = setting(16, "tokens per KV block", choices=BLOCK_SIZES)
     num_kv_blocks: int | None = setting(None, "KV blocks (overrides the memory-based sizing)")
     kv_cache_memory_bytes: int | None = setting(
-        None, "KV cache size, e.g. 2GiB (CPU default 2GiB, committed as it fills)", type=parse_bytes,
+        None, "KV cache size, e.g. 2GiB (CPU default 2GiB: committed at start by serve, as blocks fill offline)", type=parse_bytes,
         alias="--kv-cache-memory",
     )
     # CPU: the KV tensors are anonymous memory; prefault commits them at start, as vLLM's and
     # llama.cpp's CPU backends do, else page by page as blocks first fill (a small RSS for a
-    # small load) (kv_cache.lazy_zeros). None: committed for a server (`serve`, AsyncLLM: an
+    # small load) (kv_cache.lazy_zeros). None: committed for a server (`serve`, AsyncLLM.from_engine_args: an
     # embedding server's first pass through a lazy 2 GiB cache ran ~20% slower, BENCHMARKS
     # section 38), lazy offline (`LLM`, where start-up and RSS for a small job matter more)
     kv_cache_prefault: bool | None = setting(

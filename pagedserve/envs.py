@@ -57,7 +57,7 @@ VARIABLES: dict[str, EnvVar] = {
     ),
     "PAGEDSERVE_NO_MALLOC_TUNING": EnvVar(
         _flag("PAGEDSERVE_NO_MALLOC_TUNING"),
-        "1: a CPU engine leaves glibc malloc's mmap / trim thresholds alone (executor/host_memory.py); for A/B runs",
+        "1: a CPU engine leaves glibc malloc's mmap / trim thresholds and M_MMAP_MAX alone (executor/host_memory.py); for A/B runs",
     ),
     "PAGEDSERVE_CPU_ISA": EnvVar(
         _str("PAGEDSERVE_CPU_ISA", "auto"),

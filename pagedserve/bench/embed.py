@@ -1,7 +1,7 @@
 """Embedding throughput (issue 32).
 
     pagedserve bench embed [--model default] [--num 512] [--len 16 256] [--batch 32] [--concurrency 8]
-        [--server-arg=--kv-cache-prefault ...]  # more `pagedserve serve` flags
+        [--server-arg=--no-kv-cache-prefault ...]  # more `pagedserve serve` flags
         [--url URL --served-model NAME]   # any server's /v1/embeddings (vLLM's too)
         [--offline]                        # LLM.embed beside sentence-transformers' encode
 
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this (the model's vocabulary)")
     ap.add_argument("--offline", action="store_true")
     ap.add_argument(
-        "--server-arg", action="append", default=[], help="more `pagedserve serve` flags, e.g. --kv-cache-prefault"
+        "--server-arg", action="append", default=[], help="more `pagedserve serve` flags, e.g. --no-kv-cache-prefault"
     )
     a = ap.parse_args(argv)
     inputs = make_inputs(a.num, a.len[0], a.len[1], a.seed, a.vocab)

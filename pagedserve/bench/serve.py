@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-concurrency", type=int, default=None, help="streams in flight at most")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument(
+        "--server-arg", action="append", default=[], help="more `pagedserve serve` flags, e.g. --num-kv-blocks=512"
+    )
     add_workload_args(ap, num_requests=64)
     ap.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once"
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         for mode, core in modes:
             name = mode if len(cores) == 1 else f"{mode}_{core}"
             srv = LocalServer(
-                a.launch, mode, core == "process", dtype=a.dtype, max_num_seqs=a.max_num_seqs
+                a.launch, mode, core == "process", dtype=a.dtype, max_num_seqs=a.max_num_seqs, **server_flags(a.server_arg)
             )
             try:
                 runs[name] = asyncio.run(
@@ -280,7 +283,10 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 srv.stop()
         if a.compare_offline:
-            offline = run_offline(a.launch, work, dtype=a.dtype, max_num_seqs=a.max_num_seqs)
+            # the server's KV cache settings (committed at start, as a server's by default)
+            kv = {k: v for k, v in server_flags(a.server_arg).items() if k in ("num_kv_blocks", "kv_cache_prefault")}
+            kv = {"kv_cache_prefault": True} | {k: int(v) if k == "num_kv_blocks" else v for k, v in kv.items()}
+            offline = run_offline(a.launch, work, dtype=a.dtype, max_num_seqs=a.max_num_seqs, **kv)
     out = {
         "bench": "serve",
         "request_rate": a.request_rate,

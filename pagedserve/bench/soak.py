@@ -16,11 +16,11 @@ the probe a 200. After the round the soak waits for the engine to settle and rea
     window are leaks; blocks kept only by the prefix cache are free in the block pool
     (ref count 0, in the free queue) and not counted as used), generation_tokens_total;
   * the server's RSS (its process and children: the engine core), via psutil (--launch,
-    or --pid for a server started elsewhere). The KV cache is allocated zeroed but its
-    pages become resident only when a block is first written, and the block pool hands
-    out the least recently used block first, so the core's RSS climbs round after round
-    until every block has been used once; for a leak check, give the launched server a
-    KV cache that round 1 cycles through (--num-kv-blocks about the blocks one round
+    or --pid for a server started elsewhere). A server commits its KV cache at start;
+    one run with --no-kv-cache-prefault commits pages only when a block is first written,
+    and the block pool hands out the least recently used block first, so its RSS climbs
+    round after round until every block has been used once: for a leak check then, give it
+    a KV cache that round 1 cycles through (--num-kv-blocks about the blocks one round
     allocates), or read the front end's growth (`server_mb`) apart;
   * latency of the streams that ran to the end: p50, p99, the slowest over the p99.
 

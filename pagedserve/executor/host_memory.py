@@ -15,8 +15,9 @@ arenas still map what their heaps cannot hold.
 
 Invariants: at most once per process; only where the C library is glibc; never on a
 GPU engine; PAGEDSERVE_NO_MALLOC_TUNING=1 leaves the allocator alone. Memory a step frees
-stays in the process for the next step (the RSS keeps its peak, which the next step of the
-same shape needs anyway).
+stays in the process for the next step: the RSS keeps the peak of the largest step served so
+far (a one-off long prompt's too), as with tcmalloc. What loading freed (checkpoint copies,
+weights dropped after packing) is handed back once the model is built (`release_free_memory`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim in practice
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Blocks of every size from the heap, and freed memory kept for reuse (no page
-    faults in later steps); True when set."""
+    """Blocks of every size from the main thread's heap, and freed memory kept for reuse
+    (no page faults in later steps); True when every setting was taken."""
     if envs.PAGEDSERVE_NO_MALLOC_TUNING:
         return False
     try:
@@ -48,10 +49,17 @@ def keep_freed_memory() -> bool:
         libc.gnu_get_libc_version()  # glibc only (musl has neither the symbol nor these knobs)
     except (OSError, AttributeError):
         return False
-    ok = all(
-        libc.mallopt(param, value) == 1
-        for param, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_MMAP_MAX, 0))
-    )
-    if not ok:
-        logger.warning("pagedserve: glibc refused the allocator settings; steps may fault their pages in again")
-    return ok
+    settings = {"M_MMAP_THRESHOLD": (M_MMAP_THRESHOLD, MMAP_THRESHOLD), "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, TRIM_THRESHOLD)}
+    settings["M_MMAP_MAX"] = (M_MMAP_MAX, 0)
+    refused = [name for name, (param, value) in settings.items() if libc.mallopt(param, value) != 1]
+    if refused:
+        logger.warning("pagedserve: glibc refused %s; steps may fault their pages in again", ", ".join(refused))
+    return not refused
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim(0), which also
+    releases whole free pages inside the heap): once, after loading, whose temporaries the
+    settings above would otherwise keep resident for the life of the process."""
+    if keep_freed_memory():
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -24,7 +24,7 @@ from pagedserve.executor.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 2 << 30  # committed lazily: RSS grows only as blocks fill
+DEFAULT_CPU_KV_BYTES = 2 << 30  # a server commits it at start; offline, RSS grows as blocks fill
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without touching it

@@ -51,7 +51,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
-        kv_cache_prefault: bool = False,
+        kv_cache_prefault: bool | None = False,
         block_size: int = 16,
         drafter_factory=None,
         pooler: PoolerConfig | None = None,
@@ -72,6 +72,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()
         self.model = build_model(model_path, model_config, self.dtype, self.device, self.backend, load_format, quantization)
+        if self.device.type == "cpu":
+            host_memory.release_free_memory()  # loading's temporaries, kept by the settings above
         self.enforce_eager = enforce_eager
         self.graph_runner = None
         self.sampler = Sampler(seed, self.device)
@@ -125,6 +127,8 @@ class ModelRunner:
         self.input_batch.num_groups = lay.num_groups
         self.model.kv_group_of_layer = list(lay.group_of_layer)
         slots = kv_cache.allocate(lay.num_slots, shape, self.kv_dtype, self.device, self.kv_cache_prefault)
+        if self.kv_cache_prefault and self.device.type == "cpu":
+            logger.info("KV cache committed: %.2f GiB", 2 * lay.num_slots * slots[0][0].nbytes / 2**30)
         self.kv_caches = [slots[s] for s in lay.slot_of_layer]
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, block_size, lambda s: kv_cache.zeros(s, self.kv_dtype, self.device, self.kv_cache_prefault)
@@ -155,8 +159,8 @@ class ModelRunner:
 
     def determine_available_kv_memory(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
         """Bytes the KV cache may take. GPU: profiled (kv_cache.profile_gpu_kv_bytes). CPU:
-        kv_cache.DEFAULT_CPU_KV_BYTES (committed lazily, so a large figure costs RSS only as
-        blocks fill)."""
+        kv_cache.DEFAULT_CPU_KV_BYTES (committed at start with kv_cache_prefault, a server's
+        default; else lazily, a large figure costing RSS only as blocks fill)."""
         if self.device.type != "cuda":
             return kv_cache.DEFAULT_CPU_KV_BYTES
         return kv_cache.profile_gpu_kv_bytes(self, gpu_memory_utilization, max_num_batched_tokens)

@@ -151,6 +151,7 @@ def test_serve_bench_compares_static(checkpoint, tmp_path, capsys):
             "float32",
             "--compare-static",
             "--compare-offline",
+            "--server-arg=--num-kv-blocks=256",  # not the 2 GiB default, committed at start
             "--max-concurrency",
             "6",
             "--max-num-seqs",

@@ -33,7 +33,7 @@ def load():
     mod = load_extension(
         "quant",
         [os.path.join(_DIR, "quant_kernels.cpp")],
-        headers=tuple(os.path.join(_DIR, h) for h in _HEADERS),
+        headers=(*(os.path.join(_DIR, h) for h in _HEADERS), os.path.join(_DIR, os.pardir, os.pardir, "ops", "csrc", "avx512_transpose.h")),
         cflags=("-O3", "-fopenmp", "-fno-math-errno"),
         ldflags=("-fopenmp",),
         expected_seconds=40,

@@ -20,9 +20,9 @@
 // exact softmax per row, four rows at a time (max over the row, Cephes exponentials, the
 // scale folded in; P rounded to bf16 for the tiles, its sum kept in float32), O = P V on the
 // tiles, divided by the sum and rounded once to bf16. Blocks are handed out from a shared
-// counter, costliest first. Built only where the compiler targets AMX-BF16 (this module is built for the
-// machine's CPU); callers check that the module has `prefill_amx` and that the kernels run on
-// an AMX path (cpu_kernels.amx_prefill).
+// counter, costliest first. Built only where the compiler targets AMX-BF16 (this module is
+// built for the machine's CPU); callers check that the module has `prefill_amx` and that the
+// kernels run on an AMX path (cpu_kernels.amx_prefill).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
     defined(__AVX512BW__)
 #define PAGEDSERVE_PREFILL_AMX 1
@@ -42,6 +42,7 @@ namespace amx_prefill {
 
 constexpr int64_t QROWS = 32;  // query rows per work item: two 16-row A tiles
 constexpr int64_t KEYS = 32;  // keys per step: two 16-key tiles of K^T, one 32-key tile of V
+constexpr int64_t MAX_D = 256;  // head_dim at most (prefill_amx checks it)
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -75,29 +76,7 @@ struct Req {
   int64_t packed;  // offset of its (KV head 0) packed K / V, in bf16 elements
 };
 
-// r[i] (row i: 16 uint32) -> r[i] = column i: unpacks within 128-bit lanes, then a 4 x 4
-// transpose of the lanes
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[4G + m], lane k: rows 4G .. 4G + 3, element 4k + m
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
-    r[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-}
+#include "avx512_transpose.h"  // transpose16x16_epi32
 
 // Pack request r's keys and values of KV head g: K into [2 nt][d / 32][16 pairs][16 keys][2],
 // V into [nt][d / 16][16 pairs][16 dims][2] (pairs of dims / keys interleaved), zero past the
@@ -105,7 +84,7 @@ inline void transpose16(__m512i r[16]) {
 // transposed in registers, V's rows interleaved two by two.
 inline void pack_kv(const Req& r, int64_t g, const uint16_t* kc, const uint16_t* vc, int64_t bs, int64_t kvh,
                     int64_t d, uint16_t* kp, uint16_t* vp) {
-  static const uint16_t zero[256] = {};
+  static const uint16_t zero[MAX_D] = {};  // the rows past the last key
   const int64_t L = r.ctx + r.qlen, nc = d / 32, nu = d / 16;
   alignas(64) static const uint16_t pairs[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -120,7 +99,7 @@ inline void pack_kv(const Req& r, int64_t g, const uint16_t* kc, const uint16_t*
     for (int64_t c = 0; c < nc; ++c) {
       __m512i m[16];
       for (int i = 0; i < 16; ++i) m[i] = _mm512_loadu_si512(krow[i] + c * 32);
-      transpose16(m);
+      transpose16x16_epi32(m);
       uint16_t* dst = kp + (kb * nc + c) * 512;
       for (int q = 0; q < 16; ++q) _mm512_storeu_si512(dst + q * 32, m[q]);
     }
@@ -160,7 +139,7 @@ inline void softmax_rows(const float* s, int64_t width, const int64_t* n, float 
       sum[i] = _mm512_add_ps(sum[i], e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * width + t), (__m256i)_mm512_cvtneps_pbh(e));
     }
-  for (int i = 0; i < R; ++i) inv[i] = 1.f / _mm512_reduce_add_ps(sum[i]);
+  for (int i = 0; i < R; ++i) inv[i] = n[i] ? 1.f / _mm512_reduce_add_ps(sum[i]) : 0.f;
 }
 
 // Scratch of one thread: the query block, scores, probabilities and output sums.
@@ -280,7 +259,7 @@ inline void prefill_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
               "q/out [T,h,d], k_cache/v_cache [nb,bs,kvh,d]");
   const int64_t T = q.size(0), h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && h % kvh == 0 && out.sizes() == q.sizes(), "head shapes");
-  TORCH_CHECK(d % 32 == 0 && d <= 256, "prefill_amx: head_dim a multiple of 32, at most 256");
+  TORCH_CHECK(d % 32 == 0 && d <= MAX_D, "prefill_amx: head_dim a multiple of 32, at most 256");
   TORCH_CHECK(tiles_granted(), "prefill_amx: Linux refused this process the AMX tile state");
   for (const auto& x : {q, k_cache, v_cache, out}) TORCH_CHECK(x.scalar_type() == at::kBFloat16, "prefill_amx: bf16");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d,
