@@ -61,9 +61,11 @@ def test_blocks_over_glibcs_largest_mmap_threshold_come_from_the_heap():
         pytest.skip("this C library is not glibc")
     one_block = (40 << 20) // 4096
     _, untuned = _faults((64, 40, 64), PAGEDSERVE_NO_MALLOC_TUNING="1")
-    if untuned < one_block:  # e.g. transparent huge pages always on: a fault brings 2 MB
+    if untuned < 4 * one_block:  # e.g. transparent huge pages always on: a fault brings 2 MB
         pytest.skip(f"{untuned} page faults without the settings: too few to tell the two apart here")
-    assert faults < one_block / 4, faults  # mapped afresh: ~10k faults per 40 MB block (130k here)
+    # mapped afresh (glibc's thresholds alone, or no settings): ~130k faults here; kept: 0, or
+    # ~6.6k in one run of three (a heap layout where brk cannot grow in place)
+    assert faults < untuned / 8, (faults, untuned)
 
 
 def test_the_variable_turns_it_off(monkeypatch):
