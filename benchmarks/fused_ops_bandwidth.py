@@ -2,20 +2,16 @@
 (`python benchmarks/fused_ops_bandwidth.py`): whether an op is bound by memory or by its
 instructions. Times are means of 50 calls after 3 warm-ups, the machine's threads."""
 
-import time
+import statistics
 
 import torch
 
+from pagedserve.bench.timing import sample_times
 from pagedserve.executor import ops
 
 
 def bench(f, n=50):
-    for _ in range(3):
-        f()
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
-    return (time.perf_counter() - t) / n
+    return statistics.mean(sample_times(f, n, warmup=3))
 
 
 def rows(m: int) -> None:

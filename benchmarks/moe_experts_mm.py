@@ -2,10 +2,9 @@
 every expert in one call) against one oneDNN product per expert, 8 experts of 2,048 x 1,024
 (w13), 8-1,024 rows an expert; the best of 12 runs (`python benchmarks/moe_experts_mm.py`)."""
 
-import time
-
 import torch
 
+from pagedserve.bench.timing import sample_times
 from pagedserve.executor import host_memory
 from pagedserve.executor import onednn_linear as od
 from pagedserve.executor.ops import moe_gemm
@@ -15,14 +14,7 @@ torch.manual_seed(0)
 
 
 def best(f, n=12):
-    for _ in range(2):
-        f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
+    return min(sample_times(f, n, warmup=2))
 
 
 E, H, I = 8, 1024, 2048

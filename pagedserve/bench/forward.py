@@ -27,16 +27,11 @@ import time
 
 import torch
 
+from pagedserve.bench.timing import sample_times
+
 
 def _median_time(fn, steps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(sample_times(fn, steps, warmup))
 
 
 def bench_pagedserve(model: str, dtype: str, batches, context: int, prefill_len: int, steps: int) -> dict:

@@ -28,6 +28,8 @@ import json
 import statistics
 import time
 
+from pagedserve.bench.timing import sample_times
+
 
 def _tpot(llm, tokens: int, prompt: str) -> tuple[float, float]:
     from pagedserve import SamplingParams
@@ -70,13 +72,7 @@ def cmd_tpot(args) -> dict:
 
 
 def _time(fn, rounds: int) -> float:
-    fn()
-    ts = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
+    return statistics.median(sample_times(fn, rounds)) * 1e6
 
 
 def _kernel_fns(x, w, q8, q4, w8, s8, w4, sz4) -> dict:

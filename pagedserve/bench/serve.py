@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
 
         vocab = load_hf_config_dict(resolve_model_path(a.launch))["vocab_size"]
     work = make_workload(a, vocab)
+    flags = server_flags(a.server_arg)
     runs = {}
     offline = None
     if a.url:
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         for mode, core in modes:
             name = mode if len(cores) == 1 else f"{mode}_{core}"
             srv = LocalServer(
-                a.launch, mode, core == "process", dtype=a.dtype, max_num_seqs=a.max_num_seqs, **server_flags(a.server_arg)
+                a.launch, mode, core == "process", dtype=a.dtype, max_num_seqs=a.max_num_seqs, **flags
             )
             try:
                 runs[name] = asyncio.run(
@@ -283,9 +284,10 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 srv.stop()
         if a.compare_offline:
-            # the server's KV cache settings (committed at start, as a server's by default)
-            kv = {k: v for k, v in server_flags(a.server_arg).items() if k in ("num_kv_blocks", "kv_cache_prefault")}
-            kv = {"kv_cache_prefault": True} | {k: int(v) if k == "num_kv_blocks" else v for k, v in kv.items()}
+            # on the server's KV cache: its size if given, committed at start unless told not to
+            kv = {"kv_cache_prefault": flags.get("kv_cache_prefault", True)}
+            if "num_kv_blocks" in flags:
+                kv["num_kv_blocks"] = int(flags["num_kv_blocks"])
             offline = run_offline(a.launch, work, dtype=a.dtype, max_num_seqs=a.max_num_seqs, **kv)
     out = {
         "bench": "serve",

@@ -35,6 +35,11 @@ M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 << 20  # glibc's upper bound for the setting (HEAP_MAX / 2 on 64-bit)
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim in practice
+SETTINGS = {  # name: (mallopt parameter, value)
+    "M_MMAP_THRESHOLD": (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+    "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+    "M_MMAP_MAX": (M_MMAP_MAX, 0),  # the main arena maps nothing: blocks of 32 MB and more too
+}
 
 
 @functools.cache
@@ -49,9 +54,7 @@ def keep_freed_memory() -> bool:
         libc.gnu_get_libc_version()  # glibc only (musl has neither the symbol nor these knobs)
     except (OSError, AttributeError):
         return False
-    settings = {"M_MMAP_THRESHOLD": (M_MMAP_THRESHOLD, MMAP_THRESHOLD), "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, TRIM_THRESHOLD)}
-    settings["M_MMAP_MAX"] = (M_MMAP_MAX, 0)
-    refused = [name for name, (param, value) in settings.items() if libc.mallopt(param, value) != 1]
+    refused = [name for name, (param, value) in SETTINGS.items() if libc.mallopt(param, value) != 1]
     if refused:
         logger.warning("pagedserve: glibc refused %s; steps may fault their pages in again", ", ".join(refused))
     return not refused

@@ -22,7 +22,7 @@
 // tiles, divided by the sum and rounded once to bf16. Blocks are handed out from a shared
 // counter, costliest first. Built only where the compiler targets AMX-BF16 (this module is
 // built for the machine's CPU); callers check that the module has `prefill_amx` and that the
-// kernels run on an AMX path (cpu_kernels.amx_prefill).
+// kernels run on an AMX path (cpu_kernels.amx_prefill_usable).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
     defined(__AVX512BW__)
 #define PAGEDSERVE_PREFILL_AMX 1

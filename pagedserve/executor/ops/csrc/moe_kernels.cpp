@@ -95,11 +95,9 @@ torch::Tensor experts_mm(torch::Tensor x, torch::Tensor offsets, torch::Tensor w
   at::BFloat16* O = out.data_ptr<at::BFloat16>();
   struct Thread {  // a thread's float sums; the micro-kernel's hardware state released at the end
     std::vector<float> c;
-    Thread(int64_t n) : c(n) {}
-    Thread(Thread&&) = default;
-    ~Thread() {
-      if (!c.empty()) at::native::cpublas::brgemm_release();
-    }
+    explicit Thread(int64_t n) : c(n) {}
+    Thread(const Thread&) = delete;
+    ~Thread() { at::native::cpublas::brgemm_release(); }
   };
   costliest_first(
       items, [&] { return Thread(BM * bn); },
