@@ -1,10 +1,15 @@
-"""MoE expert products on PyTorch's brgemm micro-kernel (csrc/moe_kernels.cpp): every expert
-of a layer in one call per product, weights packed once into the micro-kernel's blocks.
+"""MoE expert products on the matrix units (csrc/moe_kernels.cpp): every expert of a layer
+in one call per product, weights packed once into VNNI blocks of output columns: on AMX
+(the CPU has it, Linux granted the tiles, PAGEDSERVE_CPU_ISA did not choose a path below)
+16-column blocks for the module's own tile kernel, elsewhere 64-column blocks for PyTorch's
+brgemm micro-kernel (AVX512-BF16).
 
-Chosen over one oneDNN product per expert (BENCHMARKS section 34, AMX Xeon, 8 experts of
-2048 x 1024, per layer): 1.2x at 4-20 rows an expert (decode at 8-64 streams), 1.9x at one
-token, equal at ~250 rows (prefill); it reads each weight block once a step at 26-30 GB/s
-where the per-expert calls reached ~21, and makes two calls a layer instead of sixteen.
+brgemm was chosen over one oneDNN product per expert (BENCHMARKS section 34, AMX Xeon, 8
+experts of 2048 x 1024, per layer): 1.2x at 4-20 rows an expert (decode at 8-64 streams),
+1.9x at one token, equal at ~250 rows (prefill); it reads each weight block once a step at
+26-30 GB/s where the per-expert calls reached ~21, and makes two calls a layer instead of
+sixteen. The tile kernel then beat brgemm on the same machine (section 39): 1.3-1.4x at
+64-1,024 rows an expert, equal at 8 (bandwidth-bound), the same bits.
 
 Invariants: bf16 in and out, float32 sums rounded once (F.linear's numerics up to the order
 of the sums); a row's result does not depend on the other rows; `available()` is False (and
@@ -28,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "moe_kernels.cpp")
 _HEADERS = (os.path.join(os.path.dirname(__file__), "csrc", "work_queue.h"),)
-BLOCK_N = 64  # output columns per packed block (32 measured the same; 128 is refused)
+BLOCK_N = 64  # brgemm: output columns per packed block (32 measured the same; 128 is refused)
+AMX_BLOCK_N = 16  # the tile kernel: one B tile's columns, so that each tile is contiguous
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")  # the bf16 rounding on AVX512-BF16 where the CPU has it
 
 
@@ -49,18 +55,39 @@ def available() -> bool:
     return mod is not None and bool(mod.available())
 
 
+def amx() -> bool:
+    """Whether packing picks the tile kernel's blocks: built with it, the tiles granted, and
+    the kernels on an AMX path (quant.kernels.amx_in_use, which PAGEDSERVE_CPU_ISA sets)."""
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    mod = load()
+    return mod is not None and bool(mod.amx()) and quant_kernels.amx_in_use()
+
+
+def block_n(w: torch.Tensor) -> int | None:
+    """The column block stacked expert weights [E, N, K] are packed in: AMX_BLOCK_N for the
+    tile kernel (N and K multiples of 32), else BLOCK_N for brgemm; None: this path cannot
+    take them (callers keep their own)."""
+    if (
+        envs.PAGEDSERVE_NO_ONEDNN_PACK or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 3
+        or not available()
+    ):
+        return None
+    n, k = w.shape[1], w.shape[2]
+    if n % 32 == 0 and k % 32 == 0 and amx():
+        return AMX_BLOCK_N
+    return BLOCK_N if n % BLOCK_N == 0 and k % 2 == 0 else None
+
+
 def can_pack(w: torch.Tensor) -> bool:
     """Whether stacked expert weights [E, N, K] take this path."""
-    return (
-        not envs.PAGEDSERVE_NO_ONEDNN_PACK
-        and w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 3
-        and w.shape[1] % BLOCK_N == 0 and w.shape[2] % 2 == 0 and available()
-    )
+    return block_n(w) is not None
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] bf16 (F.linear's layout per expert) -> the micro-kernel's blocks."""
-    return load().pack_experts(w.detach().contiguous(), BLOCK_N)
+def pack(w: torch.Tensor, bn: int | None = None) -> torch.Tensor:
+    """[E, N, K] bf16 (F.linear's layout per expert) -> blocks of bn (default: block_n(w))
+    columns; experts_mm runs the tile kernel on 16-column blocks where it is built."""
+    return load().pack_experts(w.detach().contiguous(), bn or block_n(w))
 
 
 def experts_mm(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

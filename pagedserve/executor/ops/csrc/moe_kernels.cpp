@@ -1,13 +1,20 @@
-// MoE experts on the CPU's matrix units through PyTorch's brgemm micro-kernel
-// (at::native::cpublas::brgemm: oneDNN's ukernel, AMX tiles where the CPU has them), one call
-// per layer and product for every expert, the way SGLang's and vLLM's CPU fused MoE run them.
+// MoE experts on the CPU's matrix units, one call per layer and product for every expert (the
+// way SGLang's and vLLM's CPU fused MoE run them): rows grouped by expert (offsets), work items
+// (expert, chunk of rows, block of columns) handed to OpenMP's team costliest first, float32 sums
+// rounded once to bf16. Idle experts cost nothing; each block of weights is read once per step
+// from memory whatever the number of rows, then from L2 for each further 32 rows.
 //
-// Weights: each expert's [N, K] matrix (F.linear's layout) packed once into blocks of BN output
-// columns in the micro-kernel's VNNI layout ([N / BN][K / 2][BN][2] for bf16, by
-// cpublas::pack). A product: rows grouped by expert (offsets), work items (expert, column
-// block, chunk of up to CHUNK rows) split over OpenMP's team; each item runs its rows, BM at a
-// time, against its block (which stays in L2), float32 sums rounded once to bf16. Idle experts cost
-// nothing; each block of weights is read once per step whatever the number of rows.
+// Weights: each expert's [N, K] matrix (F.linear's layout) packed once into blocks of bn output
+// columns in the VNNI layout ([N / bn][K / 2][bn][2], by cpublas::pack). Two kernels:
+//   - AMX-BF16 (compiled where the compiler targets it, run where Linux grants the tiles), bn =
+//     16: a 16-column block is K * 16 contiguous elements, so each B tile (16 pairs of K x 16
+//     columns) is 1 KB of contiguous memory, streamed in order; C in 32 x 32 blocks, four float
+//     tiles over the whole K. Items: up to AMX_CHUNK rows x up to 256 columns (~1 MB of
+//     weights, kept in L2 across the item's row blocks). 1.3-1.4x brgemm at 64-1,024 rows an
+//     expert, the same bits (BENCHMARKS section 39).
+//   - any other block (bn = 64 elsewhere): PyTorch's brgemm micro-kernel (at::native::cpublas:
+//     oneDNN's ukernel: AMX or AVX512-BF16), BM rows x bn columns a call, items of up to CHUNK
+//     rows x one block.
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/extension.h>
@@ -19,6 +26,12 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGEDSERVE_MOE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -34,8 +47,80 @@ inline void to_bf16(const float* s, at::BFloat16* o, int64_t n) {
   for (; j < n; ++j) o[j] = at::BFloat16(s[j]);
 }
 
-constexpr int64_t BM = 32;     // activation rows per micro-kernel call
-constexpr int64_t CHUNK = 512;  // rows an item runs against its block (1 MB of K = 1024 bf16: L2)
+
+#if PAGEDSERVE_MOE_AMX
+// The AMX kernel's tiles: 0-1 A (rows 0-15, 16-31 of a 32-row block), 2-3 B (two 16-column
+// blocks), 4-7 C (float32 sums, rows 0-15 / 16-31 x columns 0-15 / 16-31).
+namespace amx {
+
+constexpr int64_t AMX_CHUNK = 1024;  // rows an item runs (more rows per item: fewer reloads of its columns)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether Linux lets this process use the tile data (asked once, as prefill_amx.h and the quant
+// kernels do; a process may ask again): without it the first tile op is a SIGILL.
+bool tiles_granted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// tiles for a block of m rows (1..32)
+inline void configure(int64_t m) {
+  TileConfig c;
+  const uint8_t m0 = static_cast<uint8_t>(std::min<int64_t>(m, 16)), m1 = static_cast<uint8_t>(std::max<int64_t>(m - 16, 1));
+  const uint8_t rows[8] = {m0, m1, 16, 16, m0, m0, m1, m1};
+  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = rows[i];
+  asm volatile("ldtilecfg %0" ::"m"(c));  // as prefill_amx.h: the builtin loses the config's stores
+}
+
+// C[m x 32] (float, ldc) = A[m x K] (lda) @ B, B two 16-column groups at b0 and b0 + K * 16
+template <bool TWO>
+inline void block(const at::BFloat16* a, int64_t lda, const at::BFloat16* b0, int64_t K, float* c, int64_t ldc) {
+  const at::BFloat16* b1 = b0 + K * 16;
+  const at::BFloat16* a1 = a + 16 * lda;
+  _tile_zero(4);
+  _tile_zero(5);
+  if (TWO) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(0, a + k, lda * 2);
+    _tile_stream_loadd(2, b0 + k * 16, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_stream_loadd(3, b1 + k * 16, 64);
+    _tile_dpbf16ps(5, 0, 3);
+    if (TWO) {
+      _tile_loadd(1, a1 + k, lda * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  _tile_stored(4, c, ldc * 4);
+  _tile_stored(5, c + 16, ldc * 4);
+  if (TWO) {
+    _tile_stored(6, c + 16 * ldc, ldc * 4);
+    _tile_stored(7, c + 16 * ldc + 16, ldc * 4);
+  }
+}
+
+struct Thread {
+  int64_t m = -1;  // rows of the loaded tile config
+  alignas(64) float c[32 * 32];
+  Thread() = default;
+  Thread(const Thread&) = delete;
+  ~Thread() { _tile_release(); }
+};
+
+}  // namespace amx
+#endif
+
+constexpr int64_t BM = 32;     // brgemm: activation rows per micro-kernel call
+constexpr int64_t CHUNK = 512;  // brgemm: rows an item runs against its block (1 MB of K = 1024 bf16: L2)
 
 bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
@@ -61,6 +146,45 @@ torch::Tensor pack_experts(torch::Tensor w, int64_t bn) {
   return out;
 }
 
+#if PAGEDSERVE_MOE_AMX
+// experts_mm on the tiles (weights packed with bn = 16; N and K multiples of 32): an item runs
+// its rows 32 at a time, each block against its columns 32 at a time.
+void amx_experts_mm(const at::BFloat16* X, const int64_t* off, int64_t E, int64_t K, int64_t N,
+                    const at::BFloat16* W, at::BFloat16* O) {
+  // columns per item: their weights (NT x K bf16) at most ~1 MB, half this L2, 32 to 256
+  const int64_t NT = std::min(N, std::clamp<int64_t>((int64_t{1} << 19) / K / 32 * 32, 32, 256));
+  struct Item {
+    int64_t cost, e, r0, r1, n0, n1;
+  };
+  std::vector<Item> items;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r0 = off[e]; r0 < off[e + 1]; r0 += amx::AMX_CHUNK)
+      for (int64_t n0 = 0; n0 < N; n0 += NT) {
+        const int64_t r1 = std::min(off[e + 1], r0 + amx::AMX_CHUNK);
+        items.push_back({r1 - r0, e, r0, r1, n0, std::min(N, n0 + NT)});
+      }
+  costliest_first(
+      items, [] { return amx::Thread(); },
+      [&](amx::Thread& t, const Item& it) {
+        const at::BFloat16* B = W + it.e * N * K;
+        for (int64_t m0 = it.r0; m0 < it.r1; m0 += 32) {
+          const int64_t mb = std::min<int64_t>(32, it.r1 - m0);
+          if (mb != t.m) {
+            amx::configure(mb);
+            t.m = mb;
+          }
+          for (int64_t n = it.n0; n < it.n1; n += 32) {
+            if (mb > 16)
+              amx::block<true>(X + m0 * K, K, B + n * K, K, t.c, 32);
+            else
+              amx::block<false>(X + m0 * K, K, B + n * K, K, t.c, 32);
+            for (int64_t r = 0; r < mb; ++r) to_bf16(t.c + r * 32, O + (m0 + r) * N + n, 32);
+          }
+        }
+      });
+}
+#endif
+
 // out[rows of e] = x[rows of e] @ W_e^T for every expert e: x [R, K] bf16 rows grouped by
 // expert (offsets int64 [E + 1]), wp = pack_experts(W, bn) -> [R, N] bf16
 torch::Tensor experts_mm(torch::Tensor x, torch::Tensor offsets, torch::Tensor wp) {
@@ -76,6 +200,12 @@ torch::Tensor experts_mm(torch::Tensor x, torch::Tensor offsets, torch::Tensor w
   TORCH_CHECK(off[0] == 0 && off[E] == R, "offsets must start at 0 and end at x's row count");
   for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e + 1] >= off[e], "offsets must not decrease");
   auto out = torch::empty({R, N}, x.options());
+#if PAGEDSERVE_MOE_AMX
+  if (bn == 16 && N % 32 == 0 && K % 32 == 0 && amx::tiles_granted()) {
+    amx_experts_mm(x.data_ptr<at::BFloat16>(), off, E, K, N, wp.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+    return out;
+  }
+#endif
   // items (expert, chunk of its rows, column block), costliest (most rows) first from a shared
   // counter: routing is uneven, and a static split of the items left one thread with the big
   // experts' chunks. Consecutive items of a thread mostly share a chunk of rows, which stays in
@@ -149,6 +279,13 @@ torch::Tensor combine(torch::Tensor ys, torch::Tensor inv, torch::Tensor w) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this CPU's brgemm packs bf16 (AMX or AVX512-BF16 micro-kernels)");
+  m.def("amx", [] {
+#if PAGEDSERVE_MOE_AMX
+    return amx::tiles_granted();
+#else
+    return false;
+#endif
+  }, "whether experts_mm runs its own AMX tiles on 16-column blocks");
   m.def("pack_experts", &pack_experts, py::arg("w"), py::arg("bn"));
   m.def("experts_mm", &experts_mm, py::arg("x"), py::arg("offsets"), py::arg("wp"));
   m.def("combine", &combine, py::arg("ys"), py::arg("inv"), py::arg("w"));
