@@ -32,7 +32,7 @@ from pagedserve.executor.cpp_build import load_extension
 logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "moe_kernels.cpp")
-_HEADERS = (os.path.join(os.path.dirname(__file__), "csrc", "work_queue.h"),)
+_HEADERS = tuple(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("work_queue.h", "amx_tiles.h"))
 BLOCK_N = 64  # brgemm: output columns per packed block (32 measured the same; 128 is refused)
 AMX_BLOCK_N = 16  # the tile kernel: one B tile's columns, so that each tile is contiguous
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")  # the bf16 rounding on AVX512-BF16 where the CPU has it

@@ -27,9 +27,8 @@
     defined(__AVX512BW__)
 #define PAGEDSERVE_PREFILL_AMX 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"  // TileConfig, load_tile_config, tiles_granted
 #include "work_queue.h"
 
 #include <algorithm>
@@ -44,12 +43,6 @@ constexpr int64_t QROWS = 32;  // query rows per work item: two 16-row A tiles
 constexpr int64_t KEYS = 32;  // keys per step: two 16-key tiles of K^T, one 32-key tile of V
 constexpr int64_t MAX_D = 256;  // head_dim at most (prefill_amx checks it)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Every tile 16 rows x 64 bytes: 0-3 float32 sums (16 x 16), 4-5 A (16 rows x 32 bf16),
 // 6-7 B (16 pairs x 16 columns x 2 bf16).
 inline void configure() {
@@ -58,16 +51,7 @@ inline void configure() {
     c.colsb[i] = 64;
     c.rows[i] = 16;
   }
-  // as asm with the config as a memory operand: GCC 12's _tile_loadconfig builtin does not
-  // tell the optimizer it reads `c`, whose stores were then dropped (SIGILL at the first tile op)
-  asm volatile("ldtilecfg %0" ::"m"(c));
-}
-
-// Whether Linux lets this process use the tile data (asked once; the quant kernels ask the
-// same at load, and a process may ask again): without it the first tile op is a SIGILL.
-inline bool tiles_granted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
+  load_tile_config(c);
 }
 
 struct Req {

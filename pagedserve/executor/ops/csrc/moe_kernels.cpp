@@ -30,8 +30,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PAGEDSERVE_MOE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"  // TileConfig, load_tile_config, tiles_granted
 #endif
 
 namespace {
@@ -47,7 +46,6 @@ inline void to_bf16(const float* s, at::BFloat16* o, int64_t n) {
   for (; j < n; ++j) o[j] = at::BFloat16(s[j]);
 }
 
-
 #if PAGEDSERVE_MOE_AMX
 // The AMX kernel's tiles: 0-1 A (rows 0-15, 16-31 of a 32-row block), 2-3 B (two 16-column
 // blocks), 4-7 C (float32 sums, rows 0-15 / 16-31 x columns 0-15 / 16-31).
@@ -55,26 +53,16 @@ namespace amx {
 
 constexpr int64_t AMX_CHUNK = 1024;  // rows an item runs (more rows per item: fewer reloads of its columns)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Whether Linux lets this process use the tile data (asked once, as prefill_amx.h and the quant
-// kernels do; a process may ask again): without it the first tile op is a SIGILL.
-bool tiles_granted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
 // tiles for a block of m rows (1..32)
 inline void configure(int64_t m) {
   TileConfig c;
   const uint8_t m0 = static_cast<uint8_t>(std::min<int64_t>(m, 16)), m1 = static_cast<uint8_t>(std::max<int64_t>(m - 16, 1));
   const uint8_t rows[8] = {m0, m1, 16, 16, m0, m0, m1, m1};
-  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = rows[i];
-  asm volatile("ldtilecfg %0" ::"m"(c));  // as prefill_amx.h: the builtin loses the config's stores
+  for (int i = 0; i < 8; ++i) {
+    c.colsb[i] = 64;
+    c.rows[i] = rows[i];
+  }
+  load_tile_config(c);
 }
 
 // C[m x 32] (float, ldc) = A[m x K] (lda) @ B, B two 16-column groups at b0 and b0 + K * 16
@@ -201,7 +189,7 @@ torch::Tensor experts_mm(torch::Tensor x, torch::Tensor offsets, torch::Tensor w
   for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e + 1] >= off[e], "offsets must not decrease");
   auto out = torch::empty({R, N}, x.options());
 #if PAGEDSERVE_MOE_AMX
-  if (bn == 16 && N % 32 == 0 && K % 32 == 0 && amx::tiles_granted()) {
+  if (bn == 16 && N % 32 == 0 && K % 32 == 0 && tiles_granted()) {
     amx_experts_mm(x.data_ptr<at::BFloat16>(), off, E, K, N, wp.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
     return out;
   }
@@ -281,7 +269,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this CPU's brgemm packs bf16 (AMX or AVX512-BF16 micro-kernels)");
   m.def("amx", [] {
 #if PAGEDSERVE_MOE_AMX
-    return amx::tiles_granted();
+    return tiles_granted();
 #else
     return false;
 #endif
