@@ -409,3 +409,67 @@ def test_amx_refusal_falls_back_with_a_log_line(caplog):
             kernels.set_isa("amx_bf16")
     finally:
         mod.request_amx_permission(again=True)  # the real answer again (no AMX here: unavailable)
+
+
+# ---- the AVX-512 few-row kernel on row-interleaved copies (csrc/quant_rows16.h) ----
+HAVE_AVX512 = HAVE_KERNELS and "avx512" in kernels.available_isas()
+needs_avx512 = pytest.mark.skipif(not HAVE_AVX512, reason="this CPU lacks avx512 (the interleaved kernel's ISA)")
+ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+@needs_avx512
+@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [16, 48, 160])  # one group; three (a pair and a single); ten
+def test_interleaved_few_rows_match_the_dequantized_matmul(qtype, n):
+    """Every few-row count (1-11: tiles of 1-8 rows, pairs of groups for 1-2 rows), into its
+    output columns only, within the float kernels' bound of the float64 reference."""
+    for k in (96, 576):
+        raw = random_packed(qtype, n, k, seed=n + k)
+        w = torch.from_numpy(raw)
+        wi = kernels.interleave_rows16(w, int(qtype), k)
+        assert wi is not None and wi.numel() == w.numel()  # the same bytes, rearranged
+        for m in (1, 2, 3, 4, 5, 8, 11):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
+            ref, mag = reference(x, raw, qtype, k)
+            out = torch.full((m, n + 5), 7.0)
+            kernels.gemm(x, w, int(qtype), out, 3, interleaved=wi)
+            got = out[:, 3 : 3 + n].numpy()
+            assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-6), (k, m, np.abs(got - ref).max())
+            assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)
+
+
+@needs_avx512
+@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
+def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(qtype):
+    """A k-token verification (k + 1 rows) computes what 1-row decode steps compute: each row's
+    sums are the same whatever the row count (the tiles of 1-8 rows, one or two groups)."""
+    n, k = 48, 576
+    w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
+    wi = kernels.interleave_rows16(w, int(qtype), k)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(5))
+    together = torch.zeros(11, n)
+    kernels.gemm(x, w, int(qtype), together, 0, interleaved=wi)
+    for r in (0, 4, 10):
+        for lo in {0, max(0, r - 2), r}:  # the row alone, and inside tiles of 1-3 and 5-11 rows
+            part = torch.zeros(r + 1 - lo, n)
+            kernels.gemm(x[lo : r + 1].contiguous(), w, int(qtype), part, 0, interleaved=wi)
+            assert torch.equal(part[-1], together[r]), (r, lo)
+
+
+@needs_avx512
+def test_interleaved_copies_only_where_they_apply():
+    k = 64
+    assert kernels.interleave_rows16(torch.from_numpy(random_packed(Q.Q4_1, 40, k)), int(Q.Q4_1), k) is None  # 40 rows
+    assert kernels.interleave_rows16(torch.from_numpy(random_packed(Q.Q5_0, 32, k)), int(Q.Q5_0), k) is None  # type
+    # below AVX-512 the packed rows' kernel runs even when a copy is given: its own bits
+    raw = torch.from_numpy(random_packed(Q.Q4_1, 32, k))
+    wi = kernels.interleave_rows16(raw, int(Q.Q4_1), k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(1))
+    prev = kernels.set_isa("avx2")
+    try:
+        a, b = torch.zeros(2, 32), torch.zeros(2, 32)
+        kernels.gemm(x, raw, int(Q.Q4_1), a, 0)
+        kernels.gemm(x, raw, int(Q.Q4_1), b, 0, interleaved=wi)
+        assert torch.equal(a, b)
+    finally:
+        kernels.set_isa(prev)

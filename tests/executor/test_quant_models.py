@@ -327,3 +327,53 @@ def test_float_checkpoints_run_their_linears_on_the_kernel_where_it_has_the_path
     monkeypatch.setenv("PAGEDSERVE_NO_CPP_KERNELS", "1")  # opted out: plain nn.Linear, the BLAS
     kinds = packed_modules(hf_dir, None)
     assert "Linear" in kinds and "FloatLinear" not in kinds, kinds
+
+
+HAVE_AVX512 = not WHY and "avx512" in kernels.available_isas()
+
+
+@pytest.mark.skipif(not HAVE_AVX512, reason=WHY or "this CPU lacks avx512 (the interleaved kernel's ISA)")
+def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_path, monkeypatch):
+    """A GGUF engine keeps row-interleaved copies (the AVX-512 few-row kernel's) of its
+    Q4_0 / Q4_1 / Q8_0 layers whose rows come in 16s: in float32 and bf16, not under gguf_q8
+    (integer products), not with PAGEDSERVE_CPU_ISA=avx2. A layer with three segments (Q4_1,
+    Q6_K, float rows) gives, at 1-11 rows, the packed kernels' products within float rounding."""
+    from pagedserve.executor.quant.formats import PackedWeight
+    from pagedserve.executor.quant.layers import rows16_copies
+    from tests.executor.test_quant_kernels import random_packed
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(checkpoint("llama"), str(tmp_path / "q4_1.gguf"), Q.Q4_1)
+    converted = resolve_model_path(path)
+
+    def copies(dtype, quantization=None):
+        cfg = ModelConfig.from_hf_dict(load_hf_config_dict(converted))
+        model = build_model(
+            converted, cfg, dtype, torch.device("cpu"), get_attention_backend("torch", "cpu"), quantization=quantization
+        )
+        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        fit = [m for m in layers if all(t in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and d.shape[0] % 16 == 0 for t, d, _ in m.segments)]
+        return sum(m.rows16_bytes > 0 for m in layers), len(fit)
+
+    have, fit = copies(torch.float32)
+    assert fit > 0 and have == fit
+    assert copies(torch.bfloat16)[0] == fit and copies(torch.float32, "gguf_q8")[0] == 0
+    isa = kernels.set_isa("avx2")
+    try:
+        assert copies(torch.float32)[0] == 0
+    finally:
+        kernels.set_isa(isa)
+
+    k, parts = 512, [32, 13, 5]
+    layer = QuantLinear(k, parts)
+    layer.set_part(0, PackedWeight(int(Q.Q4_1), torch.from_numpy(random_packed(Q.Q4_1, 32, k, seed=1)), (32, k)))
+    layer.set_part(1, PackedWeight(int(Q.Q6_K), torch.from_numpy(random_packed(Q.Q6_K, 13, k, seed=2)), (13, k)))
+    layer.set_part(2, torch.randn(5, k, generator=torch.Generator().manual_seed(3)) * 0.05)
+    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 4, 11)}
+    plain = {m: layer(x) for m, x in xs.items()}
+    wrapper = torch.nn.Sequential(layer)
+    assert rows16_copies(wrapper) == 1 and layer.rows16_bytes == 32 * k // 32 * 20  # the Q4_1 segment only
+    for m, x in xs.items():
+        got = layer(x)
+        torch.testing.assert_close(got, plain[m], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[:, 32:], plain[m][:, 32:])  # Q6_K and float rows: their own kernels

@@ -76,7 +76,7 @@ def build_model(
         from pagedserve.executor.loader.gguf_loader import iterate_packed_model
 
         model.load_weights(iterate_packed_model(path))
-        from pagedserve.executor.quant.layers import QuantLinear, amx_bf16_copies
+        from pagedserve.executor.quant.layers import QuantLinear, amx_bf16_copies, rows16_copies
 
         if quant == "gguf_q8":
             for mod in model.modules():
@@ -84,6 +84,7 @@ def build_model(
                     mod.act_q8 = True
         elif device.type == "cpu":
             amx_bf16_copies(model, dtype)
+            rows16_copies(model)
     else:
         model.load_weights(iterate_weights(path))
     if quant in ("int8", "int4"):
@@ -95,6 +96,10 @@ def build_model(
         for mod in model.modules():  # MoE experts (stacked tensors, not nn.Linear)
             if isinstance(mod, FusedExperts):
                 mod.quantize(QUANTIZERS[quant])
+        if device.type == "cpu":
+            from pagedserve.executor.quant.layers import rows16_copies
+
+            rows16_copies(model)
     elif quant == "none" and device.type == "cpu":
         _cpu_float_linears(model, dtype)
     return model.eval()

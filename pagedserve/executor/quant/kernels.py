@@ -21,7 +21,7 @@ from pagedserve import envs
 from pagedserve.executor.cpp_build import load_extension
 
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = ("quant_impl.h", "quant_vnni.h", "quant_bf16.h")  # included by quant_kernels.cpp; part of the build key
+_HEADERS = ("quant_impl.h", "quant_vnni.h", "quant_bf16.h", "quant_rows16.h")  # included by quant_kernels.cpp; part of the build key
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 4, "amx_bf16": 5, "amx_int8": 6}
 
 
@@ -145,10 +145,21 @@ def has_many_rows_kernel() -> bool:
     return bool(load().has_many_rows_kernel())
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, act_q8: bool = False) -> None:
+def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, act_q8: bool = False,
+         interleaved: torch.Tensor | None = None) -> None:
     """out[:, col0:col0+N] = x @ dequant(w).T; act_q8: activations quantized to int8 blocks first
-    (Q4_0 / Q4_1 / Q8_0 with fewer rows than the prefill threshold; others ignore it)."""
-    load().gemm(x, w, int(qtype), out, int(col0), bool(act_q8))
+    (Q4_0 / Q4_1 / Q8_0 with fewer rows than the prefill threshold; others ignore it);
+    interleaved: w's interleave_rows16 copy, which the few-row float products then read on
+    AVX-512 and above."""
+    load().gemm(x, w, int(qtype), out, int(col0), bool(act_q8), interleaved)
+
+
+def interleave_rows16(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
+    """Packed rows -> the copy the AVX-512 few-row kernel reads (16 rows' blocks side by side,
+    csrc/quant_rows16.h: the same bytes again), or None where it does not apply (types other
+    than Q4_0 / Q4_1 / Q8_0, rows not a multiple of 16, a CPU without AVX-512)."""
+    out = load().interleave_rows16(w, int(qtype), int(k))
+    return out if out.numel() else None
 
 
 def dequant(w: torch.Tensor, qtype: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:

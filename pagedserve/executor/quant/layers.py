@@ -29,6 +29,7 @@ class QuantLinear(nn.Module):
         self.segments: list[tuple[int, torch.Tensor, int]] = []  # (qtype, data [n, rb], first column)
         self.act_q8 = False
         self._dense: torch.Tensor | None = None  # oneDNN-packed bf16 copy (attach_bf16_copy)
+        self._rows16: list[torch.Tensor] = []  # per segment, its row-interleaved copy (attach_rows16)
         self._dense_min = 0  # x.numel() from which products run on it
 
     def set_part(self, i: int, w: PackedWeight | torch.Tensor) -> None:
@@ -64,6 +65,7 @@ class QuantLinear(nn.Module):
             [t for t, _, _ in self.segments],
             [c for _, _, c in self.segments],
             self.out_features,
+            self._rows16,
         )
         self._op = kernels.load().qlinear
         self._bias = self.bias  # a plain attribute (the Parameter, loaded in place)
@@ -83,6 +85,18 @@ class QuantLinear(nn.Module):
         self._dense = onednn_linear.pack_weight(w.to(torch.bfloat16), rows_hint=max(8, min_rows))
         self._dense_min = max(1, min_rows) * self.in_features
 
+    def attach_rows16(self) -> bool:
+        """Keep beside each Q4_0 / Q4_1 / Q8_0 segment its row-interleaved copy, which the
+        AVX-512 few-row products (decode at batch 1-11, verification rows) read at ~2x the packed
+        rows' kernel (BENCHMARKS section 39). Costs the segments' packed bytes again. False
+        (nothing kept) where no segment takes it."""
+        copies = [kernels.interleave_rows16(d, t, self.in_features) for t, d, _ in self.segments]
+        if all(c is None for c in copies):
+            return False
+        empty = torch.empty(0, dtype=torch.uint8)
+        self._rows16[:] = [empty if c is None else c for c in copies]  # the list _args holds
+        return True
+
     def packed_products(self) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
         """The bf16 copy's product (onednn_linear.warm_up), from its fewest rows."""
         return [] if self._dense is None else [(self._dense, self._bias, self._dense_min // self.in_features)]
@@ -92,8 +106,8 @@ class QuantLinear(nn.Module):
         if dense is not None and x.dtype is torch.bfloat16 and x.numel() >= self._dense_min:
             return onednn_linear.packed_linear(x, dense, self._bias)
         # one C++ call: reshape, float32 activations, every segment, bias, back to x's dtype
-        ws, types, cols, n = self._args
-        return self._op(x, ws, types, cols, n, self._bias, self.act_q8)
+        ws, types, cols, n, rows16 = self._args
+        return self._op(x, ws, types, cols, n, self._bias, self.act_q8, rows16)
 
     @property
     def packed_bytes(self) -> int:
@@ -103,6 +117,11 @@ class QuantLinear(nn.Module):
     def copy_bytes(self) -> int:
         """Bytes of the bf16 copy (0 without one)."""
         return 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
+
+    @property
+    def rows16_bytes(self) -> int:
+        """Bytes of the row-interleaved copies (0 without them)."""
+        return sum(c.numel() for c in self._rows16)
 
     def extra_repr(self) -> str:
         types = "+".join(NAMES[t] for t, _, _ in self.segments)
@@ -207,6 +226,20 @@ def amx_bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
     return n
 
 
+def rows16_copies(model: nn.Module) -> int:
+    """The packed layers (not `gguf_q8`'s act_q8 ones, whose few-row products are integer)
+    get their row-interleaved copies for the AVX-512 few-row kernel (`attach_rows16`) where
+    the kernels run on AVX-512 or above (PAGEDSERVE_CPU_ISA=avx2 and below: none). Returns how
+    many layers."""
+    if kernels.current_isa() in ("scalar", "avx2"):
+        return 0
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
+            n += mod.attach_rows16()
+    return n
+
+
 def packed_bytes(model: nn.Module) -> int:
     seen, total = set(), 0
     for mod in model.modules():
@@ -225,6 +258,7 @@ __all__ = [
     "quantize_linears",
     "use_float_kernels",
     "amx_bf16_copies",
+    "rows16_copies",
     "packed_bytes",
     "kernels",
 ]

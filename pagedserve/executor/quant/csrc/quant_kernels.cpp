@@ -166,6 +166,22 @@ using namespace avx512;
 #pragma GCC pop_options
 #endif
 
+// AVX-512: few-row products on row-interleaved Q4_0 / Q4_1 / Q8_0 weights (quant_rows16.h)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
+namespace avx512_rows16 {
+#include "quant_rows16.h"
+}  // namespace avx512_rows16
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
 // AVX512-BF16: the bf16 many-row products of bfloat16 models (quant_bf16.h)
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c"))), apply_to = function)
@@ -476,7 +492,30 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
   return out;
 }
 
-void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool act_q8) {
+// The row-interleaved copy of packed rows w (quant_rows16.h) for the AVX-512 few-row kernel, or
+// an empty tensor where it does not apply (another type, rows not a multiple of 16, no AVX-512)
+torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
+  check_packed(w, type, K);
+  const int64_t N = w.size(0);
+  if (!(type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) || N % 16 != 0 || N == 0 || !cpu_has(ISA_AVX512))
+    return torch::empty({0}, torch::kUInt8);
+  auto out = torch::empty({N * w.size(1)}, torch::kUInt8);
+#if QK_X86
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t rb = w.size(1);
+  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) { avx512_rows16::interleave16((int)type, W, rb, K, g0, g1, o); });
+#endif
+  return out;
+}
+
+static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::Tensor& w) {
+  return QK_X86 && current_isa() >= ISA_AVX512 && wi.has_value() && wi->defined() && wi->numel() == w.numel() &&
+         wi->scalar_type() == at::kByte && wi->is_contiguous();
+}
+
+void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool act_q8,
+          c10::optional<torch::Tensor> wi) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -561,6 +600,14 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   }
   // grain: at least ~64k weights per task so small layers are not split into tiny jobs
   const int64_t grain = std::max<int64_t>(1, 65536 / K);
+  if (rows16_usable(wi, w) && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
+#if QK_X86
+    const uint8_t* WI = wi->data_ptr<uint8_t>();
+    at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16),
+                     [&](int64_t g0, int64_t g1) { avx512_rows16::gemm_rows16(g, WI, g0, g1); });
+#endif
+    return;
+  }
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { isa_gemm_rows(g, n0, n1); });
 }
 
@@ -661,8 +708,9 @@ static torch::Tensor narrow_bf16(const torch::Tensor& x) {
 // (one per run of equal types) write their own output columns; optional float bias.
 torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                       const std::vector<int64_t>& cols, int64_t N, c10::optional<torch::Tensor> bias,
-                      bool act_q8) {
+                      bool act_q8, const std::vector<torch::Tensor>& wis) {
   TORCH_CHECK(ws.size() == types.size() && ws.size() == cols.size(), "segments");
+  TORCH_CHECK(wis.empty() || wis.size() == ws.size(), "wis: one interleaved copy (or an empty tensor) per segment");
   const bool flat = x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous();  // the common case
   torch::Tensor x2 = x, xb;
   if (!flat) x2 = x.reshape({-1, x.size(-1)});
@@ -681,7 +729,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
     }
     if (x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()) x2 = widen_bf16(x2);
     else if (x2.scalar_type() != at::kFloat || !x2.is_contiguous()) x2 = x2.to(at::kFloat).contiguous();
-    gemm(x2, ws[i], t, out, cols[i], act_q8);
+    gemm(x2, ws[i], t, out, cols[i], act_q8, wis.empty() ? c10::optional<torch::Tensor>() : wis[i]);
   }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   if (flat) return out;
@@ -694,9 +742,12 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x @ packed.T (+ bias), all segments", py::arg("x"), py::arg("ws"), py::arg("types"),
-        py::arg("cols"), py::arg("N"), py::arg("bias"), py::arg("act_q8") = false);
+        py::arg("cols"), py::arg("N"), py::arg("bias"), py::arg("act_q8") = false,
+        py::arg("wis") = std::vector<torch::Tensor>());
   m.def("gemm", &gemm, "out[:, col0:col0+N] = x @ dequant(w).T (packed weights)", py::arg("x"), py::arg("w"),
-        py::arg("type"), py::arg("out"), py::arg("col0"), py::arg("act_q8") = false);
+        py::arg("type"), py::arg("out"), py::arg("col0"), py::arg("act_q8") = false, py::arg("wi") = py::none());
+  m.def("interleave_rows16", &interleave_rows16, "packed rows -> the row-interleaved copy of the AVX-512 few-row kernel",
+        py::arg("w"), py::arg("type"), py::arg("K"));
   m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
         py::arg("rows") = py::none());
   m.def("gemm_bf16", &gemm_bf16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the bf16 units (vdpbf16ps, or oneDNN)",
