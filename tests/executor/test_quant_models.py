@@ -236,6 +236,7 @@ def test_amx_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, m
     assert copies(torch.bfloat16) == 0
     monkeypatch.delenv("PAGEDSERVE_NO_ONEDNN_PACK")
     monkeypatch.setattr(layers, "BF16_COPY_MIN_ROWS", 1)
+    monkeypatch.setattr(layers, "ROWS16_COPY_MIN_ROWS", 1)  # layers with interleaved copies too
     assert_same(run(path, None, "bfloat16"), run(path, "none", "bfloat16"), 1e-2)
 
 
@@ -377,3 +378,29 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
         got = layer(x)
         torch.testing.assert_close(got, plain[m], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[:, 32:], plain[m][:, 32:])  # Q6_K and float rows: their own kernels
+
+
+@pytest.mark.skipif(not HAVE_AVX512 or "avx512_bf16" not in kernels.available_isas(), reason="this CPU lacks avx512_bf16")
+def test_a_bf16_layer_with_interleaved_copies_keeps_them_up_to_8_rows():
+    """bf16 activations: a segment with an interleaved copy runs its few-row kernel up to 8
+    rows (so a verification of up to 7 tokens computes what 1-row steps do), the bf16 units
+    from 9; a segment without one from 6 (kernels.set_bf16_rows)."""
+    from pagedserve.executor.quant.formats import PackedWeight
+    from pagedserve.executor.quant.layers import rows16_copies
+    from tests.executor.test_quant_kernels import random_packed
+
+    k = 256
+    with_copy, without = QuantLinear(k, [32]), QuantLinear(k, [32])
+    for layer in (with_copy, without):
+        layer.set_part(0, PackedWeight(int(Q.Q4_1), torch.from_numpy(random_packed(Q.Q4_1, 32, k, seed=1)), (32, k)))
+    assert rows16_copies(torch.nn.Sequential(with_copy)) == 1
+    mod = kernels.load()
+    isa = kernels.set_isa("avx512_bf16")  # no AMX copies in play
+    try:
+        for layer, first_bf16 in ((with_copy, 9), (without, 6)):
+            for m in (first_bf16 - 1, first_bf16):
+                before = sum(mod.bf16_calls())
+                layer(torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16())
+                assert (sum(mod.bf16_calls()) > before) == (m == first_bf16), (first_bf16, m)
+    finally:
+        kernels.set_isa(isa)

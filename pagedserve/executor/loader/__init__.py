@@ -83,8 +83,8 @@ def build_model(
                 if isinstance(mod, QuantLinear):
                     mod.act_q8 = True
         elif device.type == "cpu":
+            rows16_copies(model)  # first: a layer with them gets its bf16 copy from more rows
             amx_bf16_copies(model, dtype)
-            rows16_copies(model)
     else:
         model.load_weights(iterate_weights(path))
     if quant in ("int8", "int4"):

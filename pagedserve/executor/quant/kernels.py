@@ -120,11 +120,11 @@ def set_q8_many_rows(m: int) -> int:
     return int(load().set_q8_many_rows(int(m)))
 
 
-def set_bf16_rows(m: int) -> int:
-    """bfloat16 models on avx512_bf16 and up: from this many activation rows (6), block-type
-    products run on the bf16 units, the weights' exact quants against the bf16 activations
-    (returns the previous value)."""
-    return int(load().set_bf16_rows(int(m)))
+def set_bf16_rows(m: int, rows16: bool = False) -> int:
+    """bfloat16 models on avx512_bf16 and up: from this many activation rows (6; rows16: for
+    segments with an interleaved copy, 9), block-type products run on the bf16 units, the
+    weights' exact quants against the bf16 activations (returns the previous value)."""
+    return int(load().set_bf16_rows(int(m), bool(rows16)))
 
 
 def set_bf16_onednn_rows(m: int, amx: bool = False) -> int:

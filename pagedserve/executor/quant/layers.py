@@ -207,6 +207,10 @@ def use_float_kernels(model: nn.Module) -> int:
 # 6, not 3: a batch-1 speculative verification of k <= 4 tokens (k + 1 rows) must compute what
 # 1-row decode steps compute (the same exact-quant kernels) for greedy outputs to stay identical.
 BF16_COPY_MIN_ROWS = 6
+# A layer whose every segment has a row-interleaved copy: its few-row kernel is faster than the
+# copy up to 8 rows (BENCHMARKS section 39; the C++ side's g_rows16_bf16_rows), and a
+# verification of k <= 7 tokens then computes what 1-row steps do.
+ROWS16_COPY_MIN_ROWS = 9
 
 
 def amx_bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
@@ -221,7 +225,8 @@ def amx_bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
-            mod.attach_bf16_copy(BF16_COPY_MIN_ROWS)
+            every = mod.rows16_bytes and all(c.numel() for c in mod._rows16)  # rows16_copies came first
+            mod.attach_bf16_copy(ROWS16_COPY_MIN_ROWS if every else BF16_COPY_MIN_ROWS)
             n += 1
     return n
 

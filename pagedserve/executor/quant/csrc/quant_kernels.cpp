@@ -322,6 +322,11 @@ static int64_t g_q8_many_rows = 6;
 // kernel, us: 4 rows 152 vs 150, 6 rows 234 vs 195, 8 rows 285 vs 197 (Q4_1 1536 x 576); the
 // kernel beat oneDNN at every shape measured, so oneDNN is off by default below AMX.
 static int64_t g_bf16_rows = 6;
+// The same threshold for a segment with a row-interleaved copy (quant_rows16.h): its few-row
+// kernel beat the bf16 units and oneDNN's tiles up to 8 rows (AMX Xeon, the default model's
+// decode steps, 6 / 8 / 9 / 10 rows: 13.6-14.1 / 16.8-17.0 / 20.9-21.1 / 21.7-22.2 ms against
+// 17.5-18.0 / 18.9-19.1 / 20.3-20.8 / 21.0-21.1 on the bf16 copies; BENCHMARKS section 39).
+static int64_t g_rows16_bf16_rows = 9;
 static int64_t g_bf16_onednn_rows = 1 << 30;
 // The AMX levels' threshold: oneDNN's tiles should win from a few dozen rows; not measured
 // (no AMX machine was at hand): set_bf16_onednn_rows(m, amx=true) tunes it there.
@@ -345,9 +350,10 @@ int64_t set_prefill_rows(int64_t m) {
   g_prefill_rows = m;
   return old;
 }
-int64_t set_bf16_rows(int64_t m) {
-  const int64_t old = g_bf16_rows;
-  g_bf16_rows = m;
+int64_t set_bf16_rows(int64_t m, bool rows16) {
+  int64_t& v = rows16 ? g_rows16_bf16_rows : g_bf16_rows;
+  const int64_t old = v;
+  v = m;
   return old;
 }
 int64_t set_bf16_onednn_rows(int64_t m, bool amx) {
@@ -715,14 +721,18 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   torch::Tensor x2 = x, xb;
   if (!flat) x2 = x.reshape({-1, x.size(-1)});
   const int64_t M = x2.size(0), K = x2.size(1);
-  // a bfloat16 model's many-row products: bf16 weights on the bf16 units (see g_bf16_rows)
-  const bool bf16 = x2.scalar_type() == at::kBFloat16 && M >= g_bf16_rows && K % 32 == 0 && bf16_products();
+  // a bfloat16 model's many-row products: bf16 weights on the bf16 units (see g_bf16_rows; a
+  // segment with an interleaved copy from g_rows16_bf16_rows rows)
+  const bool bf16 = x2.scalar_type() == at::kBFloat16 && M >= std::min(g_bf16_rows, g_rows16_bf16_rows) &&
+                    K % 32 == 0 && bf16_products();
   if (bf16) xb = x2.contiguous();
   torch::Tensor out = at::detail::empty_cpu({M, N}, at::kFloat, c10::nullopt, c10::nullopt, c10::nullopt,
                                             c10::nullopt);
   for (size_t i = 0; i < ws.size(); ++i) {
     const int64_t t = types[i];
-    if (bf16 && bf16_type(t) && !(act_q8 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0))) {
+    const bool rows16 = !wis.empty() && wis[i].numel() > 0;
+    if (bf16 && M >= (rows16 ? g_rows16_bf16_rows : g_bf16_rows) && bf16_type(t) &&
+        !(act_q8 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0))) {
       const bool onednn = M >= (current_isa() >= ISA_AMX_BF16 ? g_amx_onednn_rows : g_bf16_onednn_rows);
       gemm_bf16(xb, ws[i], t, out, cols[i], onednn);
       continue;
@@ -752,7 +762,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rows") = py::none());
   m.def("gemm_bf16", &gemm_bf16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the bf16 units (vdpbf16ps, or oneDNN)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("out"), py::arg("col0") = 0, py::arg("onednn") = false);
-  m.def("set_bf16_rows", &set_bf16_rows);
+  m.def("set_bf16_rows", &set_bf16_rows, py::arg("m"), py::arg("rows16") = false);
   m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN]");
   m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows, py::arg("m"), py::arg("amx") = false);
   m.def("set_isa", &set_isa);
