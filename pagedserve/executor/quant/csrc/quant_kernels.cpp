@@ -11,7 +11,9 @@
 //   gemm(x [M,K] f32, w uint8 [N, row_bytes], type, out [M, ldo] f32, col0)
 //       out[:, col0:col0+N] = x @ dequant(w).T
 //     few rows (M < prefill_rows): every packed row is read once for all M activation rows,
-//     OpenMP (at::parallel_for) over output rows;
+//     OpenMP (at::parallel_for) over output rows; on AVX-512 with a row-interleaved copy of
+//     Q4_0 / Q4_1 / Q8_0 rows (interleave_rows16, quant_rows16.h: 16 rows' blocks side by
+//     side) the copy's kernel instead, ~2x, over groups of 16 output rows;
 //     many rows, AVX2: chunks of output rows are dequantized into an L2-resident float buffer
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
