@@ -205,6 +205,15 @@ def test_amx_bf16_copy_layer_equals_dequantized_bf16_product():
         assert torch.equal(copied(x.float()), plain(x.float())), m  # a float32 model: never
 
 
+def quant_layers(model_dir, dtype, quantization=None) -> list[QuantLinear]:
+    """The packed layers of a CPU model built from model_dir (as the engine loads it)."""
+    cfg = ModelConfig.from_hf_dict(load_hf_config_dict(model_dir))
+    model = build_model(
+        model_dir, cfg, dtype, torch.device("cpu"), get_attention_backend("torch", "cpu"), quantization=quantization
+    )
+    return [m for m in model.modules() if isinstance(m, QuantLinear)]
+
+
 @needs_amx
 def test_amx_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monkeypatch):
     """A bf16 engine of a packed GGUF keeps bf16 copies on the AMX paths only: not in float32,
@@ -219,11 +228,7 @@ def test_amx_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, m
     converted = resolve_model_path(path)
 
     def copies(dtype, quantization=None):
-        cfg = ModelConfig.from_hf_dict(load_hf_config_dict(converted))
-        model = build_model(
-            converted, cfg, dtype, torch.device("cpu"), get_attention_backend("torch", "cpu"), quantization=quantization
-        )
-        return sum(isinstance(m, QuantLinear) and m.copy_bytes > 0 for m in model.modules())
+        return sum(m.copy_bytes > 0 for m in quant_layers(converted, dtype, quantization))
 
     assert copies(torch.bfloat16) == 4 * 2 + 1  # qkv, o, gate_up, down per layer (2 layers) + the tied head
     assert copies(torch.float32) == 0 and copies(torch.bfloat16, "gguf_q8") == 0
@@ -348,11 +353,7 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
     converted = resolve_model_path(path)
 
     def copies(dtype, quantization=None):
-        cfg = ModelConfig.from_hf_dict(load_hf_config_dict(converted))
-        model = build_model(
-            converted, cfg, dtype, torch.device("cpu"), get_attention_backend("torch", "cpu"), quantization=quantization
-        )
-        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        layers = quant_layers(converted, dtype, quantization)
         fit = [m for m in layers if all(t in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and d.shape[0] % 16 == 0 for t, d, _ in m.segments)]
         return sum(m.rows16_bytes > 0 for m in layers), len(fit)
 

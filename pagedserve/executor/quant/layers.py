@@ -119,6 +119,11 @@ class QuantLinear(nn.Module):
         return 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
 
     @property
+    def rows16_everywhere(self) -> bool:
+        """Whether every segment has its row-interleaved copy."""
+        return bool(self._rows16) and all(c.numel() for c in self._rows16)
+
+    @property
     def rows16_bytes(self) -> int:
         """Bytes of the row-interleaved copies (0 without them)."""
         return sum(c.numel() for c in self._rows16)
@@ -225,8 +230,8 @@ def amx_bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
-            every = mod.rows16_bytes and all(c.numel() for c in mod._rows16)  # rows16_copies came first
-            mod.attach_bf16_copy(ROWS16_COPY_MIN_ROWS if every else BF16_COPY_MIN_ROWS)
+            # rows16_copies came first
+            mod.attach_bf16_copy(ROWS16_COPY_MIN_ROWS if mod.rows16_everywhere else BF16_COPY_MIN_ROWS)
             n += 1
     return n
 

@@ -145,6 +145,10 @@ namespace avx512 {
 #include "quant_impl.h"
 #undef QK_ISA
 }  // namespace avx512
+// few-row products on row-interleaved Q4_0 / Q4_1 / Q8_0 weights (quant_rows16.h), same target
+namespace avx512_rows16 {
+#include "quant_rows16.h"
+}  // namespace avx512_rows16
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -162,22 +166,6 @@ namespace avx512_vnni {
 using namespace avx512;
 #include "quant_vnni.h"
 }  // namespace avx512_vnni
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-
-// AVX-512: few-row products on row-interleaved Q4_0 / Q4_1 / Q8_0 weights (quant_rows16.h)
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#endif
-namespace avx512_rows16 {
-#include "quant_rows16.h"
-}  // namespace avx512_rows16
 #if defined(__clang__)
 #pragma clang attribute pop
 #else

@@ -1,6 +1,6 @@
 // AVX-512 few-row products (decode at batch 1-11, speculative verification rows) on a
 // row-interleaved copy of Q4_0 / Q4_1 / Q8_0 weights. Included once by quant_kernels.cpp inside
-// namespace avx512_rows16 and the AVX-512 target region (the block structs, GemmArgs and the
+// namespace avx512_rows16 within the AVX-512 target region (the block structs, GemmArgs and the
 // type codes are the file's). No include guard on purpose.
 //
 // The packed rows' layout makes a few-row product horizontal: each output row is a dot product
