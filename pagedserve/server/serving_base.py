@@ -33,6 +33,10 @@ CLEANUP_KEY = "pagedserve.cleanup"  # scope key: callbacks the ASGI guard runs w
 
 
 # -- shared state of the endpoints ---------------------------------------------------------------
+
+# what a request still open at shutdown is told when an engine fault caused the shutdown
+_ABORT_MESSAGES = {"engine_dead": "the engine is not running", "engine_stalled": "the engine stalled"}
+
 class ServingContext:
     def __init__(
         self,
@@ -126,9 +130,10 @@ class ServingContext:
                 param,
             )
 
-    async def drain(self, timeout: float, grace: float = 2.0) -> None:
+    async def drain(self, timeout: float, grace: float = 2.0, error: tuple[str, str, int] | None = None) -> None:
         """Shutdown: refuse new requests, let running ones finish for `timeout` seconds,
-        then end the rest (streams get a final chunk and [DONE], others an error body)."""
+        then end the rest (streams get a final chunk and [DONE], others an error body;
+        `error`: its (type, code, status) instead of a shutdown's, RequestTracker.abort)."""
         self.draining = True
         deadline = time.monotonic() + timeout
         while self.trackers and time.monotonic() < deadline:
@@ -136,7 +141,7 @@ class ServingContext:
         if self.trackers:
             logger.info("drain window over: aborting %d requests", len(self.trackers))
         for t in list(self.trackers):
-            t.abort("server is shutting down")
+            t.abort(_ABORT_MESSAGES.get(error[1], "server is shutting down") if error else "server is shutting down", error)
         deadline = time.monotonic() + grace
         while self.trackers and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

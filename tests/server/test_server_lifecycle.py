@@ -404,3 +404,25 @@ def test_engine_death_is_visible_and_exits_the_server(checkpoint, keep_alive):
             assert not s.thread.is_alive() and s.server.engine_died
     finally:
         s.stop()
+
+
+def test_a_shutdown_for_an_engine_fault_tells_open_streams_its_code(checkpoint):
+    """The server's exit after an engine fault drains the requests still open with the fault's
+    code (engine_dead), not as a plain shutdown (which sends no error event): whichever of the
+    fault and the drain reaches a stream first, the client reads the same error. Here the drain
+    comes first by construction (the engine is alive, the server told it died)."""
+    s = Server(checkpoint("llama"), exit_on_engine_death=True)
+    try:
+        body = {"model": MODEL, "prompt": "The quick", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = []
+            for ln in r.iter_lines():
+                lines.append(ln)
+                if len(lines) == 4:
+                    s.server.exit_code = "engine_dead"
+                    s.server.engine_died = s.server.should_exit = True
+        chunks, done = read_sse(lines)
+        assert done and any("error" in c and c["error"]["code"] == "engine_dead" for c in chunks)
+        assert any(c.get("choices") and c["choices"][0]["finish_reason"] == "abort" for c in chunks)
+    finally:
+        s.stop()
