@@ -343,11 +343,18 @@ class LoRAConfig:
 
 @dataclass
 class ObservabilityConfig:
-    """The live view (`/dashboard`): the engine core publishes a snapshot of its state
-    (KV page map, queues, recent steps) at most every `snapshot_interval_ms` (0: never)."""
+    """What the engine shows of itself. The live view (`/dashboard`): the engine core
+    publishes a snapshot of its state (KV page map, queues, recent steps) at most every
+    `snapshot_interval_ms` (0: never). The step log: one line per step to `step_log`."""
 
     snapshot_interval_ms: int = setting(
         0, "publish an engine-state snapshot for /dashboard at most every N ms (0: off; serve: 250)"
+    )
+
+    step_log: str | None = setting(
+        None,
+        "append one JSON line per engine step to this file (its seconds, and each scheduled request's "
+        "lane, tokens and cached tokens): the input of `python -m pagedserve.bench.mixed_sim fit`",
     )
 
     def __post_init__(self) -> None:

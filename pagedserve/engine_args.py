@@ -125,6 +125,7 @@ class EngineArgs:
     )
     # -- observability ----------------------------------------------------------------
     snapshot_interval_ms: int = _from("observability")
+    step_log: str | None = _from("observability")
     # -- LoRA -------------------------------------------------------------------------
     enable_lora: bool = _from("lora")
     max_loras: int = _from("lora")

@@ -41,18 +41,27 @@ def make_mixed_workload(n: int, seed: int, vocab: int = 49152, long_share: float
     return work
 
 
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which the n requests are sent (Poisson at `rate`)."""
+    rng = random.Random(seed + 1)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
 async def run_mixed(url, model, work, rate: float, seed: int, slo_ttft_ms: float | None, timeout=1800) -> dict:
     import time
 
     import httpx
 
-    rng = random.Random(seed + 1)
     extra = {"slo": {"ttft_ms": slo_ttft_ms, "name": "short_chat"}} if slo_ttft_ms else None
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000)) as client:
-        t_start, t = time.perf_counter(), time.perf_counter()
+        t_start = time.perf_counter()
         tasks = []
-        for w in work:
-            t += rng.expovariate(rate)
+        for w, offset in zip(work, arrival_times(len(work), rate, seed)):
+            t = t_start + offset
             await asyncio.sleep(max(0.0, t - time.perf_counter()))
             ex = extra if w["cls"] == SHORT else None
             tasks.append(asyncio.create_task(one_request(client, url, model, w["prompt"], w["out"], t, None, ex)))

@@ -24,6 +24,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_audit import audit_idle_kv
 from pagedserve.core.kv_cache_manager import cdiv
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.step_log import StepLog
 from pagedserve.executor.executor import Executor, UniProcExecutor
 from pagedserve.executor.kv_cache import kv_cache_layout
 from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
@@ -140,6 +141,8 @@ class EngineCore:
         # The live view's step records (core/snapshot.py STEP_FIELDS), kept only when
         # snapshots are on: None costs the step one attribute test.
         self.step_records: deque | None = None
+        obs = config.observability
+        self.step_log = StepLog(obs.step_log) if obs.step_log else None  # --step-log
         self._finished_in_last_step = 0
         if config.observability.snapshot_interval_ms > 0:
             self.enable_step_records()
@@ -253,8 +256,8 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        records = self.step_records
-        t0 = time.perf_counter() if records is not None else 0.0
+        records, step_log = self.step_records, self.step_log
+        t0 = time.perf_counter() if records is not None or step_log is not None else 0.0
         self._audited = False
         if self.config.lora.enable_lora:
             self._abort_failed_loras()
@@ -269,7 +272,10 @@ class EngineCore:
                 self.kv_offload.connector.wait_for_io(0.005)  # only reads to wait for: nap, don't spin
             if self.config.lora.enable_lora:  # requests wait for adapters being read: not a busy loop
                 self.executor.wait_lora_loading(0.005)
+        log_rows = step_log.rows(so.scheduled, self.scheduler.requests) if step_log is not None and so.scheduled else None
         outputs = self.scheduler.update_from_output(so, ro)
+        if log_rows is not None:
+            step_log.write(time.perf_counter() - t0, log_rows)
         if self._loras_unloading:
             self._drop_unused_loras()
         if records is not None:
@@ -405,3 +411,5 @@ class EngineCore:
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
         self.executor.shutdown()
+        if self.step_log is not None:
+            self.step_log.close()
