@@ -99,25 +99,28 @@ class SchedulerConfig:
         "while any runs or waits; long prefills are chunked around it",
     )
     long_lane_chunk_tokens: int = setting(
-        128,
-        "length_aware: while short work runs or waits, a long request's prefill chunk per step is at most "
-        "this many tokens (it bounds the step a short request waits behind; 0: the budget share alone)",
+        384,
+        "length_aware: while short work runs or waits, long requests compute at most this many prompt "
+        "tokens per step, all together (it bounds the step a short request waits behind; 0: the budget "
+        "share alone)",
     )
     long_solo_chunk_tokens: int = setting(
         512,
-        "length_aware: with no short work waiting or running, a long request's prefill chunk per step is at "
-        "most this many tokens, so a short request arriving then waits behind one such step, not a whole "
-        "budget's; beside short work the cap is never above it either (0: the whole budget; no effect "
-        "with short_budget_share 0)",
+        "length_aware: with no short work waiting or running, long requests compute at most this many "
+        "prompt tokens per step, all together, so a short request arriving then waits behind one such "
+        "step, not a whole budget's; beside short work the cap is never above it either (0: the whole "
+        "budget; no effect with short_budget_share 0)",
     )
     long_lane_period: int = setting(
-        4,
+        20,
         "length_aware: while short work runs or waits, long prefill chunks run in at most one step of this "
         "many (the others decode without them), and not in a step that admits a short request unless twice "
         "this many have passed (0: every step)",
     )
     max_wait_s: float = setting(
-        20.0, "length_aware: a request waiting this long is admitted before every request that came after it"
+        20.0,
+        "length_aware: a request waiting this long is admitted before every request that came after it, "
+        "and its prompt's chunks no longer sit out steps for short work",
     )
     expected_output_tokens: int = setting(
         128,

@@ -151,9 +151,10 @@ class SchedulingPolicy:
     def begin_step(self, running: list[Request], budget: int) -> None:
         """Called once at the start of every schedule()."""
 
-    def prefill_cap(self, req: Request) -> int | None:
-        """The most prompt tokens `req` may compute this step (None: no cap of the policy's;
-        0: none this step)."""
+    def prefill_cap(self, req: Request, num_left: int) -> int | None:
+        """The most of its `num_left` prompt tokens `req` may compute this step (None: no
+        cap of the policy's; 0: none this step). Asked once per request and step, in the
+        order the scheduler considers them."""
         return None
 
     def may_admit(self, req: Request, num_running: int) -> bool:
@@ -184,18 +185,20 @@ class LengthAwarePolicy(SchedulingPolicy):
       3. the rest by expected work, least first: prompt tokens + expected output tokens
          (`max_tokens` when the client gave it, else OutputLengthEstimator's estimate).
     Lanes: a request whose expected work is under `short_request_tokens` is short. While
-    any short request waits or runs, a long request computes at most (1 - share) of a
-    step's token budget of prompt, and at most `long_lane_chunk_tokens` (the step a short
-    request waits behind, and decodes with, stays short), and long requests hold at most
-    (1 - share) of the running seats; with no short work they take every seat and chunks of
-    up to `long_solo_chunk_tokens` (several long prefills fill the budget; a short request
+    any short request waits or runs, long requests compute at most (1 - share) of a step's
+    token budget of prompt, and at most `long_lane_chunk_tokens`, all of them together (the
+    step a short request waits behind, and decodes with, stays short however many documents
+    are in prefill), and hold at most (1 - share) of the running seats; with no short work
+    they take every seat and up to `long_solo_chunk_tokens` a step together (a short request
     arriving then waits behind one such step, not a whole budget's; beside short work the
-    cap is never above it either). Lanes off (share 0): no cap either way. Steps, too: while
-    short work exists, long prefill chunks run in at most one step of `long_lane_period` (P;
-    the steps between decode without them, so a short request's tokens mostly come from
-    short steps), and a step whose queue starts with a short request (admitted now: this
-    step makes its first token) carries none unless 2P steps passed: a long prefill
-    advances at least once every 2P steps.
+    allowance is never above it either). The allowance goes to long prefills in the order
+    the scheduler meets them (running ones first). Lanes off (share 0): no cap either way.
+    Steps, too: while short work exists, long prefill chunks run in at most one step of
+    `long_lane_period` (P; the steps between decode without them, so a short request's
+    tokens mostly come from short steps), and a step whose queue starts with a short
+    request (admitted now: this step makes its first token) carries none unless 2P steps
+    passed: a long prefill advances at least once every 2P steps, and in every step once
+    it has waited `max_wait_s` since it arrived (the aging bound covers its first token).
     Victim: the running request whose preemption costs least, computed tokens to redo
     per expected remaining token (ties: the latest admitted).
     """
@@ -204,7 +207,8 @@ class LengthAwarePolicy(SchedulingPolicy):
         self.estimator = OutputLengthEstimator(config.expected_output_tokens)
         self.now = clock()
         self.num_short = 0  # short requests waiting or running
-        self.long_cap: int | None = None  # this step's prefill cap for long requests
+        self.long_cap: int | None = None  # this step's prompt tokens for all long requests together
+        self.long_left: int | None = None  # what is left of it while the step is scheduled
         self.long_running = 0
         self.long_yields = False  # this step: long prefill chunks wait (long_lane_period)
         self.since_long = 1 << 30  # steps since long prefill chunks last could run
@@ -238,6 +242,7 @@ class LengthAwarePolicy(SchedulingPolicy):
             self.long_cap = min(c for c in caps if c)
         elif share and solo:  # no short work: bounded chunks all the same
             self.long_cap = solo
+        self.long_left = self.long_cap
         self.long_running = sum(1 for r in running if not r.is_short)
         self.since_long += 1
         self.long_yields = self._long_yields()
@@ -252,10 +257,16 @@ class LengthAwarePolicy(SchedulingPolicy):
         head_short = len(self.waiting) > 0 and self.waiting.peek().is_short
         return self.since_long < p or (head_short and self.since_long < 2 * p)
 
-    def prefill_cap(self, req: Request) -> int | None:
+    def prefill_cap(self, req: Request, num_left: int) -> int | None:
         if req.is_short:
             return None
-        return 0 if self.long_yields else self.long_cap
+        if self.long_yields and self.now - req.arrival_time < self.config.max_wait_s:
+            return 0
+        if self.long_left is None:
+            return None
+        n = min(self.long_left, num_left)  # counted as taken even if the budget or blocks cut it
+        self.long_left -= n
+        return n
 
     def may_admit(self, req: Request, num_running: int) -> bool:
         if req.is_short or not self.num_short:

@@ -301,7 +301,7 @@ class Scheduler:
         cfg = self.config
         if cfg.long_prefill_token_threshold and num_left > cfg.long_prefill_token_threshold:
             num_left = cfg.long_prefill_token_threshold
-        cap = self.policy.prefill_cap(req)
+        cap = self.policy.prefill_cap(req, num_left)
         if cap is not None and num_left > cap and cfg.enable_chunked_prefill:
             num_left = cap
         if num_left > budget:

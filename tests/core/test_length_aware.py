@@ -114,20 +114,24 @@ def test_the_long_lane_chunk_bounds_a_long_prefill_beside_short_work():
     assert shares == {"doc": 200, "chat": 20}  # min(200, 0.5 x 2048)
 
 
-def test_alone_long_prefills_run_in_solo_chunks_that_fill_the_budget_together():
-    """With no short work a long prefill's chunk is at most long_solo_chunk_tokens, so a chat
-    turn arriving then waits behind one such step; several long prefills still fill the budget."""
+def test_the_long_lane_allowance_is_per_step_whoever_prefills():
+    """With no short work long prefills compute at most long_solo_chunk_tokens of prompt per
+    step together, so a chat turn arriving then waits behind one such step, however many
+    documents are in prefill; beside short work, long_lane_chunk_tokens together. A
+    document that needs less leaves the rest to the next one."""
     clock = Clock()
 
-    s = make(clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_solo_chunk_tokens=512)
-    s.add_request(req("doc", 4000, 10, clock))
+    s = make(
+        clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_solo_chunk_tokens=512,
+        long_lane_period=0,
+    )
+    s.add_request(req("doc", 600, 10, clock))
     assert shares(s) == {"doc": 512}
     s.add_request(req("doc2", 4000, 10, clock, base=40_000))
-    assert shares(s) == {"doc": 512, "doc2": 512}
+    s.add_request(req("doc3", 4000, 10, clock, base=45_000))
+    assert shares(s) == {"doc": 88, "doc2": 424}  # the rest of doc's prompt, then doc2; doc3 waits
     s.add_request(req("chat", 20, 30, clock, base=50_000))
-    assert shares(s) == {"chat": 20}  # short work: the lane's rules again (its first step, no doc)
-    s.abort_requests(["chat"])
-    assert shares(s) == {"doc": 512, "doc2": 512}
+    assert shares(s) == {"doc2": 200, "chat": 20}  # beside short work: 200 for all together (doc3 none)
     wide = make(
         clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=0, long_lane_period=0,
         long_solo_chunk_tokens=512,
@@ -179,6 +183,24 @@ def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_shor
     p0.schedule()
     p0.add_request(req("chat1", 20, 30, clock, base=50_000))
     assert shares(p0) == {"doc": 200, "chat1": 20}
+
+
+def test_a_long_prefill_past_the_aging_bound_runs_every_step():
+    """The period holds a document's chunks back while chat turns decode; once it has
+    waited max_wait_s since it arrived, its chunks run in every step (the aging bound
+    covers its first token, not only its admission)."""
+    clock = Clock()
+    s = make(
+        clock, budget=2048, short_request_tokens=300, long_lane_chunk_tokens=200, long_lane_period=4,
+        long_solo_chunk_tokens=0, max_wait_s=5.0,
+    )
+    s.add_request(req("doc", 4000, 10, clock))
+    s.add_request(req("chat", 20, 200, clock, base=50_000))
+    runs = ["doc" in shares(s) for _ in range(8)]
+    assert runs.count(True) == 2  # one step in four
+    clock.t += 5.0
+    assert all("doc" in shares(s) for _ in range(4))
+    assert s.requests["doc"].num_computed_tokens == 6 * 200
 
 
 def test_long_requests_hold_at_most_their_share_of_seats_while_short_work_waits():
