@@ -88,9 +88,7 @@ def simulate(cost: dict, policy: str, rate: float, num_requests: int = 200, seed
     from pagedserve.sampling_params import SamplingParams
 
     now = [0.0]
-    cfg = SchedulerConfig(
-        scheduling_policy=policy, max_num_batched_tokens=2048, max_model_len=8192, **settings
-    )
+    cfg = SchedulerConfig(**({"max_num_batched_tokens": 2048, "max_model_len": 8192} | settings | {"scheduling_policy": policy}))
     sched = Scheduler(cfg, CacheConfig(block_size=16), 5800, clock=lambda: now[0])
     work = make_mixed_workload(num_requests, seed)
     arrivals = arrival_times(num_requests, rate, seed)
@@ -107,7 +105,9 @@ def simulate(cost: dict, policy: str, rate: float, num_requests: int = 200, seed
             i += 1
         so = sched.schedule()
         if not so.scheduled:  # idle until the next arrival
-            now[0] = arrivals[i] if i < len(work) else now[0] + 0.005
+            if i == len(work):
+                raise RuntimeError("the scheduler left requests unscheduled with nothing more to arrive")
+            now[0] = arrivals[i]
             continue
         rows = [[0, len(sr.token_ids), sr.num_computed_tokens] for sr in so.scheduled]
         now[0] += step_seconds(cost, rows)
@@ -127,6 +127,8 @@ def simulate(cost: dict, policy: str, rate: float, num_requests: int = 200, seed
 
 def _setting(item: str) -> tuple[str, object]:
     key, value = item.split("=", 1)
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
     for cast in (int, float):
         try:
             return key, cast(value)

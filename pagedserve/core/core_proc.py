@@ -198,6 +198,8 @@ def _place_replica(config: EngineConfig, engine_index: int) -> None:
     torch.set_num_threads(threads or max(1, len(os.sched_getaffinity(0)) // dp))
     if engine_index > 0:  # the live view shows replica 0: the others keep no step records
         config.observability.snapshot_interval_ms = 0
+    if config.observability.step_log:  # one file per replica: two processes' lines would interleave
+        config.observability.step_log += f".dp{engine_index}"
     mc, cc = config.model, config.cache
     on_gpu = mc.device in ("auto", "cuda") and config.parallel.tensor_parallel_size == 1
     if on_gpu and torch.cuda.is_available():

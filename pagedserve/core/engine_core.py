@@ -360,6 +360,8 @@ class EngineCore:
         True when the front end should hear the stats again: the audit just failed, or the
         disk tier's I/O thread finished writes or reads after the last step's message."""
         self.executor.check_health()
+        if self.step_log is not None:
+            self.step_log.flush()
         news = self._offload_news()
         if self._audited:
             return news
@@ -404,6 +406,9 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.step_log is not None:  # first: what it holds survives a failing shutdown below
+            self.step_log.close()
+            self.step_log = None
         if self.kv_offload is not None:  # what is still cached in memory survives the restart too
             self.kv_offload.save_all_cached()
             self.kv_offload.connector.shutdown()
@@ -411,5 +416,3 @@ class EngineCore:
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
         self.executor.shutdown()
-        if self.step_log is not None:
-            self.step_log.close()

@@ -161,6 +161,11 @@ class SchedulingPolicy:
         """Whether the head of the waiting queue may take a running seat now."""
         return True
 
+    def lets_others_pass(self, req: Request) -> bool:
+        """The head of the queue is held back this step (may_admit False, or a prefill cap
+        of 0): whether the requests behind it may be admitted before it (else they wait)."""
+        return False
+
     def on_finished(self, req: Request, completed: bool) -> None:
         """A request left (completed: it stopped or reached its length; else aborted)."""
 
@@ -197,8 +202,11 @@ class LengthAwarePolicy(SchedulingPolicy):
     `long_lane_period` (P; the steps between decode without them, so a short request's
     tokens mostly come from short steps), and a step whose queue starts with a short
     request (admitted now: this step makes its first token) carries none unless 2P steps
-    passed: a long prefill advances at least once every 2P steps, and in every step once
-    it has waited `max_wait_s` since it arrived (the aging bound covers its first token).
+    passed: the long lane advances at least once every 2P steps, and a long prefill in
+    every step once it has waited `max_wait_s` since it arrived (the aging bound covers its
+    first token). A long request held back this step at the head of the queue steps aside
+    for those behind it when it is there for its TTFT deadline (short requests may follow
+    it); an overdue one, or one in its place by expected work, keeps them waiting.
     Victim: the running request whose preemption costs least, computed tokens to redo
     per expected remaining token (ties: the latest admitted).
     """
@@ -275,6 +283,10 @@ class LengthAwarePolicy(SchedulingPolicy):
             return False
         self.long_running += 1  # the scheduler admits it unless its blocks are short
         return True
+
+    def lets_others_pass(self, req: Request) -> bool:
+        # its TTFT deadline put it before requests of less work; overdue ones keep the aging order
+        return req.ttft_deadline is not None and self.now - req.arrival_time < self.config.max_wait_s
 
     def pick_victim(self, running: list[Request]) -> Request:
         def cost(i: int) -> tuple:

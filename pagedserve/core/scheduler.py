@@ -257,18 +257,30 @@ class Scheduler:
             if self.offload is not None and self._waits_for_kv(req, skipped):
                 continue
             if not self.policy.may_admit(req, len(self.running)):
+                if self._steps_aside(req, skipped):
+                    continue
                 break
             if req.lora_request is not None and not self._lora_fits(req):
                 skipped.append(self.waiting.pop())  # its adapter waits for a free slot
                 continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req) if not req.whole_prompt else ([], 0)
             num_new = self._prefill_chunk(req, req.num_tokens - num_hit, step.budget)
+            if num_new == 0 and self._steps_aside(req, skipped):
+                continue
             if not num_new or not self._admit(req, hit_blocks, num_hit, num_new, step):
                 if self.offload is not None and not self.running:  # nothing runs: no hold may block the head
                     self.offload.release_others(req)
                 break
         for req in reversed(skipped):
             self.waiting.prepend(req)
+
+    def _steps_aside(self, req: Request, skipped: list[Request]) -> bool:
+        """The policy holds the head of the queue back this step: whether it lets the
+        requests behind it go first (it leaves the head into `skipped`, keeping its place)."""
+        if not self.policy.lets_others_pass(req):
+            return False
+        skipped.append(self.waiting.pop())
+        return True
 
     def _waits_for_kv(self, req: Request, skipped: list[Request]) -> bool:
         """The disk KV tier: whether the head of the queue must wait for a read of its
@@ -302,6 +314,8 @@ class Scheduler:
         if cfg.long_prefill_token_threshold and num_left > cfg.long_prefill_token_threshold:
             num_left = cfg.long_prefill_token_threshold
         cap = self.policy.prefill_cap(req, num_left)
+        if cap == 0:
+            return 0
         if cap is not None and num_left > cap and cfg.enable_chunked_prefill:
             num_left = cap
         if num_left > budget:

@@ -5,8 +5,10 @@ it, and replays workloads through the real scheduler on that model).
 A line: `[end time (s since the epoch), seconds (schedule + forward + update),
 [[short, tokens, computed], ...]]`, one triple per scheduled request: 1 if the
 length-aware policy counts it short, the tokens it ran this step (1 for a decode), and
-its tokens already in the KV cache before the step. Written in the engine core's loop,
-buffered; a step costs one pass over its batch.
+its tokens already in the KV cache before the step (a speculative verification row counts
+its drafts among its tokens). Written in the engine core's loop, buffered (flushed when the
+engine goes idle and at shutdown); a step costs one pass over its batch. With data
+parallelism each replica writes PATH.dpN.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class StepLog:
 
     def write(self, seconds: float, rows: list[list[int]]) -> None:
         self._file.write(json.dumps([round(time.time(), 4), round(seconds, 6), rows], separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def close(self) -> None:
         self._file.close()

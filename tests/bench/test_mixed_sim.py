@@ -73,7 +73,25 @@ def test_cli_fits_then_simulates(tmp_path, capsys):
     cost = tmp_path / "cost.json"
     mixed_sim.main(["fit", str(log), "--out", str(cost)])
     capsys.readouterr()
-    mixed_sim.main(["run", "--cost", str(cost), "--rate", "0.5", "--num-requests", "20", "--set", "long_lane_period=8"])
+    sets = ["--set", "long_lane_period=8", "--set", "max_num_batched_tokens=512", "--set", "enable_chunked_prefill=true"]
+    mixed_sim.main(["run", "--cost", str(cost), "--rate", "0.5", "--num-requests", "20", *sets])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["policy"] for x in lines] == ["fcfs", "length_aware"]
-    assert all(x["completed"] == 20 and x["settings"] == {"long_lane_period": 8} for x in lines)
+    want = {"long_lane_period": 8, "max_num_batched_tokens": 512, "enable_chunked_prefill": True}
+    assert all(x["completed"] == 20 and x["settings"] == want for x in lines)
+
+
+def test_a_lone_request_is_timed_by_the_model():
+    """One request arriving alone (a short chat turn for this seed): its first token ends its
+    prefill step, each further one a decode step, each step timed by the model plus the
+    loop's overhead."""
+    cost = {"coef": TRUE, "overhead_s": 0.001}
+    load = mixed_sim.simulate(cost, "fcfs", 0.01, 1, 5)
+    (r,) = load["results"]
+    (w,) = make_mixed_workload(1, 5)
+    prompt, out = len(w["prompt"]), w["out"]
+    assert w["cls"] == "short" and prompt <= 2048
+    assert r["ttft"] == pytest.approx(mixed_sim.step_seconds(cost, [[0, prompt, 0]]))
+    decode = [mixed_sim.step_seconds(cost, [[0, 1, prompt + k]]) for k in range(out - 1)]
+    assert r["e2e"] == pytest.approx(r["ttft"] + sum(decode))
+    assert r["tpot"] == pytest.approx(sum(decode) / (out - 1))

@@ -203,6 +203,24 @@ def test_a_long_prefill_past_the_aging_bound_runs_every_step():
     assert s.requests["doc"].num_computed_tokens == 6 * 200
 
 
+def test_a_held_back_long_request_with_a_deadline_lets_short_ones_pass():
+    """A document whose TTFT deadline put it at the head of the queue, held back in a step
+    where the long lane yields, does not keep the chat turns behind it waiting."""
+    clock = Clock()
+    s = make(
+        clock, budget=2048, short_request_tokens=100, long_lane_chunk_tokens=200, long_lane_period=4,
+        long_solo_chunk_tokens=0,
+    )
+    s.add_request(req("chat0", 20, 60, clock, base=50_000))
+    assert shares(s) == {"chat0": 20}  # short work runs: the lane's period applies from here
+    s.add_request(req("doc", 3000, 10, clock, slo={"ttft_ms": 500}))
+    s.add_request(req("chat1", 20, 30, clock, base=60_000))
+    assert [r.request_id for r in s.waiting] == ["doc", "chat1"]  # the deadline first
+    assert shares(s) == {"chat1": 20}  # the doc sits this step out; chat1 does not wait for it
+    assert [r.request_id for r in s.waiting] == ["doc"]
+    assert any("doc" in shares(s) for _ in range(4))  # and runs within the period
+
+
 def test_long_requests_hold_at_most_their_share_of_seats_while_short_work_waits():
     clock = Clock()
     s = make(clock, budget=4096, seqs=4, short_budget_share=0.5, short_request_tokens=100, long_lane_period=0)

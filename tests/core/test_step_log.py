@@ -14,11 +14,11 @@ def test_an_engine_logs_every_step_it_runs(checkpoint, tmp_path):
         checkpoint("llama"), dtype="float32", num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32,
         scheduling_policy="length_aware", short_request_tokens=40, step_log=str(path),
     )
-    prompts = [[5 + i for i in range(50)], [7, 8, 9]]  # 50 tokens: two chunks of the 32-token budget
+    prompts = [[5 + i for i in range(50)], [7, 8, 9]]  # 50 tokens: chunked (budget 32, the long lane's cap)
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, ignore_eos=True))
     llm.shutdown()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert all(sec > 0 and len(row) == 3 for _, sec, rows in lines for row in rows)
+    assert all(len(row) == 3 for _, _, rows in lines for row in rows) and len(lines) >= 5
     # every token run is logged once: 53 prompt tokens and 3 decodes for each request
     assert sum(tokens for _, _, rows in lines for _, tokens, _ in rows) == 53 + 2 * 3
     decodes = [row for _, _, rows in lines for row in rows if row[1] == 1]
