@@ -65,3 +65,22 @@ def test_the_step_delay_test_hook_is_read_from_envs(monkeypatch):
         loop.input.close(0)
         loop.output.close(0)
         loop.ctx.term()
+
+
+def test_each_data_parallel_replica_writes_its_own_step_log(checkpoint, tmp_path):
+    import torch
+
+    from pagedserve.core.core_proc import _place_replica
+
+    path = str(tmp_path / "steps.jsonl")
+    threads = torch.get_num_threads()
+    try:
+        for i in (0, 1):
+            cfg = EngineArgs(
+                model=checkpoint("llama"), dtype="float32", num_kv_blocks=64, max_model_len=128,
+                data_parallel_size=2, step_log=path,
+            ).create_engine_config()
+            _place_replica(cfg, i)  # in the replica's process, before its EngineCore
+            assert cfg.observability.step_log == f"{path}.dp{i}"
+    finally:
+        torch.set_num_threads(threads)
