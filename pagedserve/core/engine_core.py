@@ -144,7 +144,7 @@ class EngineCore:
         obs = config.observability
         self.step_log = StepLog(obs.step_log) if obs.step_log else None  # --step-log
         self._finished_in_last_step = 0
-        if config.observability.snapshot_interval_ms > 0:
+        if obs.snapshot_interval_ms > 0:
             self.enable_step_records()
         self._audited = False  # the KV audit ran in this idle period
         self._offload_seen: tuple = ()  # the disk tier's counters at the last idle check

@@ -226,8 +226,12 @@ class LengthAwarePolicy(SchedulingPolicy):
     def make_queue(self):
         return LengthAwareQueue(self.key)
 
+    def overdue(self, r: Request) -> bool:
+        """It has waited max_wait_s since it arrived (the aging bound)."""
+        return self.now - r.arrival_time >= self.config.max_wait_s
+
     def key(self, r: Request) -> tuple:
-        if self.now - r.arrival_time >= self.config.max_wait_s:
+        if self.overdue(r):
             return (0, r.arrival_time, 0)
         if r.ttft_deadline is not None:
             return (1, r.ttft_deadline, r.arrival_time)
@@ -268,7 +272,7 @@ class LengthAwarePolicy(SchedulingPolicy):
     def prefill_cap(self, req: Request, num_left: int) -> int | None:
         if req.is_short:
             return None
-        if self.long_yields and self.now - req.arrival_time < self.config.max_wait_s:
+        if self.long_yields and not self.overdue(req):
             return 0
         if self.long_left is None:
             return None
@@ -286,7 +290,7 @@ class LengthAwarePolicy(SchedulingPolicy):
 
     def lets_others_pass(self, req: Request) -> bool:
         # its TTFT deadline put it before requests of less work; overdue ones keep the aging order
-        return req.ttft_deadline is not None and self.now - req.arrival_time < self.config.max_wait_s
+        return req.ttft_deadline is not None and not self.overdue(req)
 
     def pick_victim(self, running: list[Request]) -> Request:
         def cost(i: int) -> tuple:

@@ -226,20 +226,22 @@ class APIServer(uvicorn.Server):
         # process: stop, so that `serve` exits 1 and a supervisor (systemd Restart=on-failure,
         # a k8s restartPolicy) starts a fresh server. False: keep answering 503 (/health too).
         self.exit_on_engine_death = exit_on_engine_death
-        self.engine_died = False
-        self.exit_code: str | None = None  # engine_dead / engine_stalled: what requests still open are told
+        self.fault_code: str | None = None  # engine_dead / engine_stalled: why it exits, told to open requests
+
+    @property
+    def engine_died(self) -> bool:
+        """It exits for an engine fault (the process's status is then 1)."""
+        return self.fault_code is not None
 
     async def on_tick(self, counter: int) -> bool:
         llm = self.serving.llm
         if self.exit_on_engine_death and not self.should_exit and not llm.is_alive:
             logger.error("the engine core died: the server exits (status 1) for its supervisor to restart it")
-            self.engine_died = self.should_exit = True
-            self.exit_code = "engine_dead"
+            self.fault_code, self.should_exit = "engine_dead", True
         stalled = llm.stall_reason() if hasattr(llm, "stall_reason") else None  # logs when a stall starts
         if stalled is not None and self.exit_on_stall and not self.should_exit:
             logger.error("%s: the server exits (status 1, --stall-action exit)", stalled)
-            self.engine_died = self.should_exit = True
-            self.exit_code = "engine_stalled"
+            self.fault_code, self.should_exit = "engine_stalled", True
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
@@ -247,7 +249,7 @@ class APIServer(uvicorn.Server):
             server.close()  # stop accepting; uvicorn's own shutdown below closes them again (harmless)
         # after an engine fault, requests still open end with its code (whichever of the fault
         # and this drain reaches them first), not as a plain shutdown
-        error = ("server_error", self.exit_code, 503) if self.exit_code else None
+        error = ("server_error", self.fault_code, 503) if self.fault_code else None
         await self.serving.drain(0.0 if self.force_exit else self.shutdown_timeout, error=error)
         await super().shutdown(sockets)
 

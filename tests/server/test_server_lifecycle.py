@@ -378,6 +378,21 @@ def test_drain_window_then_final_chunks(guarded):
 
 
 # -- issue 17: a dead engine is visible, and the server exits for its supervisor -------------------
+STREAM_BODY = {"model": MODEL, "prompt": "The quick", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+
+def stream_then(s, act) -> list:
+    """A long streamed completion on server `s`; `act()` runs once 4 lines have arrived;
+    the stream's chunks (and whether [DONE] came) once it ends."""
+    with httpx.stream("POST", s.url + "/v1/completions", json=STREAM_BODY, timeout=30) as r:
+        lines = []
+        for ln in r.iter_lines():
+            lines.append(ln)
+            if len(lines) == 4:
+                act()
+    return read_sse(lines)
+
+
 @pytest.mark.parametrize("keep_alive", [False, True], ids=["exits", "keep_alive"])
 def test_engine_death_is_visible_and_exits_the_server(checkpoint, keep_alive):
     """An executor fault (here: the core process killed) fails in-flight requests with a
@@ -385,18 +400,11 @@ def test_engine_death_is_visible_and_exits_the_server(checkpoint, keep_alive):
     k8s to restart it); with --keep-alive-on-engine-death it keeps answering 503."""
     s = Server(checkpoint("llama"), exit_on_engine_death=not keep_alive)
     try:
-        body = {"model": MODEL, "prompt": "The quick", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
-            lines = []
-            for ln in r.iter_lines():
-                lines.append(ln)
-                if len(lines) == 4:
-                    os.kill(s.async_llm.handle.process.pid, signal.SIGKILL)
-        chunks, done = read_sse(lines)
+        chunks, done = stream_then(s, lambda: os.kill(s.async_llm.handle.process.pid, signal.SIGKILL))
         assert done and any("error" in c and c["error"]["code"] == "engine_dead" for c in chunks)
         if keep_alive:
             assert httpx.get(s.url + "/health").status_code == 503
-            r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+            r = httpx.post(s.url + "/v1/completions", json={**STREAM_BODY, "stream": False}, timeout=10)
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
             assert s.thread.is_alive()
         else:
@@ -412,16 +420,12 @@ def test_a_shutdown_for_an_engine_fault_tells_open_streams_its_code(checkpoint):
     fault and the drain reaches a stream first, the client reads the same error. Here the drain
     comes first by construction (the engine is alive, the server told it died)."""
     s = Server(checkpoint("llama"), exit_on_engine_death=True)
+
+    def fault():  # what on_tick does when it finds the engine dead
+        s.server.fault_code, s.server.should_exit = "engine_dead", True
+
     try:
-        body = {"model": MODEL, "prompt": "The quick", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
-            lines = []
-            for ln in r.iter_lines():
-                lines.append(ln)
-                if len(lines) == 4:
-                    s.server.exit_code = "engine_dead"
-                    s.server.engine_died = s.server.should_exit = True
-        chunks, done = read_sse(lines)
+        chunks, done = stream_then(s, fault)
         assert done and any("error" in c and c["error"]["code"] == "engine_dead" for c in chunks)
         assert any(c.get("choices") and c["choices"][0]["finish_reason"] == "abort" for c in chunks)
     finally:

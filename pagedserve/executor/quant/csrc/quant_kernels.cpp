@@ -488,12 +488,15 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
   return out;
 }
 
+// The types quant_rows16.h's kernel reads
+static bool rows16_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+
 // The row-interleaved copy of packed rows w (quant_rows16.h) for the AVX-512 few-row kernel, or
 // an empty tensor where it does not apply (another type, rows not a multiple of 16, no AVX-512)
 torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
   check_packed(w, type, K);
   const int64_t N = w.size(0);
-  if (!(type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0) || N % 16 != 0 || N == 0 || !cpu_has(ISA_AVX512))
+  if (!rows16_type(type) || N % 16 != 0 || N == 0 || !cpu_has(ISA_AVX512))
     return torch::empty({0}, torch::kUInt8);
   auto out = torch::empty({N * w.size(1)}, torch::kUInt8);
 #if QK_X86
@@ -505,8 +508,8 @@ torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
   return out;
 }
 
-static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::Tensor& w) {
-  return QK_X86 && current_isa() >= ISA_AVX512 && wi.has_value() && wi->defined() && wi->numel() == w.numel() &&
+static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::Tensor& w, int64_t type) {
+  return QK_X86 && current_isa() >= ISA_AVX512 && rows16_type(type) && wi.has_value() && wi->defined() && wi->numel() == w.numel() &&
          wi->scalar_type() == at::kByte && wi->is_contiguous();
 }
 
@@ -596,7 +599,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   }
   // grain: at least ~64k weights per task so small layers are not split into tiny jobs
   const int64_t grain = std::max<int64_t>(1, 65536 / K);
-  if (rows16_usable(wi, w) && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
+  if (rows16_usable(wi, w, type)) {
 #if QK_X86
     const uint8_t* WI = wi->data_ptr<uint8_t>();
     at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16),
