@@ -31,14 +31,17 @@ def timed(run, iters: int) -> float:
     return (time.perf_counter() - t) / iters
 
 
-def pagedserve_run(rows: int, ctx: int, bs: int):
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def pagedserve_run(rows: int, ctx: int, bs: int, kv_dtype: str = "bfloat16"):
     from pagedserve.executor.attention import cpu_kernels
 
     cpp = cpu_kernels.load()
     nb_per = -(-ctx // bs)
     nblocks = rows * nb_per + 8
-    kc = [torch.randn(nblocks, bs, KVH, D).bfloat16() for _ in range(LAYERS)]
-    vc = [torch.randn(nblocks, bs, KVH, D).bfloat16() for _ in range(LAYERS)]
+    kc = [torch.randn(nblocks, bs, KVH, D).to(KV_DTYPES[kv_dtype]) for _ in range(LAYERS)]
+    vc = [torch.randn(nblocks, bs, KVH, D).to(KV_DTYPES[kv_dtype]) for _ in range(LAYERS)]
     bt = (torch.randperm(nblocks - 1)[: rows * nb_per] + 1).view(rows, nb_per).long()
     sl = torch.full((rows,), ctx, dtype=torch.int64)
     q = torch.randn(rows, H, D).bfloat16()
@@ -74,15 +77,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--block-size", type=int, default=None, help="default: 16 (pagedserve), 128 (vLLM)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bfloat16", help="pagedserve's cache dtype")
     ap.add_argument("--engine", choices=["pagedserve", "vllm"], default="pagedserve")
     ap.add_argument("--with-vllm", action="store_true", help="then vLLM's kernel, under the anchors' venv")
     a = ap.parse_args()
     torch.manual_seed(0)
     bs = a.block_size or (16 if a.engine == "pagedserve" else 128)
-    make = pagedserve_run if a.engine == "pagedserve" else vllm_run
-    dt = timed(make(a.rows, a.context, bs), a.iters)
-    kv_bytes = LAYERS * a.rows * a.context * KVH * D * 2 * 2
+    if a.engine == "pagedserve":
+        run, elem = pagedserve_run(a.rows, a.context, bs, a.kv_dtype), KV_DTYPES[a.kv_dtype].itemsize
+    else:
+        run, elem = vllm_run(a.rows, a.context, bs), 2
+    dt = timed(run, a.iters)
+    kv_bytes = LAYERS * a.rows * a.context * KVH * D * 2 * elem
     print(json.dumps({"engine": a.engine, "rows": a.rows, "context": a.context, "block_size": bs,
+                      "kv_dtype": a.kv_dtype if a.engine == "pagedserve" else "bfloat16",
                       "ms_30_layers": round(dt * 1e3, 2), "kv_gb_s": round(kv_bytes / dt / 1e9, 1),
                       "threads": torch.get_num_threads()}), flush=True)
     if a.with_vllm:

@@ -38,7 +38,7 @@ def test_cpp_decode_matches_reference(dtype, tol, bs, heads, kv_heads, d):
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 2, 40), (2, 1, 12)])
 def test_cpp_decode_narrow_kv_cache(kv_dtype, q_dtype, tol, lens, heads, kv_heads, d):
     """kv_cache_dtype float16 / bfloat16 / fp8: the kernel converts K/V as it reads them
-    (AVX2 + F16C path for float32 q, the portable one otherwise) and matches the reference
+    (16-wide on AVX-512, else AVX2 + F16C, else the portable path) and matches the reference
     over the same stored values (gathered, converted to q's dtype, SDPA). V at a small scale
     puts float8 subnormals among the values."""
     g = torch.Generator().manual_seed(len(lens) + heads + d)
@@ -58,7 +58,7 @@ def test_cpp_decode_narrow_kv_cache(kv_dtype, q_dtype, tol, lens, heads, kv_head
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])  # AVX2 conversion; portable
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])  # every vector path's conversion
 def test_cpp_decode_reads_every_float8_value_exactly(kv_dtype, q_dtype):
     """One token of context: the output is its V row, so it must equal torch's conversion of
     every float8 byte (subnormals, zeros of both signs, the largest values) to the bit. NaN
@@ -408,7 +408,7 @@ def test_amx_route_conditions_and_the_sdpa_fallback(monkeypatch):
 
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_bf16_decode_row_same_bits_alone_or_among_others(kv_dtype):
     """bfloat16 queries: a row's attention is the same bits whether it is a batch-1 step (a
     single row, which float32 splits over the threads) or one of many rows (speculative

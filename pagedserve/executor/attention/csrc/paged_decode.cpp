@@ -250,7 +250,7 @@ static void attend_avx2(const float* qf, const KV* const* krows, const KV* const
 
 #if defined(__AVX512F__)
 // The same attend on 16-wide registers (this module is built for the machine's CPU), for
-// float32 / bfloat16 / float16 K/V and head sizes that are multiples of 64. Scores: eight
+// float32 / bfloat16 / float16 / float8 K/V and head sizes that are multiples of 64. Scores: eight
 // tokens' K rows at a time against the G query heads (24 accumulators), eight dot products
 // reduced together (hsum8x16); P.V: each V row is read and converted once for the G heads
 // (the AVX2 path reads it once per head). Measured on an AMX Xeon (BENCHMARKS section 33).
@@ -262,8 +262,29 @@ static inline __m512 load16(const at::BFloat16* p) {
 static inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// float8: the AVX2 path's exact conversions (load8), 16 bytes at a time (e4m3fn reads as the
+// value / 256: kv_unit, folded into the scaled query and applied to the output, scale_out16)
+static inline __m256i fp8_to_f16_bits(const void* p) {  // each byte in the high half of a 16-bit lane
+  return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+}
+static inline __m512 load16(const c10::Float8_e5m2* p) { return _mm512_cvtph_ps(fp8_to_f16_bits(p)); }
+static inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(fp8_to_f16_bits(p), 1), _mm256_set1_epi16((short)0xBFFF)));
+}
 template <typename KV>
-constexpr bool avx512_kv = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Half>;
+constexpr bool avx512_kv = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> ||
+                           std::is_same_v<KV, at::Half> || std::is_same_v<KV, c10::Float8_e4m3fn> ||
+                           std::is_same_v<KV, c10::Float8_e5m2>;
+
+// out[r * stride + x] *= kv_unit<KV> for r < rows, x < d (nothing unless KV is float8 e4m3fn)
+template <typename KV>
+static inline void scale_out16(float* out, int64_t rows, int64_t stride, int64_t d) {
+  if constexpr (kv_unit<KV> != 1.f) {
+    const __m512 u = _mm512_set1_ps(kv_unit<KV>);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t x = 0; x < d; x += 16) _mm512_storeu_ps(out + r * stride + x, _mm512_mul_ps(_mm512_loadu_ps(out + r * stride + x), u));
+  }
+}
 
 // f(std::integral_constant<int, G>{}) for a group of gn (1 to 3) query heads: the kernels'
 // head count as a compile-time constant
@@ -381,7 +402,7 @@ static void pv_avx512(const float* sc, int64_t ld, int64_t L, const KV* const* v
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + gi * ostride + c0 + 16 * c, acc[gi][c]);
 }
 
-// attend_avx2's contract; KV float32 / bfloat16 / float16, d % 64 == 0. row_tail: elements
+// attend_avx2's contract; KV float32 / bfloat16 / float16 / float8, d % 64 == 0. row_tail: elements
 // from a head's K/V slice to the end of its token's row (the first KV head's job prefetches
 // the whole rows, so the jobs of the other heads, which follow on the same thread, find them
 // in cache: the rows of one block are then read in order)
@@ -409,6 +430,7 @@ static void attend_avx512(const float* qf, const KV* const* krows, const KV* con
       with_heads(gn, [&](auto G) { pv_avx512<decltype(G)::value>(scores + g0 * L, L, L, vrows, 0, c0, o, ostride, pfn, L, false); });
     }
   }
+  scale_out16<KV>(out, g, ostride, d);
 }
 
 // One sequence, every KV head: krows[t] / vrows[t] point at token t's whole K / V row
@@ -449,6 +471,7 @@ static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV*
         }
       }
   }
+  scale_out16<KV>(out, kvh * g, d, d);
 }
 
 // decode_avx2 without split contexts, one job per sequence (attend_seq_avx512)
