@@ -144,8 +144,9 @@ def test_bf16_model_products_on_bf16_units(checkpoint, tmp_path, monkeypatch, qt
     takes them."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(checkpoint("llama"), str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    monkeypatch.setenv("PAGEDSERVE_NO_ONEDNN_PACK", "1")  # the kernel, not the bf16 copies
     mod = kernels.load()
-    old, isa = kernels.set_bf16_rows(10**9), kernels.set_isa("avx512_bf16")  # the kernel, not AMX's copies
+    old, isa = kernels.set_bf16_rows(10**9), kernels.set_isa("avx512_bf16")
     try:
         ref = run(path, None, "bfloat16")
         kernels.set_bf16_rows(6)
@@ -166,12 +167,12 @@ def test_bf16_model_products_on_bf16_units(checkpoint, tmp_path, monkeypatch, qt
         kernels.set_isa(isa)
 
 
-HAVE_AMX = not WHY and any(i.startswith("amx") for i in kernels.available_isas())
-needs_amx = pytest.mark.skipif(not HAVE_AMX, reason=WHY or "this CPU lacks AMX tiles (or Linux refused them)")
+HAVE_BF16 = not WHY and "avx512_bf16" in kernels.available_isas()
+needs_native_bf16 = pytest.mark.skipif(not HAVE_BF16, reason=WHY or "this CPU lacks AVX512-BF16 (bf16 copies need native bf16)")
 
 
-@needs_amx
-def test_amx_bf16_copy_layer_equals_dequantized_bf16_product():
+@needs_native_bf16
+def test_bf16_copy_layer_equals_dequantized_bf16_product():
     """QuantLinear.attach_bf16_copy: from its row threshold a bf16 product is x @ the weight
     dequantized and rounded once to bf16 (+ bias), up to the bf16 output's rounding; below it
     the packed kernels' result to the bit; float32 activations never take it. Three segments
@@ -214,13 +215,13 @@ def quant_layers(model_dir, dtype, quantization=None) -> list[QuantLinear]:
     return [m for m in model.modules() if isinstance(m, QuantLinear)]
 
 
-@needs_amx
-def test_amx_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monkeypatch):
-    """A bf16 engine of a packed GGUF keeps bf16 copies on the AMX paths only: not in float32,
-    not under gguf_q8 (its integer numerics), not with PAGEDSERVE_CPU_ISA below AMX, not with
-    PAGEDSERVE_NO_ONEDNN_PACK=1. With copies for every row count its greedy tokens are those of
-    the dequantized bf16 model (quantization="none": the same bf16 weights on oneDNN), logits
-    within 1% of the largest."""
+@needs_native_bf16
+def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monkeypatch):
+    """A bf16 engine of a packed GGUF keeps bf16 copies on the native-bf16 paths only
+    (avx512_bf16 and the AMX ones): not in float32, not under gguf_q8 (its integer numerics),
+    not with PAGEDSERVE_CPU_ISA below avx512_bf16, not with PAGEDSERVE_NO_ONEDNN_PACK=1. With
+    copies for every row count its greedy tokens are those of the dequantized bf16 model
+    (quantization="none": the same bf16 weights on oneDNN), logits within 1% of the largest."""
     from pagedserve.executor.quant import layers
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
@@ -230,11 +231,14 @@ def test_amx_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, m
     def copies(dtype, quantization=None):
         return sum(m.copy_bytes > 0 for m in quant_layers(converted, dtype, quantization))
 
-    assert copies(torch.bfloat16) == 4 * 2 + 1  # qkv, o, gate_up, down per layer (2 layers) + the tied head
+    per_model = 4 * 2 + 1  # qkv, o, gate_up, down per layer (2 layers) + the tied head
+    assert copies(torch.bfloat16) == per_model
     assert copies(torch.float32) == 0 and copies(torch.bfloat16, "gguf_q8") == 0
-    isa = kernels.set_isa("avx512_bf16")
+    isa = kernels.set_isa("avx512_vnni")
     try:
         assert copies(torch.bfloat16) == 0
+        kernels.set_isa("avx512_bf16")
+        assert copies(torch.bfloat16) == per_model
     finally:
         kernels.set_isa(isa)
     monkeypatch.setenv("PAGEDSERVE_NO_ONEDNN_PACK", "1")

@@ -76,7 +76,7 @@ def build_model(
         from pagedserve.executor.loader.gguf_loader import iterate_packed_model
 
         model.load_weights(iterate_packed_model(path))
-        from pagedserve.executor.quant.layers import QuantLinear, amx_bf16_copies, rows16_copies
+        from pagedserve.executor.quant.layers import QuantLinear, bf16_copies, rows16_copies
 
         if quant == "gguf_q8":
             for mod in model.modules():
@@ -84,7 +84,7 @@ def build_model(
                     mod.act_q8 = True
         elif device.type == "cpu":
             rows16_copies(model)  # first: a layer with them gets its bf16 copy from more rows
-            amx_bf16_copies(model, dtype)
+            bf16_copies(model, dtype)
     else:
         model.load_weights(iterate_weights(path))
     if quant in ("int8", "int4"):

@@ -218,14 +218,23 @@ BF16_COPY_MIN_ROWS = 6
 ROWS16_COPY_MIN_ROWS = 9
 
 
-def amx_bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
+# The kernel paths on which a bfloat16 engine keeps the copies: oneDNN runs bf16 natively there
+# (AMX tiles; vdpbf16ps on AVX512-BF16 CPUs without them, e.g. Zen 4, where its prepacked
+# products beat the packed blocks' bf16 kernel 1.3-1.8x from 16 rows: BENCHMARKS section 41)
+BF16_COPY_ISAS = ("avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
     """A bfloat16 model's packed layers get a oneDNN-packed bf16 copy of their weights
-    (`QuantLinear.attach_bf16_copy`) where the kernels run on AMX tiles (the amx_* paths,
-    so PAGEDSERVE_CPU_ISA=avx512_bf16 and below keep the packed kernels alone) and oneDNN
-    packs bf16 here (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off). On AMX oneDNN's tiles run
-    these products 2-10x faster than any of the packed kernels (BENCHMARKS section 33). Not
-    with `gguf_q8` (act_q8 layers keep its integer numerics). Returns how many layers."""
-    if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16) or not kernels.amx_in_use():
+    (`QuantLinear.attach_bf16_copy`) where the kernels run on a native-bf16 path
+    (BF16_COPY_ISAS, so PAGEDSERVE_CPU_ISA=avx512_vnni and below keep the packed kernels
+    alone) and oneDNN packs bf16 here (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off). On AMX
+    oneDNN's tiles run these products 2-10x faster than any of the packed kernels (BENCHMARKS
+    section 33). Not with `gguf_q8` (act_q8 layers keep its integer numerics). Returns how
+    many layers."""
+    if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16):
+        return 0
+    if kernels.try_load() is None or kernels.current_isa() not in BF16_COPY_ISAS:
         return 0
     n = 0
     for mod in model.modules():
@@ -267,7 +276,7 @@ __all__ = [
     "QuantEmbedding",
     "quantize_linears",
     "use_float_kernels",
-    "amx_bf16_copies",
+    "bf16_copies",
     "rows16_copies",
     "packed_bytes",
     "kernels",
