@@ -11,6 +11,7 @@ rendered by transformers, off the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 
@@ -84,7 +85,10 @@ async def render_request_template(
     try:
         out, _ = await asyncio.wait_for(proc.communicate(payload), timeout)
     except (asyncio.TimeoutError, asyncio.CancelledError) as e:
-        proc.kill()
+        # the child may have just died of its own CPU limit (which equals the timeout):
+        # killing an exited process raises ProcessLookupError
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
         await proc.wait()
         if isinstance(e, asyncio.CancelledError):
             raise

@@ -179,6 +179,34 @@ def test_request_chat_templates_render_sandboxed_and_errors_name_the_param():
         asyncio.run(render_request_template("{{ ''.__class__.__mro__ }}", msgs, True, {}))
 
 
+def test_request_template_timeout_when_the_child_died_of_its_cpu_limit_meanwhile(monkeypatch):
+    """The wall-clock timeout and the child's CPU limit are the same seconds: when the child
+    exits of its limit just as the timeout fires, killing it raises ProcessLookupError. The
+    answer must still be the timeout's 400 naming chat_template (it once surfaced as an
+    empty-message error naming messages)."""
+    from pagedserve.server import chat_template
+
+    class ExitedChild:
+        returncode = -9
+
+        async def communicate(self, payload):
+            await asyncio.sleep(10)
+
+        def kill(self):
+            raise ProcessLookupError
+
+        async def wait(self):
+            return self.returncode
+
+    async def spawn(*args, **kwargs):
+        return ExitedChild()
+
+    monkeypatch.setattr(chat_template.asyncio, "create_subprocess_exec", spawn)
+    with pytest.raises(InvalidRequestError, match="longer than") as e:
+        asyncio.run(chat_template.render_request_template("x", [], True, {}, timeout=0.05))
+    assert e.value.param == "chat_template"
+
+
 def test_server_flags_come_from_server_config():
     import argparse
     import dataclasses
