@@ -104,8 +104,15 @@ def current_isa() -> str:
 def amx_in_use() -> bool:
     """Whether the kernels run on an AMX path now (the CPU has the tiles, Linux granted them,
     and neither PAGEDSERVE_CPU_ISA nor set_isa chose a path below); False without the kernels.
-    The one answer the AMX-only routes read (the bf16 copies, the prefill attention tiles)."""
+    The one answer the AMX-only routes read (the prefill attention tiles, MoE's tile kernel)."""
     return try_load() is not None and current_isa().startswith("amx")
+
+
+def native_bf16_in_use() -> bool:
+    """Whether the kernels run on a path whose CPU computes bf16 natively now (avx512_bf16 or
+    an AMX one; PAGEDSERVE_CPU_ISA / set_isa below it: no); False without the kernels. The
+    answer the bf16 copies of packed weights read (quant/layers.py)."""
+    return try_load() is not None and ISAS[current_isa()] >= ISAS["avx512_bf16"]
 
 
 def set_prefill_rows(m: int) -> int:

@@ -218,23 +218,16 @@ BF16_COPY_MIN_ROWS = 6
 ROWS16_COPY_MIN_ROWS = 9
 
 
-# The kernel paths on which a bfloat16 engine keeps the copies: oneDNN runs bf16 natively there
-# (AMX tiles; vdpbf16ps on AVX512-BF16 CPUs without them, e.g. Zen 4, where its prepacked
-# products beat the packed blocks' bf16 kernel 1.3-1.8x from 16 rows: BENCHMARKS section 41)
-BF16_COPY_ISAS = ("avx512_bf16", "amx_bf16", "amx_int8")
-
-
 def bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
     """A bfloat16 model's packed layers get a oneDNN-packed bf16 copy of their weights
     (`QuantLinear.attach_bf16_copy`) where the kernels run on a native-bf16 path
-    (BF16_COPY_ISAS, so PAGEDSERVE_CPU_ISA=avx512_vnni and below keep the packed kernels
-    alone) and oneDNN packs bf16 here (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off). On AMX
-    oneDNN's tiles run these products 2-10x faster than any of the packed kernels (BENCHMARKS
-    section 33). Not with `gguf_q8` (act_q8 layers keep its integer numerics). Returns how
-    many layers."""
-    if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16):
-        return 0
-    if kernels.try_load() is None or kernels.current_isa() not in BF16_COPY_ISAS:
+    (kernels.native_bf16_in_use: avx512_bf16 and the AMX ones, so PAGEDSERVE_CPU_ISA=avx512_vnni
+    and below keep the packed kernels alone) and oneDNN packs bf16 here
+    (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off). oneDNN's tiles run these products 2-10x faster
+    than any of the packed kernels on AMX (BENCHMARKS section 33), its vdpbf16ps products
+    1.3-1.8x from 16 rows on a Zen 4 (section 41). Not with `gguf_q8` (act_q8 layers keep its
+    integer numerics). Returns how many layers."""
+    if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16) or not kernels.native_bf16_in_use():
         return 0
     n = 0
     for mod in model.modules():

@@ -271,10 +271,7 @@ static inline __m512 load16(const c10::Float8_e5m2* p) { return _mm512_cvtph_ps(
 static inline __m512 load16(const c10::Float8_e4m3fn* p) {
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(fp8_to_f16_bits(p), 1), _mm256_set1_epi16((short)0xBFFF)));
 }
-template <typename KV>
-constexpr bool avx512_kv = std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16> ||
-                           std::is_same_v<KV, at::Half> || std::is_same_v<KV, c10::Float8_e4m3fn> ||
-                           std::is_same_v<KV, c10::Float8_e5m2>;
+// (every K/V type the kernel takes has a load16: the 16-wide paths need no type test)
 
 // out[r * stride + x] *= kv_unit<KV> for r < rows, x < d (nothing unless KV is float8 e4m3fn)
 template <typename KV>
@@ -510,10 +507,8 @@ static inline void attend_cpu(const float* qf, const KV* const* krows, const KV*
                               int64_t d, float* scores, float* out, int64_t ostride, float* part_m, float* part_l,
                               float softcap, int64_t row_tail) {
 #if defined(__AVX512F__)
-  if constexpr (avx512_kv<KV>) {
-    if (d % 64 == 0)
-      return attend_avx512(qf, krows, vrows, L, g, d, scores, out, ostride, part_m, part_l, softcap, row_tail);
-  }
+  if (d % 64 == 0)
+    return attend_avx512(qf, krows, vrows, L, g, d, scores, out, ostride, part_m, part_l, softcap, row_tail);
 #else
   (void)row_tail;
 #endif
@@ -543,11 +538,9 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
   const int64_t per_job = std::max<int64_t>(1, total / std::max<int64_t>(n, 1) / S) * g * d * 2;
   const int64_t grain = S > 1 ? 1 : std::max<int64_t>(1, (int64_t(1) << 20) / per_job);
 #if defined(__AVX512F__)
-  if constexpr (avx512_kv<KV>) {
-    if (S == 1 && d % 64 == 0 && n >= 2 * nthr)  // enough sequences for the threads: one job each
-      return decode_seq_avx512(q, qs, kc, vc, bt, seq_lens, out, n, h, kvh, d, bs, max_blocks, scale, window, softcap,
-                               std::max<int64_t>(1, grain / kvh));
-  }
+  if (S == 1 && d % 64 == 0 && n >= 2 * nthr)  // enough sequences for the threads: one job each
+    return decode_seq_avx512(q, qs, kc, vc, bt, seq_lens, out, n, h, kvh, d, bs, max_blocks, scale, window, softcap,
+                             std::max<int64_t>(1, grain / kvh));
 #endif
   // split parts: unnormalized outputs [n, kvh, S, g, d] and their (max, sum) [n, kvh, S, g]
   std::vector<float> part_o(S > 1 ? n * kvh * S * g * d : 0), part_m(S > 1 ? n * kvh * S * g : 0),

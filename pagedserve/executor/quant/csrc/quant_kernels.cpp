@@ -310,7 +310,8 @@ static int64_t g_q8_many_rows = 6;
 // oneDNN through at::mm (AMX tiles where the CPU has them), below it the vdpbf16ps kernel.
 // Measured on a Zen 4 (avx512_bf16, one thread, hot cache), float few-row kernel vs the bf16
 // kernel, us: 4 rows 152 vs 150, 6 rows 234 vs 195, 8 rows 285 vs 197 (Q4_1 1536 x 576); the
-// kernel beat oneDNN at every shape measured, so oneDNN is off by default below AMX.
+// kernel beat oneDNN at every shape measured, so oneDNN is off by default below AMX. (Prepacked
+// bf16 copies do beat it there from 16 rows: quant/layers.py's bf16_copies, BENCHMARKS section 41.)
 static int64_t g_bf16_rows = 6;
 // The same threshold for a segment with a row-interleaved copy (quant_rows16.h): its few-row
 // kernel beat the bf16 units and oneDNN's tiles up to 8 rows (AMX Xeon, the default model's
