@@ -189,56 +189,93 @@ def test_cpp_decode_sliding_window_and_softcap(dtype, tol, window, softcap, head
             assert (full.float() - ref.float()).abs().max().item() > tol  # the window matters
 
 
+def _paged_case(reqs, heads, kv_heads, d, bs, dtype, g):
+    """Random inputs for a paged prefill kernel: q as strided views of fused QKV rows with
+    gaps between the requests' rows, K/V caches with each request's blocks scattered:
+    (q, kc, vc, starts, block table, blocks per request, T)."""
+    starts, t = [], 2
+    for _, n in reqs:
+        starts.append(t)
+        t += n + 3  # gaps: rows the kernel must leave alone
+    blocks = [-(-(c + n) // bs) for c, n in reqs]
+    nb = sum(blocks) + 1
+    kc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype)
+    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    bt = torch.zeros(len(reqs), max(blocks), dtype=torch.int64)
+    for r, n in enumerate(blocks):
+        bt[r, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    return qkv[:, : heads * d].view(t, heads, d), kc, vc, starts, bt, blocks, t
+
+
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("bs", [16, 5])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prefill_causal_kernel_matches_float64_sdpa(dtype, heads, kv_heads, d, threads):
-    """Fresh prompts (lengths around the kernel's 16-row and 16-key blocks), q/k/v as strided
-    views of one fused QKV row: each within the error of SDPA in the same dtype, against SDPA
-    in float64; rows outside the listed sequences untouched."""
-    g = torch.Generator().manual_seed(heads * d + threads)
-    lens = [1, 15, 16, 17, 33, 70]
-    starts = [3]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n + 2)  # gaps: rows the kernel must leave alone
-    t = starts[-1] + lens[-1] + 1
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
-    q = qkv[:, : heads * d].view(t, heads, d)
-    k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
-    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+def test_prefill_paged_kernel_matches_float64_sdpa(dtype, heads, kv_heads, d, bs, threads):
+    """Prefill chunks through csrc/prefill_paged.h: fresh prompts and chunks after cached
+    context (query and key counts around the kernel's 16-row and 16-key blocks), K/V read
+    from a paged cache with scattered blocks of any size: each within the error of SDPA in
+    the same dtype, against SDPA in float64; rows outside the listed requests untouched."""
+    g = torch.Generator().manual_seed(heads * d + bs + threads)
+    reqs = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 70), (5, 40), (37, 1), (31, 2), (100, 33), (16, 16)]
+    q, kc, vc, starts, bt, blocks, t = _paged_case(reqs, heads, kv_heads, d, bs, dtype, g)
     out = torch.full((t, heads, d), 7.0, dtype=dtype)
+    args = [torch.tensor(x) for x in (starts, [n for _, n in reqs], [c + n for c, n in reqs])]
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        kernels.prefill_causal(q, k, v, out, torch.tensor(starts), torch.tensor(lens), d**-0.5)
+        kernels.prefill_paged(q, kc, vc, out, *args, bt, d**-0.5)
     finally:
         torch.set_num_threads(prev)
     touched = torch.zeros(t, dtype=torch.bool)
-    for s, n in zip(starts, lens):
+    for r, ((c, n), s) in enumerate(zip(reqs, starts)):
         touched[s : s + n] = True
-        rows = [x[s : s + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            *(r.double() for r in rows), is_causal=True, scale=d**-0.5, enable_gqa=True
-        )[0].transpose(0, 1)
-        same_dtype = torch.nn.functional.scaled_dot_product_attention(
-            *rows, is_causal=True, scale=d**-0.5, enable_gqa=True
-        )[0].transpose(0, 1)
+        keys = [x[bt[r, : blocks[r]]].reshape(-1, kv_heads, d)[: c + n].transpose(0, 1)[None] for x in (kc, vc)]
+        mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+        qs = q[s : s + n].transpose(0, 1)[None]
+
+        def sdpa(*xs, mask=mask):
+            return torch.nn.functional.scaled_dot_product_attention(
+                *xs, attn_mask=mask, scale=d**-0.5, enable_gqa=True
+            )[0].transpose(0, 1)
+
+        ref = sdpa(qs.double(), *(x.double() for x in keys))
+        bound = (sdpa(qs, *keys).double() - ref).abs().max().item()
         err = (out[s : s + n].double() - ref).abs().max().item()
-        bound = (same_dtype.double() - ref).abs().max().item()
-        assert err <= max(bound * 1.5, 2e-6), (n, err, bound)
+        assert err <= max(bound * 1.5, 2e-6), (c, n, err, bound)
     assert torch.equal(out[~touched], torch.full_like(out[~touched], 7.0))
 
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
-def test_fresh_prefills_take_the_kernel_beside_context_chunks_and_decodes():
-    """A step of decodes, a short query, chunks over a cached prefix and fresh prompts: the
-    fresh ones go through prefill_causal, the rest as before, and the whole equals the SDPA
-    reference backend."""
+def test_prefill_paged_kernel_checks_its_arguments():
+    """A block id outside the cache, a request outside q's rows or a block table too short
+    for it: a clear error, nothing read out of bounds."""
+    g = torch.Generator().manual_seed(1)
+    q, kc, vc, starts, bt, blocks, t = _paged_case([(20, 10)], 4, 2, 64, 16, torch.float32, g)
+    out = torch.empty_like(q)
+    args = [torch.tensor(x) for x in (starts, [10], [30])]
+    kernels.prefill_paged(q, kc, vc, out, *args, bt, 0.125)
+    with pytest.raises(RuntimeError, match="block id outside"):
+        kernels.prefill_paged(q, kc, vc, out, *args, bt + kc.shape[0], 0.125)
+    with pytest.raises(RuntimeError, match="outside q's rows"):
+        kernels.prefill_paged(q, kc, vc, out, torch.tensor([t - 5]), *args[1:], bt, 0.125)
+    with pytest.raises(RuntimeError, match="block table shorter"):
+        kernels.prefill_paged(q, kc, vc, out, *args[:2], torch.tensor([60]), bt, 0.125)
+
+
+@pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+def test_prefill_chunks_take_the_kernel_beside_decodes_and_short_queries():
+    """A step of decodes, a short query, chunks over a cached prefix and fresh prompts: every
+    prefill chunk, fresh or not, goes through one prefill_paged call (float32: the AMX tile
+    kernel takes bf16 only), the rest as before, and the whole equals the SDPA reference backend."""
     reqs = [(40, 1), (3, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
     ref, out, meta2 = _sdpa_vs_cpp_step(reqs, 8, 2, 64, seed=5)
-    starts, lens, others = meta2.backend_cache["fresh"]
-    assert lens.tolist() == [30, 17, 64] and others == [4]  # (20, 33): over its cached prefix
+    starts, qlens, seq_lens, _ = meta2.backend_cache["paged"]
+    assert qlens.tolist() == [30, 33, 17, 64] and seq_lens.tolist() == [30, 53, 17, 64]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -371,7 +408,7 @@ def test_amx_route_conditions_and_the_sdpa_fallback(monkeypatch):
     """Any CPU: the tile kernel's preconditions (bf16 queries and cache, head_dim a multiple of
     32 up to 256, contiguous heads) and the module's answer (the kernel built, an AMX path);
     an AMX CPU whose module lacks the kernel sends bf16 fresh prompts to SDPA, one call each,
-    float32 ones to the C++ causal kernel, both equal to the reference backend."""
+    float32 ones to the C++ paged kernel, both equal to the reference backend."""
     from pagedserve.executor.attention import torch_backend
     from pagedserve.executor.quant import kernels as quant_kernels
 

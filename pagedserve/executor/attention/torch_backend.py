@@ -12,8 +12,8 @@ logit soft-capping (Gemma 2) replaces SDPA by transformers' eager order of opera
 
 With the C++ kernels, a step's prefill chunks go through one call: on an AMX CPU in bf16
 the tile kernel (csrc/prefill_amx.h: fresh or after cached context, K/V read from the
-cache), else the causal kernel for fresh prompts (csrc/prefill_causal.h) and SDPA for the
-others. Requests with a few query tokens over a cached context (speculative verification:
+cache), else the float32-arithmetic kernel (csrc/prefill_paged.h, the same chunks, K/V read
+from the cache; SDPA only for fresh bf16 prompts on an AMX CPU whose module lacks the tiles). Requests with a few query tokens over a cached context (speculative verification:
 the last token and k guesses) go through the decode kernel, each query token as its own
 row that sees the context up to itself: the kernel reads K/V in place, where SDPA would
 need the context gathered into a copy and a mask, per request and layer.
@@ -84,11 +84,18 @@ def _amx_in_use() -> bool:
     return quant_kernels.amx_in_use()
 
 
-def _fresh_prefill_ok(q, k, v, k_cache) -> bool:
+def _paged_prefill_ok(q, k_cache) -> bool:
     """The C++ prefill kernel's preconditions: head_dim 64 or 128, rows of contiguous heads,
     K/V cached in the model's dtype (a narrower cache attends to K/V as stored: the SDPA path)."""
     d = q.shape[-1]
-    return d in (64, 128) and k_cache.dtype == q.dtype and all(x.stride(-1) == 1 and x.stride(-2) == d for x in (q, k, v))
+    return (
+        d in (64, 128)
+        and k_cache.dtype == q.dtype
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and q.stride(-1) == 1
+        and q.stride(-2) == d
+        and k_cache.is_contiguous()
+    )
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -178,8 +185,10 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.backend_cache["amx_ok"] = cpu_kernels.amx_prefill_usable(cpp)
             if meta.backend_cache["amx_ok"] and cpu_kernels.amx_prefill_fits(q, k_cache):
                 rest = self._amx_prefills(q, k_cache, v_cache, out, meta, rest, scale)
-            elif _fresh_prefill_ok(q, k, v, k_cache):
-                rest = self._fresh_prefills(q, k, v, out, meta, rest, scale)
+            elif _paged_prefill_ok(q, k_cache):
+                if q.dtype == torch.bfloat16 and meta.backend_cache["amx_ok"] is False and _amx_in_use():
+                    rest = self._fresh_sdpa_prefills(q, k, v, out, meta, rest, scale)
+                rest = self._paged_prefills(q, k_cache, v_cache, out, meta, rest, scale)
         for r in rest:
             s, e = qsl[r], qsl[r + 1]
             out[s:e] = self._prefill(
@@ -187,48 +196,54 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return out
 
+    @staticmethod
+    def _chunk_args(meta: AttentionMetadata, rest) -> tuple:
+        """The C++ prefill kernels' per-request arguments for the requests of `rest`: query
+        row starts, query counts, sequence lengths (int64) and their block-table rows."""
+        qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
+        rows = torch.tensor(list(rest), dtype=torch.int64, device=meta.block_tables.device)
+        return (
+            torch.tensor([qsl[r] for r in rest], dtype=torch.int64),
+            torch.tensor([qsl[r + 1] - qsl[r] for r in rest], dtype=torch.int64),
+            torch.tensor([sl[r] for r in rest], dtype=torch.int64),
+            meta.block_tables.index_select(0, rows).long(),
+        )
+
     def _amx_prefills(self, q, k_cache, v_cache, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
         """The requests of `rest` (prefill chunks, fresh or after cached context) attended in
         one call of the AMX tile kernel (csrc/prefill_amx.h), K/V read from the cache, into
         `out`; returns none left. The requests' rows are worked out once per step."""
         if "amx" not in meta.backend_cache:
-            qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
-            dev = meta.block_tables.device
-            rows = torch.tensor(list(rest), dtype=torch.int64, device=dev)
-            meta.backend_cache["amx"] = (
-                torch.tensor([qsl[r] for r in rest], dtype=torch.int64),
-                torch.tensor([qsl[r + 1] - qsl[r] for r in rest], dtype=torch.int64),
-                torch.tensor([sl[r] for r in rest], dtype=torch.int64),
-                meta.block_tables.index_select(0, rows),
-            )
+            meta.backend_cache["amx"] = self._chunk_args(meta, rest)
         self._cpp.prefill_amx(q, k_cache, v_cache, out, *meta.backend_cache["amx"], scale)
         return []
 
-    def _fresh_prefills(self, q, k, v, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
-        """The requests of `rest` with no cached context (a prompt's first chunk: causal over
-        its own rows) attended in one C++ call (csrc/prefill_causal.h), or in bf16 on an AMX
-        CPU whose module lacks the tile kernel by SDPA per prompt, into `out`; returns the
-        others. The split is worked out once per step."""
-        if "fresh" not in meta.backend_cache:
-            qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
-            fresh = [r for r in rest if sl[r] == qsl[r + 1] - qsl[r]]
-            others = [r for r in rest if sl[r] != qsl[r + 1] - qsl[r]]
-            starts = torch.tensor([qsl[r] for r in fresh], dtype=torch.int64)
-            lens = torch.tensor([sl[r] for r in fresh], dtype=torch.int64)
-            meta.backend_cache["fresh"] = (starts, lens, others)
-        starts, lens, others = meta.backend_cache["fresh"]
-        if not len(starts):
-            return others
-        if q.dtype == torch.bfloat16 and meta.backend_cache.get("amx_ok") is False and _amx_in_use():
-            # AMX without the tile kernel (a compiler without AMX-BF16): torch's flash attention
-            # runs on the tiles, 2-3.5x the float32 kernel (BENCHMARKS section 33)
-            for s, n in zip(starts.tolist(), lens.tolist()):
-                heads = [x[s : s + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, heads, n, d]
-                out[s : s + n] = F.scaled_dot_product_attention(*heads, is_causal=True, scale=scale, enable_gqa=True)[
-                    0
-                ].transpose(0, 1)
-        else:
-            self._cpp.prefill_causal(q, k, v, out, starts, lens, scale)
+    def _paged_prefills(self, q, k_cache, v_cache, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
+        """The requests of `rest` (prefill chunks, fresh or after cached context) attended in
+        one call of the C++ kernel (csrc/prefill_paged.h), K/V read from the cache, into
+        `out`; returns none left. The requests' rows are worked out once per step."""
+        if not rest:
+            return []
+        if "paged" not in meta.backend_cache:
+            meta.backend_cache["paged"] = self._chunk_args(meta, rest)
+        self._cpp.prefill_paged(q, k_cache, v_cache, out, *meta.backend_cache["paged"], scale)
+        return []
+
+    def _fresh_sdpa_prefills(self, q, k, v, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
+        """On an AMX CPU whose module lacks the tile kernel (a compiler without AMX-BF16), in
+        bf16: the requests of `rest` with no cached context (causal over their own rows) by
+        torch's flash attention, which runs on the tiles at 2-3.5x the float32 kernel
+        (BENCHMARKS section 33), into `out`; returns the others."""
+        qsl, sl = meta.query_start_loc_list, meta.seq_lens_list
+        others = []
+        for r in rest:
+            s, n = qsl[r], qsl[r + 1] - qsl[r]
+            if sl[r] != n:
+                others.append(r)
+                continue
+            heads = [x[s : s + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, heads, n, d]
+            o = F.scaled_dot_product_attention(*heads, is_causal=True, scale=scale, enable_gqa=True)
+            out[s : s + n] = o[0].transpose(0, 1)
         return others
 
     @staticmethod

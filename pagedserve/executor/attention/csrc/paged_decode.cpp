@@ -678,12 +678,13 @@ torch::Tensor paged_decode_qkv(torch::Tensor qkv, int64_t h, torch::Tensor k_cac
   return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap).view({n, h * d});
 }
 
-#include "prefill_causal.h"  // prefill_causal: a step's prompts with no cached context
+#include "prefill_paged.h"  // prefill_paged: a step's prefill chunks, fresh or after cached context
 #include "prefill_amx.h"     // prefill_amx: a step's prefill chunks on the AMX tiles (where built)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prefill_causal", &prefill_causal, "causal prefill attention, no cached context (CPU)", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("starts"), py::arg("lens"), py::arg("scale"));
+  m.def("prefill_paged", &prefill_paged, "causal prefill attention of paged chunks (CPU, float32 arithmetic)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("out"), py::arg("starts"), py::arg("qlens"),
+        py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"));
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
         py::arg("softcap") = 0.0);

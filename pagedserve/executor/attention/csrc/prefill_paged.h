@@ -1,19 +1,24 @@
 #pragma once
-// Causal self-attention of prompt chunks with no cached context (prefill from position 0),
-// on the CPU: every listed sequence's queries attend to its own keys 0..i, GQA-aware.
-// Replaces one SDPA call per sequence (which scales poorly over two threads and runs bf16
-// at a tenth of the core's FMA rate on these short rows) with one call for the step:
+// Prefill attention on the CPU, float32 arithmetic: every listed request's query rows (a
+// prompt chunk, fresh or after cached context) attend causally to keys 0 .. their own
+// position, GQA-aware, K/V read through the block table from the paged cache (written before
+// the call). One call for all of a step's prefill chunks: it replaces one SDPA call per prompt
+// (which scales poorly over two threads and runs bf16 at a tenth of the core's FMA rate on
+// short rows) and, for a chunk after cached context, a gathered copy of the context and a
+// masked SDPA call (3-10x slower than this kernel on a 2-vCPU Zen 4: BENCHMARKS section 42).
 //
 //   q        [T, h, d]   rows may be strided (the fused QKV projection's columns)
-//   k, v     [T, kvh, d] likewise
-//   out      [T, h, d]   contiguous; rows of the listed sequences are written
-//   starts, lens  int64 [R]: sequence r is rows starts[r] .. starts[r] + lens[r] - 1
+//   k_cache, v_cache  [num_blocks, bs, kvh, d], q's dtype
+//   out      [T, h, d]   contiguous; rows of the listed requests are written
+//   starts, qlens, seq_lens  int64 [R]: request r's queries are rows starts[r] ..
+//            starts[r] + qlens[r] - 1, at positions seq_lens[r] - qlens[r] .. seq_lens[r] - 1
+//   block_tables  int64 [R, max_blocks] (row r: request r's blocks)
 //
 // float32 or bfloat16 in; everything in float32 (K transposed and V converted once per
-// sequence and KV head), scores in blocks of 16 keys x up to 16 query rows, an exact softmax
-// per row (a Cephes exp, ~2 ulp), P.V in float32; the output rounded once to q's dtype.
-// Work is split over threads by (sequence, head, block of query rows), longest first, from a
-// shared counter (rows near the end of a long prompt cost the most).
+// request and KV head, from the cache), scores in blocks of 16 keys x up to 16 query rows, an
+// exact softmax per row (a Cephes exp, ~2 ulp), P.V in float32; the output rounded once to
+// q's dtype. Work is split over threads by (request, head, block of query rows), costliest
+// first, from a shared counter (rows late in a long context cost the most).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -63,16 +68,18 @@ inline v16 load16(const float* p) {
 inline void store16(float* p, const v16& v) { std::memcpy(p, &v, sizeof v); }
 
 struct Seq {
-  int64_t start, len, lp, off;  // rows, keys padded to KB, offset of its float K/V copies
+  // rows start .. start + len - 1 are positions ctx .. ctx + len - 1; keys ctx + len, padded
+  // to lp (a multiple of KB); off: offset of its float K/V copies
+  int64_t start, len, ctx, lp, off;
 };
 
-// One task: query rows [i0, i1) of sequence s, head hh. kt: [d][lp] (K transposed, zero
+// One task: query rows [i0, i1) of request s, head hh. kt: [d][lp] (K transposed, zero
 // padded), vf: [lp][d]. DC = d / 16.
 template <typename T, int DC>
 void attend_block(const T* q, int64_t sq, T* out, int64_t so, const Seq& s, int64_t hh, int64_t i0, int64_t i1, const float* kt,
                   const float* vf, float scale, std::vector<float>& scratch) {
   constexpr int64_t d = DC * 16;
-  const int64_t nr = i1 - i0, nk = (i1 + KB - 1) / KB * KB;  // keys 0 .. i1 - 1, padded
+  const int64_t nr = i1 - i0, nk = (s.ctx + i1 + KB - 1) / KB * KB;  // keys 0 .. ctx + i1 - 1, padded
   scratch.resize(QB * d + QB * nk);
   float* qf = scratch.data();       // [d][QB] scaled queries
   float* sc = qf + QB * d;          // [nr][nk] scores, then probabilities
@@ -91,9 +98,9 @@ void attend_block(const T* q, int64_t sq, T* out, int64_t so, const Seq& s, int6
     for (int64_t r = 0; r < nr; ++r) store16(sc + r * nk + j, acc[r]);
   }
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < nr; ++r) {  // causal softmax of row r (position i0 + r sees keys 0 .. i0 + r)
+  for (int64_t r = 0; r < nr; ++r) {  // causal softmax of row r (position ctx + i0 + r sees keys 0 .. it)
     float* row = sc + r * nk;
-    const int64_t n = i0 + r + 1;
+    const int64_t n = s.ctx + i0 + r + 1;
     for (int64_t j = n; j < nk; ++j) row[j] = ninf;
     v16 m16 = splat(ninf);
     for (int64_t j = 0; j < nk; j += KB) {
@@ -119,7 +126,7 @@ void attend_block(const T* q, int64_t sq, T* out, int64_t so, const Seq& s, int6
     v16 acc[4][DC];
     for (int a = 0; a < 4; ++a)
       for (int c = 0; c < DC; ++c) acc[a][c] = splat(0.f);
-    const int64_t jn = i0 + r0 + rn;  // keys any of these rows sees
+    const int64_t jn = s.ctx + i0 + r0 + rn;  // keys any of these rows sees
     for (int64_t j = 0; j < jn; ++j) {
       v16 vv[DC];
       for (int c = 0; c < DC; ++c) vv[c] = load16(vf + j * d + c * 16);
@@ -137,29 +144,32 @@ void attend_block(const T* q, int64_t sq, T* out, int64_t so, const Seq& s, int6
 }
 
 template <typename T, int DC>
-void prefill(const T* q, int64_t sq, const T* k, int64_t sk, const T* v, int64_t sv, T* out, int64_t h, int64_t kvh,
-             const int64_t* starts, const int64_t* lens, int64_t R, float scale) {
+void prefill(const T* q, int64_t sq, const T* kc, const T* vc, int64_t bs, T* out, int64_t h, int64_t kvh,
+             const int64_t* starts, const int64_t* qlens, const int64_t* seq_lens, const int64_t* tables,
+             int64_t tstride, int64_t R, float scale) {
   constexpr int64_t d = DC * 16;
   std::vector<Seq> seqs(R);
   int64_t off = 0;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t lp = (lens[r] + KB - 1) / KB * KB;
-    seqs[r] = {starts[r], lens[r], lp, off};
+    const int64_t lp = (seq_lens[r] + KB - 1) / KB * KB;
+    seqs[r] = {starts[r], qlens[r], seq_lens[r] - qlens[r], lp, off};
     off += lp * kvh * d;
   }
-  // float copies per (sequence, KV head): K transposed [d][lp] and V [lp][d], zero padded
+  // float copies per (request, KV head): K transposed [d][lp] and V [lp][d], zero padded
   static std::vector<float> kt, vf;  // reused across layers (calls hold the GIL: one at a time)
   kt.assign(off, 0.f);
   vf.assign(off, 0.f);
   at::parallel_for(0, R * kvh, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const Seq& s = seqs[t / kvh];
-      const int64_t kh = t % kvh;
+      const int64_t r = t / kvh, kh = t % kvh;
+      const Seq& s = seqs[r];
+      const int64_t* table = tables + r * tstride;
       float* ktp = kt.data() + s.off + kh * d * s.lp;
       float* vfp = vf.data() + s.off + kh * s.lp * d;
-      for (int64_t j = 0; j < s.len; ++j) {
-        const T* kr = k + (s.start + j) * sk + kh * d;
-        const T* vr = v + (s.start + j) * sv + kh * d;
+      for (int64_t j = 0; j < s.ctx + s.len; ++j) {
+        const int64_t slot = (table[j / bs] * bs + j % bs) * kvh + kh;
+        const T* kr = kc + slot * d;
+        const T* vr = vc + slot * d;
         for (int64_t x = 0; x < d; ++x) {
           ktp[x * s.lp + j] = static_cast<float>(kr[x]);
           vfp[j * d + x] = static_cast<float>(vr[x]);
@@ -175,7 +185,7 @@ void prefill(const T* q, int64_t sq, const T* k, int64_t sk, const T* v, int64_t
     for (int64_t i0 = 0; i0 < seqs[r].len; i0 += QB)
       for (int64_t hh = 0; hh < h; ++hh) {
         const int64_t i1 = std::min(seqs[r].len, i0 + QB);
-        tasks.push_back({(i1 - i0) * (i1 + 8), r, hh, i0});
+        tasks.push_back({(i1 - i0) * (seqs[r].ctx + i1 + 8), r, hh, i0});
       }
   const int64_t g = h / kvh;
   costliest_first(
@@ -190,33 +200,44 @@ void prefill(const T* q, int64_t sq, const T* k, int64_t sk, const T* v, int64_t
 
 }  // namespace
 
-// prefill_causal(q, k, v, out, starts, lens, scale): see the top of this file.
-inline void prefill_causal(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor starts,
-                    torch::Tensor lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q/out [T,h,d], k/v [T,kvh,d]");
-  const int64_t h = q.size(1), d = q.size(2), kvh = k.size(1);
-  TORCH_CHECK(h % kvh == 0 && k.size(2) == d && v.size(1) == kvh && v.size(2) == d, "head shapes");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(2) == 1 && k.stride(1) == d && v.stride(2) == 1 &&
-                  v.stride(1) == d,
-              "q/k/v: rows of contiguous heads (the row stride may be larger)");
+// prefill_paged(q, k_cache, v_cache, out, starts, qlens, seq_lens, block_tables, scale): see
+// the top of this file.
+inline void prefill_paged(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
+                          torch::Tensor starts, torch::Tensor qlens, torch::Tensor seq_lens, torch::Tensor block_tables,
+                          double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q/out [T,h,d], k_cache/v_cache [nb,bs,kvh,d]");
+  const int64_t h = q.size(1), d = q.size(2), bs = k_cache.size(1), kvh = k_cache.size(2);
+  TORCH_CHECK(h % kvh == 0 && k_cache.size(3) == d, "head shapes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d, "q: rows of contiguous heads (the row stride may be larger)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache: contiguous");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, q's shape");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
                   q.scalar_type() == out.scalar_type(),
               "one dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "prefill_causal: float32 or bfloat16");
-  TORCH_CHECK(d == 64 || d == 128, "prefill_causal: head_dim 64 or 128");
-  auto st = starts.contiguous(), ln = lens.contiguous();
-  TORCH_CHECK(st.scalar_type() == at::kLong && ln.scalar_type() == at::kLong && st.numel() == ln.numel(), "starts/lens");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "prefill_paged: float32 or bfloat16");
+  TORCH_CHECK(d == 64 || d == 128, "prefill_paged: head_dim 64 or 128");
+  auto st = starts.contiguous(), ql = qlens.contiguous(), sl = seq_lens.contiguous(), bt = block_tables.contiguous();
+  TORCH_CHECK(st.scalar_type() == at::kLong && ql.scalar_type() == at::kLong && sl.scalar_type() == at::kLong &&
+                  bt.scalar_type() == at::kLong,
+              "starts/qlens/seq_lens/block_tables: int64");
   const int64_t R = st.numel(), T = q.size(0);
+  TORCH_CHECK(ql.numel() == R && sl.numel() == R && bt.dim() == 2 && bt.size(0) == R, "one row per request");
+  const int64_t nb = k_cache.size(0), maxb = bt.size(1);
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t a = st.data_ptr<int64_t>()[r], n = ln.data_ptr<int64_t>()[r];
-    TORCH_CHECK(a >= 0 && n > 0 && a + n <= T, "a sequence outside q's rows");
+    const int64_t a = st.data_ptr<int64_t>()[r], n = ql.data_ptr<int64_t>()[r], len = sl.data_ptr<int64_t>()[r];
+    TORCH_CHECK(a >= 0 && n > 0 && a + n <= T && len >= n, "a request outside q's rows or shorter than its queries");
+    TORCH_CHECK((len + bs - 1) / bs <= maxb, "a block table shorter than its request");
+    for (int64_t b = 0; b < (len + bs - 1) / bs; ++b) {
+      const int64_t blk = bt.data_ptr<int64_t>()[r * maxb + b];
+      TORCH_CHECK(blk >= 0 && blk < nb, "a block id outside the cache");
+    }
   }
   auto run = [&](auto* type, auto dc) {
     using T_ = std::remove_pointer_t<decltype(type)>;
-    prefill<T_, decltype(dc)::value>(q.data_ptr<T_>(), q.stride(0), k.data_ptr<T_>(), k.stride(0), v.data_ptr<T_>(),
-                                      v.stride(0), out.data_ptr<T_>(), h, kvh, st.data_ptr<int64_t>(),
-                                      ln.data_ptr<int64_t>(), R, (float)scale);
+    prefill<T_, decltype(dc)::value>(q.data_ptr<T_>(), q.stride(0), k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), bs,
+                                      out.data_ptr<T_>(), h, kvh, st.data_ptr<int64_t>(), ql.data_ptr<int64_t>(),
+                                      sl.data_ptr<int64_t>(), bt.data_ptr<int64_t>(), maxb, R, (float)scale);
   };
   auto with_d = [&](auto* type) {
     if (d == 64) run(type, std::integral_constant<int, 4>{});
