@@ -111,6 +111,13 @@ class SchedulerConfig:
         "step, not a whole budget's; beside short work the cap is never above it either (0: the whole "
         "budget; no effect with short_budget_share 0)",
     )
+    long_lane_step_ms: float = setting(
+        500.0,
+        "length_aware: a step that carries long prompt chunks is kept to about this long: the long lane's "
+        "tokens per step come from a step-time model fitted online on this engine's own steps, so one "
+        "setting holds on a fast CPU and a slow one (never above the token allowances, at least 64 tokens "
+        "a step; 0: the token allowances alone)",
+    )
     long_lane_period: int = setting(
         20,
         "length_aware: while short work runs or waits, long prefill chunks run in at most one step of this "
@@ -148,6 +155,8 @@ class SchedulerConfig:
                 "long_lane_chunk_tokens and long_solo_chunk_tokens must be >= 0, "
                 f"got {self.long_lane_chunk_tokens} and {self.long_solo_chunk_tokens}."
             )
+        if self.long_lane_step_ms < 0:
+            raise ValueError(f"long_lane_step_ms must be >= 0, got {self.long_lane_step_ms}.")
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}.")
         if self.long_prefill_token_threshold < 0:

@@ -106,6 +106,7 @@ class EngineArgs:
     max_wait_s: float = _from("scheduler")
     long_lane_chunk_tokens: int = _from("scheduler")
     long_solo_chunk_tokens: int = _from("scheduler")
+    long_lane_step_ms: float = _from("scheduler")
     long_lane_period: int = _from("scheduler")
     expected_output_tokens: int = _from("scheduler")
     scheduler_cls: str = _from("scheduler")

@@ -7,11 +7,9 @@ tried in seconds instead of a three-minute run each (then checked with real runs
     python -m pagedserve.bench.mixed_sim run --cost cost.json [--rate 1.1] [--seed 0]
         [--num-requests 200] [--policies fcfs length_aware] [--set long_lane_period=12 ...]
 
-The step-time model (`step_features`): seconds = a constant + per decode row + per 1,000
-tokens of decode context (attention) + per prefill token, with extra slopes above 128 and
-256 prefill tokens (small chunks cost more per token: the weights are read per step) + per
-prefill token times its context (attention), plus the loop's time between steps. Fitted by
-least squares; `fit` prints its rms error and how well it predicts each log's total.
+The step-time model: core/step_cost.py's features (the one the length-aware policy fits
+online), plus the loop's time between steps. Fitted by least squares; `fit` prints its
+rms error and how well it predicts each log's total.
 The simulation: `bench mixed`'s arrivals and requests (same seed, same lists); each step's
 batch is what the scheduler (its real code and policy, on a virtual clock) decides; a token
 counts at the end of the step that made it. It prints `bench mixed`'s summary, so a
@@ -25,25 +23,7 @@ import argparse
 import json
 import statistics
 
-HINGES = (128, 256)  # prefill-token counts where the per-token cost changes
-FEATURES = ("const", "decode_rows", "decode_ctx_k", "prefill_100", "prefill_attn_1e5") + tuple(
-    f"prefill_over_{h}_100" for h in HINGES
-)
-
-
-def step_features(rows) -> list[float]:
-    """A step's features from its step-log rows `[short, tokens, computed]` (a decode runs
-    one token; anything else computes prompt or recomputed tokens)."""
-    decode_rows = decode_ctx = prefill = attn = 0
-    for _, tokens, computed in rows:
-        if tokens == 1:
-            decode_rows += 1
-            decode_ctx += computed
-        else:
-            prefill += tokens
-            attn += tokens * (computed + tokens / 2)
-    hinges = [max(0, prefill - h) / 100 for h in HINGES]
-    return [1.0, decode_rows, decode_ctx / 1000, prefill / 100, attn / 1e5, *hinges]
+from pagedserve.core.step_cost import FEATURES, step_features
 
 
 def read_log(path: str) -> list[tuple[float, float, list]]:
@@ -110,7 +90,9 @@ def simulate(cost: dict, policy: str, rate: float, num_requests: int = 200, seed
             now[0] = arrivals[i]
             continue
         rows = [[0, len(sr.token_ids), sr.num_computed_tokens] for sr in so.scheduled]
-        now[0] += step_seconds(cost, rows)
+        seconds = step_seconds(cost, rows)
+        now[0] += seconds
+        sched.observe_step_seconds(so, seconds - cost["overhead_s"])  # what the engine core measures
         sched.update_from_output(so, ModelRunnerOutput({sr.req_id: 7 for sr in so.scheduled if sr.sample}))
         for sr in so.scheduled:
             if sr.sample:

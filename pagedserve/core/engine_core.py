@@ -257,7 +257,7 @@ class EngineCore:
     # -- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         records, step_log = self.step_records, self.step_log
-        t0 = time.perf_counter() if records is not None or step_log is not None else 0.0
+        t0 = time.perf_counter()
         self._audited = False
         if self.config.lora.enable_lora:
             self._abort_failed_loras()
@@ -274,8 +274,10 @@ class EngineCore:
                 self.executor.wait_lora_loading(0.005)
         log_rows = step_log.rows(so.scheduled, self.scheduler.requests) if step_log is not None and so.scheduled else None
         outputs = self.scheduler.update_from_output(so, ro)
+        seconds = time.perf_counter() - t0
+        self.scheduler.observe_step_seconds(so, seconds)
         if log_rows is not None:
-            step_log.write(time.perf_counter() - t0, log_rows)
+            step_log.write(seconds, log_rows)
         if self._loras_unloading:
             self._drop_unused_loras()
         if records is not None:

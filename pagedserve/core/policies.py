@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterator
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.length_estimator import OutputLengthEstimator
 from pagedserve.core.request import Request
+from pagedserve.core.step_cost import OnlineStepCost, step_features
+
+LONG_LANE_MIN_TOKENS = 64  # the long lane's least chunk in a step it runs in (long_lane_step_ms)
 
 
 class FCFSQueue:
@@ -169,6 +172,10 @@ class SchedulingPolicy:
     def on_finished(self, req: Request, completed: bool) -> None:
         """A request left (completed: it stopped or reached its length; else aborted)."""
 
+    def observe_step(self, scheduled, seconds: float) -> None:
+        """A step ran: its scheduled requests' shares and the seconds it took (schedule,
+        forward, update)."""
+
 
 class PriorityPolicy(SchedulingPolicy):
     """Lowest `priority` first (then arrival); the victim is the lowest-priority, latest request."""
@@ -196,7 +203,12 @@ class LengthAwarePolicy(SchedulingPolicy):
     are in prefill), and hold at most (1 - share) of the running seats; with no short work
     they take every seat and up to `long_solo_chunk_tokens` a step together (a short request
     arriving then waits behind one such step, not a whole budget's; beside short work the
-    allowance is never above it either). The allowance goes to long prefills in the order
+    allowance is never above it either). With `long_lane_step_ms`, the allowance is also
+    cut, chunk by chunk, to what keeps the step within that time on the step-time model
+    fitted online (core/step_cost.py) on this engine's own steps (their decodes counted, a
+    chunk's cost growing with its context), but never below LONG_LANE_MIN_TOKENS: a long
+    prompt's late chunks, which attend to more context, get fewer tokens, and a slow CPU
+    gets smaller chunks than a fast one. The allowance goes to long prefills in the order
     the scheduler meets them (running ones first). Lanes off (share 0): no cap either way.
     Steps, too: while short work exists, long prefill chunks run in at most one step of
     `long_lane_period` (P; the steps between decode without them, so a short request's
@@ -220,6 +232,8 @@ class LengthAwarePolicy(SchedulingPolicy):
         self.long_running = 0
         self.long_yields = False  # this step: long prefill chunks wait (long_lane_period)
         self.since_long = 1 << 30  # steps since long prefill chunks last could run
+        self.step_cost = OnlineStepCost() if config.long_lane_step_ms else None
+        self.totals: tuple[int, int, int, float] | None = None  # this step so far, for step_cost
         super().__init__(config, clock)
         self.long_seats = max(1, int(config.max_num_seqs * (1 - config.short_budget_share)))
 
@@ -255,6 +269,10 @@ class LengthAwarePolicy(SchedulingPolicy):
         elif share and solo:  # no short work: bounded chunks all the same
             self.long_cap = solo
         self.long_left = self.long_cap
+        self.totals = None
+        if self.long_cap is not None and self.step_cost is not None and self.step_cost.ready:
+            decodes = [r.num_computed_tokens for r in running if r.num_tokens - r.num_computed_tokens == 1]
+            self.totals = (len(decodes), sum(decodes), 0, 0.0)
         self.long_running = sum(1 for r in running if not r.is_short)
         self.since_long += 1
         self.long_yields = self._long_yields()
@@ -271,14 +289,30 @@ class LengthAwarePolicy(SchedulingPolicy):
 
     def prefill_cap(self, req: Request, num_left: int) -> int | None:
         if req.is_short:
+            self._count_chunk(req, num_left)
             return None
         if self.long_yields and not self.overdue(req):
             return 0
         if self.long_left is None:
             return None
         n = min(self.long_left, num_left)  # counted as taken even if the budget or blocks cut it
+        if self.totals is not None and n > LONG_LANE_MIN_TOKENS:
+            fit = self.step_cost.prefill_within(self.config.long_lane_step_ms / 1e3, self.totals, req.num_computed_tokens, n)
+            n = max(fit, LONG_LANE_MIN_TOKENS)
         self.long_left -= n
+        self._count_chunk(req, n)
         return n
+
+    def _count_chunk(self, req: Request, n: int) -> None:
+        """Add a prefill chunk of `n` tokens to this step's totals (long_lane_step_ms)."""
+        if self.totals is not None:
+            rows, ctx, prefill, attn = self.totals
+            c = req.num_computed_tokens
+            self.totals = (rows, ctx, prefill + n, attn + n * (c + n / 2))
+
+    def observe_step(self, scheduled, seconds: float) -> None:
+        if self.step_cost is not None:
+            self.step_cost.observe(step_features((len(s.token_ids), s.num_computed_tokens) for s in scheduled), seconds)
 
     def may_admit(self, req: Request, num_running: int) -> bool:
         if req.is_short or not self.num_short:

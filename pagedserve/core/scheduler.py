@@ -393,6 +393,12 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
 
+    def observe_step_seconds(self, sched_out: SchedulerOutput, seconds: float) -> None:
+        """The step `sched_out` took `seconds` (schedule, forward, update): for the policy's
+        step-time model (length_aware's long_lane_step_ms)."""
+        if sched_out.scheduled:
+            self.policy.observe_step(sched_out.scheduled, seconds)
+
     def _request_output(self, req: Request, sr: ScheduledRequest, ro: ModelRunnerOutput) -> EngineCoreOutput | None:
         """What `sr`'s results change for `req` (None: nothing to report)."""
         rid = sr.req_id

@@ -185,6 +185,67 @@ def test_long_chunks_run_one_step_in_a_period_and_not_in_a_step_admitting_a_shor
     assert shares(p0) == {"doc": 200, "chat1": 20}
 
 
+def made_up_cost(so, per_token=0.002, attn=1e-6) -> float:
+    """Seconds a step takes on a made-up CPU: a constant, 3 ms a decode, and per prompt token
+    `per_token` plus `attn` per token of context it attends to."""
+    t = 0.01
+    for sr in so.scheduled:
+        n, c = len(sr.token_ids), sr.num_computed_tokens
+        t += 0.003 if n == 1 else n * per_token + attn * n * (c + n / 2)
+    return t
+
+
+def prefill_steps(s, rid, cost):
+    """Run `rid`'s prompt to its end (fake tokens), the steps' times fed back as the engine
+    core does: [(its chunk, its context, the step's seconds on `cost`)]."""
+    runner, out = FakeRunner(), []
+    while s.requests[rid].num_computed_tokens < s.requests[rid].num_prompt_tokens:
+        so = s.schedule()
+        mine = [sr for sr in so.scheduled if sr.req_id == rid]
+        if mine:
+            out.append((len(mine[0].token_ids), mine[0].num_computed_tokens, cost(so)))
+        s.observe_step_seconds(so, cost(so))
+        s.update_from_output(so, runner.execute(so))
+    return out
+
+
+def warm_up(s, cost):
+    """Documents and chat turns through `s`, each step's `cost` fed back."""
+    clock = s.policy.clock
+    for i in range(8):
+        s.add_request(req(f"d{i}", 1500, 4, clock, base=100_000 * (i + 1)))
+        for j in range(4):
+            s.add_request(req(f"c{i}.{j}", 20, 60, clock, base=100_000 * (i + 1) + 10_000 + 100 * j))
+    run(s, FakeRunner(), on_step=lambda s, so: s.observe_step_seconds(so, cost(so)))
+
+
+def test_the_long_lane_keeps_a_step_within_long_lane_step_ms_on_the_costs_it_measured():
+    """The policy fits the step times it is told (Scheduler.observe_step_seconds, as the
+    engine core reports them) and then cuts long chunks to what keeps a step within
+    long_lane_step_ms: late chunks, which attend to more context, get fewer tokens; at least
+    64 a step however slow the CPU; with 0, the token allowance alone."""
+    clock = Clock()
+    kw = dict(budget=2048, seqs=32, blocks=3000, short_request_tokens=100, long_solo_chunk_tokens=512,
+              long_lane_period=0)
+    s = make(clock, long_lane_step_ms=500, **kw)
+    assert not s.policy.step_cost.ready
+    warm_up(s, made_up_cost)
+    assert s.policy.step_cost.ready
+    s.add_request(req("doc", 3000, 2, clock, base=900_000))
+    steps = prefill_steps(s, "doc", made_up_cost)
+    # within the fit's error (a few %: ~100 warm-up steps), the last chunk being what was left
+    assert all(0.4 < sec <= 0.55 for _, _, sec in steps[:-1])
+    assert all(n % 16 == 0 and n < 512 for n, _, _ in steps[:-1])
+    assert steps[0][0] > steps[-2][0] + 50  # at context 0 ~220 tokens, near 3,000 ~100
+    slow = make(clock, long_lane_step_ms=500, **kw)  # a CPU 4x slower: 64 tokens, the floor
+    warm_up(slow, lambda so: 4 * made_up_cost(so))
+    slow.add_request(req("doc", 3000, 2, clock, base=900_000))
+    assert {n for n, _, _ in prefill_steps(slow, "doc", lambda so: 4 * made_up_cost(so))[:-1]} == {64}
+    tokens = make(clock, long_lane_step_ms=0, **kw)
+    tokens.add_request(req("doc", 3000, 2, clock, base=900_000))
+    assert [n for n, _, _ in prefill_steps(tokens, "doc", made_up_cost)] == [512] * 5 + [440]
+
+
 def test_a_long_prefill_past_the_aging_bound_runs_every_step():
     """The period holds a document's chunks back while chat turns decode; once it has
     waited max_wait_s since it arrived, its chunks run in every step (the aging bound

@@ -5,10 +5,15 @@ import json
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.bench.mixed_sim import fit
+from pagedserve.core.step_cost import OnlineStepCost, step_features
 from pagedserve.core.step_log import StepLog
 
 
-def test_an_engine_logs_every_step_it_runs(checkpoint, tmp_path):
+def test_an_engine_logs_every_step_it_runs(checkpoint, tmp_path, monkeypatch):
+    """...and reports the same steps, with the same seconds, to the length-aware policy's
+    step-time model (long_lane_step_ms)."""
+    seen = []
+    monkeypatch.setattr(OnlineStepCost, "observe", lambda self, feats, sec: seen.append((feats, sec)))
     path = tmp_path / "steps.jsonl"
     llm = LLM(
         checkpoint("llama"), dtype="float32", num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32,
@@ -28,6 +33,8 @@ def test_an_engine_logs_every_step_it_runs(checkpoint, tmp_path):
     assert short == {1} and long == {0}  # the length-aware lane of each
     assert [t for t, _, _ in lines] == sorted(t for t, _, _ in lines)
     assert fit([str(path)])["steps"] == len(lines)
+    assert [f for f, _ in seen] == [step_features(rows) for _, _, rows in lines]
+    assert [round(sec, 6) for _, sec in seen] == [sec for _, sec, _ in lines]
 
 
 def test_rows_of_a_request_that_left_count_as_long(tmp_path):
