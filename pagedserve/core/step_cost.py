@@ -27,6 +27,7 @@ HINGES = (128, 256)  # prefill-token counts where the per-token cost changes
 FEATURES = ("const", "decode_rows", "decode_ctx_k", "prefill_100", "prefill_attn_1e5") + tuple(
     f"prefill_over_{h}_100" for h in HINGES
 )
+OUTLIER_FACTOR, OUTLIER_SLACK_S = 3.0, 0.05  # a fitted model's bound on one step's time (observe)
 
 
 def features_of(decode_rows: int, decode_ctx: int, prefill: int, attn: float) -> list[float]:
@@ -72,8 +73,13 @@ class OnlineStepCost:
         return self.coef is not None
 
     def observe(self, feats: list[float], seconds: float) -> None:
-        """One step's features and measured seconds."""
+        """One step's features and measured seconds. Once fitted, a time over
+        OUTLIER_FACTOR x the model's (a pause of the process, a noisy neighbour) counts
+        as that bound: one such step does not skew the fit for a whole window, and a CPU
+        that really became slower still pulls the fit up, step by step."""
         x = np.asarray(feats, dtype=np.float64)
+        if self.coef is not None:
+            seconds = min(seconds, OUTLIER_FACTOR * max(float(np.dot(self.coef, x)), 0.0) + OUTLIER_SLACK_S)
         self._add(x, seconds, 1.0)
         self._rows.append((x, seconds))
         if len(self._rows) > self.window:

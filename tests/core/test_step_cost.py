@@ -81,3 +81,20 @@ def test_prefill_within_is_the_most_tokens_that_keep_the_step_in_time():
     assert m.prefill_within(0.5, base, 0, 512) > m.prefill_within(0.5, base, 2500, 512)  # late chunks: fewer
     assert m.prefill_within(60.0, base, 0, 300) == 300  # all of it fits: `most`, not a multiple of 16
     assert m.prefill_within(0.01, base, 0, 512) == 0  # not even 16 tokens fit
+
+
+def test_one_slow_step_does_not_skew_the_fit_but_a_slower_cpu_is_followed():
+    rng = random.Random(3)
+    m = fitted()
+    f = features_of(0, 0, 512, 512 * 256)
+    before = m.predict(f)
+    m.observe(step_features(random_step(rng)), 30.0)  # a 30 s pause of the process
+    for _ in range(64):
+        g = step_features(random_step(rng))
+        m.observe(g, seconds(g))
+    assert abs(m.predict(f) - before) < 0.02 * before
+    slow = {k: 2 * v for k, v in TRUE.items()}
+    for _ in range(2048):  # the CPU got 2x slower: each step's time is within the bound
+        g = step_features(random_step(rng))
+        m.observe(g, seconds(g, slow))
+    assert abs(m.predict(f) - seconds(f, slow)) < 0.02 * seconds(f, slow)
