@@ -42,7 +42,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VPY) -m pytest -q -x -p no:cacheprovider
+	$(VPY) -m pytest -q -x -p no:cacheprovider --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -291,9 +291,14 @@ def test_packed_gguf_shards(tmp_path, monkeypatch):
     """A GGUF runs packed on every rank (rows of packed blocks split by rank, K at block
     boundaries, the vocabulary padded with zero blocks): same tokens as one process."""
     gguf = pytest.importorskip("gguf")
+    from pagedserve.executor import cpp_build
     from tests.checkpoints import build_checkpoint
     from tests.executor.test_gguf import write_gguf
 
+    kernels = cpp_build.cache_root()  # the converted GGUF goes to a cache of its own; the C++
+    os.makedirs(kernels, exist_ok=True)  # kernels are those already built (not 2 min of builds)
+    os.makedirs(tmp_path / "cache")
+    os.symlink(kernels, tmp_path / "cache" / "kernels")
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf_dir = build_checkpoint(str(tmp_path / "hf"), "llama_tp", intermediate_size=256)  # K shards of 128
     path = write_gguf(hf_dir, str(tmp_path / "m.gguf"), gguf.GGMLQuantizationType.Q8_0)
