@@ -79,7 +79,7 @@ class OnlineStepCost:
         that really became slower still pulls the fit up, step by step."""
         x = np.asarray(feats, dtype=np.float64)
         if self.coef is not None:
-            seconds = min(seconds, OUTLIER_FACTOR * max(float(np.dot(self.coef, x)), 0.0) + OUTLIER_SLACK_S)
+            seconds = min(seconds, OUTLIER_FACTOR * max(self.predict(x), 0.0) + OUTLIER_SLACK_S)
         self._add(x, seconds, 1.0)
         self._rows.append((x, seconds))
         if len(self._rows) > self.window:
@@ -106,7 +106,7 @@ class OnlineStepCost:
         with contextlib.suppress(np.linalg.LinAlgError):  # singular: keep the last fit
             self.coef = np.linalg.solve(self._xx + reg, self._xy)
 
-    def predict(self, feats: list[float]) -> float:
+    def predict(self, feats) -> float:
         """Seconds the model gives a step with these features (ready only)."""
         return float(np.dot(self.coef, feats))
 

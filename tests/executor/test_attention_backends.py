@@ -210,6 +210,31 @@ def _paged_case(reqs, heads, kv_heads, d, bs, dtype, g):
     return qkv[:, : heads * d].view(t, heads, d), kc, vc, starts, bt, blocks, t
 
 
+def _errors_against_float64_sdpa(out, q, kc, vc, reqs, starts, bt, blocks):
+    """Per (cached, new) request of a paged prefill kernel's output `out`: (cached, new, its
+    error against masked SDPA in float64, SDPA's own error in q's dtype, the reference's
+    largest magnitude). Also checks that rows outside the requests kept their 7.0 fill."""
+    kv_heads, d = kc.shape[2], kc.shape[3]
+    touched = torch.zeros(q.shape[0], dtype=torch.bool)
+    res = []
+    for r, ((c, n), s) in enumerate(zip(reqs, starts)):
+        touched[s : s + n] = True
+        keys = [x[bt[r, : blocks[r]]].reshape(-1, kv_heads, d)[: c + n].transpose(0, 1)[None] for x in (kc, vc)]
+        mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+        qs = q[s : s + n].transpose(0, 1)[None]
+
+        def sdpa(*xs, mask=mask):
+            return torch.nn.functional.scaled_dot_product_attention(
+                *xs, attn_mask=mask, scale=d**-0.5, enable_gqa=True
+            )[0].transpose(0, 1)
+
+        ref = sdpa(qs.double(), *(x.double() for x in keys))
+        bound = (sdpa(qs, *keys).double() - ref).abs().max().item()
+        res.append((c, n, (out[s : s + n].double() - ref).abs().max().item(), bound, ref.abs().max().item()))
+    assert torch.equal(out[~touched], torch.full_like(out[~touched], 7.0))
+    return res
+
+
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
@@ -231,23 +256,8 @@ def test_prefill_paged_kernel_matches_float64_sdpa(dtype, heads, kv_heads, d, bs
         kernels.prefill_paged(q, kc, vc, out, *args, bt, d**-0.5)
     finally:
         torch.set_num_threads(prev)
-    touched = torch.zeros(t, dtype=torch.bool)
-    for r, ((c, n), s) in enumerate(zip(reqs, starts)):
-        touched[s : s + n] = True
-        keys = [x[bt[r, : blocks[r]]].reshape(-1, kv_heads, d)[: c + n].transpose(0, 1)[None] for x in (kc, vc)]
-        mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
-        qs = q[s : s + n].transpose(0, 1)[None]
-
-        def sdpa(*xs, mask=mask):
-            return torch.nn.functional.scaled_dot_product_attention(
-                *xs, attn_mask=mask, scale=d**-0.5, enable_gqa=True
-            )[0].transpose(0, 1)
-
-        ref = sdpa(qs.double(), *(x.double() for x in keys))
-        bound = (sdpa(qs, *keys).double() - ref).abs().max().item()
-        err = (out[s : s + n].double() - ref).abs().max().item()
+    for c, n, err, bound, _ in _errors_against_float64_sdpa(out, q, kc, vc, reqs, starts, bt, blocks):
         assert err <= max(bound * 1.5, 2e-6), (c, n, err, bound)
-    assert torch.equal(out[~touched], torch.full_like(out[~touched], 7.0))
 
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
@@ -305,21 +315,7 @@ def test_prefill_amx_kernel_matches_float64_sdpa(heads, kv_heads, d, bs, threads
     flash attention); rows outside the listed requests untouched."""
     g = torch.Generator().manual_seed(heads * d + bs + threads)
     reqs = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (5, 40), (37, 1), (31, 2), (100, 70), (0, 150)]
-    starts, t = [], 2
-    for _, n in reqs:
-        starts.append(t)
-        t += n + 3  # gaps: rows the kernel must leave alone
-    blocks = [-(-(c + n) // bs) for c, n in reqs]
-    nb = sum(blocks) + 1
-    kc = torch.randn(nb, bs, kv_heads, d, generator=g).bfloat16()
-    vc = torch.randn(nb, bs, kv_heads, d, generator=g).bfloat16()
-    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
-    bt = torch.zeros(len(reqs), max(blocks), dtype=torch.int64)
-    for r, n in enumerate(blocks):
-        bt[r, :n] = torch.tensor(perm[:n])
-        perm = perm[n:]
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).bfloat16()
-    q = qkv[:, : heads * d].view(t, heads, d)
+    q, kc, vc, starts, bt, blocks, t = _paged_case(reqs, heads, kv_heads, d, bs, torch.bfloat16, g)
     out = torch.full((t, heads, d), 7.0, dtype=torch.bfloat16)
     args = [torch.tensor(x) for x in (starts, [n for _, n in reqs], [c + n for c, n in reqs])]
     prev = torch.get_num_threads()
@@ -328,23 +324,8 @@ def test_prefill_amx_kernel_matches_float64_sdpa(heads, kv_heads, d, bs, threads
         kernels.prefill_amx(q, kc, vc, out, *args, bt, d**-0.5)
     finally:
         torch.set_num_threads(prev)
-    touched = torch.zeros(t, dtype=torch.bool)
-    for r, ((c, n), s) in enumerate(zip(reqs, starts)):
-        touched[s : s + n] = True
-        keys = [x[bt[r, : blocks[r]]].reshape(-1, kv_heads, d)[: c + n].transpose(0, 1)[None] for x in (kc, vc)]
-        mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
-        qs = q[s : s + n].transpose(0, 1)[None]
-
-        def sdpa(*xs, mask=mask):
-            return torch.nn.functional.scaled_dot_product_attention(
-                *xs, attn_mask=mask, scale=d**-0.5, enable_gqa=True
-            )[0].transpose(0, 1)
-
-        ref = sdpa(qs.double(), *(x.double() for x in keys))
-        bound = (sdpa(qs, *keys).double() - ref).abs().max().item()
-        err = (out[s : s + n].double() - ref).abs().max().item()
-        assert err <= max(bound * 1.5, ref.abs().max().item() * 2**-8), (c, n, err, bound)
-    assert torch.equal(out[~touched], torch.full_like(out[~touched], 7.0))
+    for c, n, err, bound, ref_max in _errors_against_float64_sdpa(out, q, kc, vc, reqs, starts, bt, blocks):
+        assert err <= max(bound * 1.5, ref_max * 2**-8), (c, n, err, bound)
 
 
 class _Counting:

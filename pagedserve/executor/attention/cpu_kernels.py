@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
 _HEADERS = (
-    *(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("prefill_paged.h", "prefill_amx.h")),
+    *(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("chunk_args.h", "prefill_paged.h", "prefill_amx.h")),
     *(os.path.join(os.path.dirname(__file__), os.pardir, "ops", "csrc", h) for h in ("avx512_exp.h", "work_queue.h", "avx512_transpose.h", "amx_tiles.h")),
 )
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")

@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include "amx_tiles.h"  // TileConfig, load_tile_config, tiles_granted
+#include "chunk_args.h"  // ChunkArgs: the requests' rows and block tables, checked
 #include "work_queue.h"
 
 #include <algorithm>
@@ -249,22 +250,16 @@ inline void prefill_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d,
               "q/out: rows of contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches contiguous");
-  auto st = starts.contiguous(), ql = qlens.contiguous(), sl = seq_lens.contiguous(), bt = block_tables.contiguous();
-  for (const auto& x : {st, ql, sl, bt}) TORCH_CHECK(x.scalar_type() == at::kLong && x.device().is_cpu(), "int64 on the CPU");
-  const int64_t R = st.numel();
-  TORCH_CHECK(ql.numel() == R && sl.numel() == R && bt.dim() == 2 && bt.size(0) == R, "one entry per request");
+  const auto args = ChunkArgs::make(starts, qlens, seq_lens, block_tables, T, bs, k_cache.size(0));
+  const int64_t R = args.R;
   std::vector<Req> reqs(R);
   int64_t packed = 0;
   for (int64_t i = 0; i < R; ++i) {
     Req& r = reqs[i];
-    r.start = st.data_ptr<int64_t>()[i], r.qlen = ql.data_ptr<int64_t>()[i];
-    r.ctx = sl.data_ptr<int64_t>()[i] - r.qlen;
-    TORCH_CHECK(r.qlen > 0 && r.ctx >= 0 && r.start >= 0 && r.start + r.qlen <= T, "a request outside q's rows");
-    TORCH_CHECK((r.ctx + r.qlen + bs - 1) / bs <= bt.size(1), "a request's context past its block table");
+    r.start = args.start(i), r.qlen = args.qlen(i);
+    r.ctx = args.seq_len(i) - r.qlen;
     r.nt = (r.ctx + r.qlen + KEYS - 1) / KEYS;
-    r.table = bt.data_ptr<int64_t>() + i * bt.size(1);
-    for (int64_t b = 0; b < (r.ctx + r.qlen + bs - 1) / bs; ++b)
-      TORCH_CHECK(r.table[b] >= 0 && r.table[b] < k_cache.size(0), "a block id outside the cache");
+    r.table = args.table(i);
     r.packed = packed;
     packed += kvh * r.nt * KEYS * d;
   }

@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "chunk_args.h"  // ChunkArgs: the requests' rows and block tables, checked
 #include "work_queue.h"
 
 #include <algorithm>
@@ -217,27 +218,13 @@ inline void prefill_paged(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
               "one dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "prefill_paged: float32 or bfloat16");
   TORCH_CHECK(d == 64 || d == 128, "prefill_paged: head_dim 64 or 128");
-  auto st = starts.contiguous(), ql = qlens.contiguous(), sl = seq_lens.contiguous(), bt = block_tables.contiguous();
-  TORCH_CHECK(st.scalar_type() == at::kLong && ql.scalar_type() == at::kLong && sl.scalar_type() == at::kLong &&
-                  bt.scalar_type() == at::kLong,
-              "starts/qlens/seq_lens/block_tables: int64");
-  const int64_t R = st.numel(), T = q.size(0);
-  TORCH_CHECK(ql.numel() == R && sl.numel() == R && bt.dim() == 2 && bt.size(0) == R, "one row per request");
-  const int64_t nb = k_cache.size(0), maxb = bt.size(1);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t a = st.data_ptr<int64_t>()[r], n = ql.data_ptr<int64_t>()[r], len = sl.data_ptr<int64_t>()[r];
-    TORCH_CHECK(a >= 0 && n > 0 && a + n <= T && len >= n, "a request outside q's rows or shorter than its queries");
-    TORCH_CHECK((len + bs - 1) / bs <= maxb, "a block table shorter than its request");
-    for (int64_t b = 0; b < (len + bs - 1) / bs; ++b) {
-      const int64_t blk = bt.data_ptr<int64_t>()[r * maxb + b];
-      TORCH_CHECK(blk >= 0 && blk < nb, "a block id outside the cache");
-    }
-  }
+  const auto args = ChunkArgs::make(starts, qlens, seq_lens, block_tables, q.size(0), bs, k_cache.size(0));
   auto run = [&](auto* type, auto dc) {
     using T_ = std::remove_pointer_t<decltype(type)>;
     prefill<T_, decltype(dc)::value>(q.data_ptr<T_>(), q.stride(0), k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), bs,
-                                      out.data_ptr<T_>(), h, kvh, st.data_ptr<int64_t>(), ql.data_ptr<int64_t>(),
-                                      sl.data_ptr<int64_t>(), bt.data_ptr<int64_t>(), maxb, R, (float)scale);
+                                      out.data_ptr<T_>(), h, kvh, args.starts.data_ptr<int64_t>(),
+                                      args.qlens.data_ptr<int64_t>(), args.seq_lens.data_ptr<int64_t>(),
+                                      args.tables.data_ptr<int64_t>(), args.max_blocks, args.R, (float)scale);
   };
   auto with_d = [&](auto* type) {
     if (d == 64) run(type, std::integral_constant<int, 4>{});
