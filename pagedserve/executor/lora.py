@@ -44,7 +44,9 @@ from pagedserve.executor.cpp_build import load_extension
 from pagedserve.lora import FUSED_PARTS, TARGETS, BaseDims, LoRARequest, PEFTAdapter, load_peft_adapter
 
 _CSRC = os.path.join(os.path.dirname(__file__), "ops", "csrc")
-TILE = 8  # token rows per kernel tile (lora_impl.h's register blocking)
+# included by lora_kernels.cpp; part of the build key
+_LORA_HEADERS = ("isa_target.h", "lora_vec_avx2.h", "lora_vec_avx512.h", "lora_tiles.h", "lora_bf16.h")
+TILE = 8  # token rows per kernel tile (lora_tiles.h's register blocking)
 # False: every step runs the PyTorch path below (tests and A/B measurements flip it)
 use_kernel = True
 
@@ -57,7 +59,7 @@ def load_kernels():
         return None
     try:
         mod = load_extension("lora", [os.path.join(_CSRC, "lora_kernels.cpp")],
-                             headers=(os.path.join(_CSRC, "lora_impl.h"),),
+                             headers=tuple(os.path.join(_CSRC, h) for h in _LORA_HEADERS),
                              cflags=("-O3", "-fopenmp", "-fno-math-errno"), ldflags=("-fopenmp",),
                              expected_seconds=25)
     except Exception as e:  # noqa: BLE001 (any build failure means: the PyTorch path)

@@ -21,7 +21,12 @@ from pagedserve import envs
 from pagedserve.executor.cpp_build import load_extension
 
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = ("quant_impl.h", "quant_vnni.h", "quant_bf16.h", "quant_rows16.h")  # included by quant_kernels.cpp; part of the build key
+# included by quant_kernels.cpp (one file per ISA, and what they share); part of the build key
+_HEADERS = (
+    "quant_dequant.h", "quant_loops.h", "quant_scalar.h", "quant_avx2_q8.h", "quant_avx2.h", "quant_avx512.h",
+    "quant_rows16.h", "quant_vnni.h", "quant_bf16.h",
+)
+_OPS_HEADERS = ("avx512_transpose.h", "isa_target.h")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 4, "amx_bf16": 5, "amx_int8": 6}
 
 
@@ -33,7 +38,10 @@ def load():
     mod = load_extension(
         "quant",
         [os.path.join(_DIR, "quant_kernels.cpp")],
-        headers=(*(os.path.join(_DIR, h) for h in _HEADERS), os.path.join(_DIR, os.pardir, os.pardir, "ops", "csrc", "avx512_transpose.h")),
+        headers=(
+            *(os.path.join(_DIR, h) for h in _HEADERS),
+            *(os.path.join(_DIR, os.pardir, os.pardir, "ops", "csrc", h) for h in _OPS_HEADERS),
+        ),
         cflags=("-O3", "-fopenmp", "-fno-math-errno"),
         ldflags=("-fopenmp",),
         expected_seconds=40,

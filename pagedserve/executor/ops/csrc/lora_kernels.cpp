@@ -11,9 +11,11 @@
 //     no gathered copies, no index_add; tiles split over OpenMP's team (at::parallel_for).
 //   x, a, b: float32 or bfloat16 (one dtype); y: float32 or bfloat16.
 //
-// The same source (lora_impl.h) is compiled for AVX2+FMA and AVX-512 (target regions, no
-// -march flags) and chosen at run time (CPUID; `set_isa` forces one, tests run both). A CPU
-// with neither: `isa_available(1)` is false and the Python side runs its PyTorch reference.
+// One file of vector primitives per ISA (lora_vec_avx2.h, lora_vec_avx512.h) under one kernel
+// source (lora_tiles.h), plus vdpbf16ps kernels for AVX512-BF16 (lora_bf16.h); each ISA is a
+// target region of this file (no -march flags), chosen at run time (CPUID; `set_isa` forces one,
+// tests run each). A CPU with none: `isa_available(1)` is false and the Python side runs its
+// PyTorch reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,6 +24,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "isa_target.h"  // ISA_TARGET_BEGIN / END: a region compiled for one instruction set
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -55,58 +59,27 @@ struct LoraArgs {
 };
 
 #if LK_X86
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
+ISA_TARGET_BEGIN("avx2,fma")
 namespace avx2 {
-#define LK_W 8
-#include "lora_impl.h"
-#undef LK_W
+#include "lora_vec_avx2.h"
+#include "lora_tiles.h"
 }  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+ISA_TARGET_END()
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
-#endif
+ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx2,fma")
 namespace avx512 {
-#define LK_W 16
-#include "lora_impl.h"
-#undef LK_W
+#include "lora_vec_avx512.h"
+#include "lora_tiles.h"
 }  // namespace avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+ISA_TARGET_END()
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
-#endif
+ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
 namespace avx512_bf16 {
-#define LK_W 16
-#define LK_BF16 1
-#include "lora_impl.h"
-#undef LK_BF16
-#undef LK_W
+#include "lora_vec_avx512.h"
+#include "lora_tiles.h"
+#include "lora_bf16.h"
 }  // namespace avx512_bf16
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+ISA_TARGET_END()
 #endif  // LK_X86
 
 enum { ISA_NONE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
@@ -174,7 +147,7 @@ static void run_bf16(const LoraArgs<uint16_t, TY>& g, const int64_t* tiles, int6
   });
 }
 
-// packed: a [S, in/2, R, 2] and b [S, RP/2, out, 2] in bf16 (lora_impl.h's LK_BF16 layouts, the
+// packed: a [S, in/2, R, 2] and b [S, RP/2, out, 2] in bf16 (lora_bf16.h's layouts, the
 // avx512_bf16 level); else a [S, in, R], b [S, R, out] (the PyTorch path's layouts).
 void lora_apply_(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& a, const torch::Tensor& b,
                  const torch::Tensor& rows, const torch::Tensor& tiles, const torch::Tensor& cols, int64_t rank,

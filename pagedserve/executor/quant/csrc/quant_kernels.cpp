@@ -1,12 +1,15 @@
 // Matrix products with weights kept in GGUF's packed block formats (Q4_0, Q4_1, Q5_0, Q5_1,
 // Q8_0, Q4_K, Q5_K, Q6_K; F32/F16/BF16 rows too), float activations.
 //
-// The same kernel source (quant_impl.h) is compiled three times in this one translation unit:
-// portable scalar, AVX2+FMA+F16C and AVX-512 (each in its own namespace and target region);
-// the levels above AVX-512 add their own kernels on top of its build (quant_vnni.h: AVX512-VNNI
-// integer products), and the path is chosen at run time from what the CPU has (CPUID; or forced
-// with set_isa, which the Python side drives from PAGEDSERVE_CPU_ISA). No -march flags: the
-// module runs on any x86-64.
+// One kernel file per instruction set, each compiled in its own namespace and target region of
+// this one translation unit (ISA_TARGET_BEGIN): quant_scalar.h (portable), quant_avx2.h
+// (AVX2+FMA+F16C), quant_avx512.h (AVX-512 F/BW/VL/DQ), and on top of the AVX-512 one
+// quant_rows16.h (row-interleaved few-row products), quant_vnni.h (AVX512-VNNI integer
+// products) and quant_bf16.h (AVX512-BF16 many-row products). The first three share the
+// ISA-neutral block code (quant_dequant.h) and loops (quant_loops.h), compiled into each; a new
+// ISA is one more file and one more region here. The path is chosen at run time from what the
+// CPU has (CPUID; or forced with set_isa, which the Python side drives from
+// PAGEDSERVE_CPU_ISA). No -march flags: the module runs on any x86-64.
 //
 //   gemm(x [M,K] f32, w uint8 [N, row_bytes], type, out [M, ldo] f32, col0)
 //       out[:, col0:col0+N] = x @ dequant(w).T
@@ -35,6 +38,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "isa_target.h"  // ISA_TARGET_BEGIN / END: a region compiled for one instruction set
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -111,83 +116,41 @@ struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 weight
 };
 
 namespace scalar {
-#define QK_ISA 0
-#include "quant_impl.h"
-#undef QK_ISA
+#include "quant_scalar.h"
 }  // namespace scalar
 
 #if QK_X86
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+ISA_TARGET_BEGIN("avx2,fma,f16c")
 namespace avx2 {
-#define QK_ISA 1
-#include "quant_impl.h"
-#undef QK_ISA
+#include "quant_avx2.h"
 }  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+ISA_TARGET_END()
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#endif
+ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace avx512 {
-#define QK_ISA 2
-#include "quant_impl.h"
-#undef QK_ISA
+#include "quant_avx512.h"
 }  // namespace avx512
 // few-row products on row-interleaved Q4_0 / Q4_1 / Q8_0 weights (quant_rows16.h), same target
 namespace avx512_rows16 {
 #include "quant_rows16.h"
 }  // namespace avx512_rows16
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+ISA_TARGET_END()
 
 // AVX512-VNNI: the act_q8 integer kernels (quant_vnni.h) on the AVX-512 build's helpers
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
-#endif
+ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 namespace avx512_vnni {
 using namespace avx512;
 #include "quant_vnni.h"
 }  // namespace avx512_vnni
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+ISA_TARGET_END()
 
 // AVX512-BF16: the bf16 many-row products of bfloat16 models (quant_bf16.h)
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
-#endif
+ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
 namespace avx512_bf16 {
 using namespace avx512;
 #include "quant_bf16.h"
 }  // namespace avx512_bf16
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+ISA_TARGET_END()
 #endif  // QK_X86
 
 // ---- threads ------------------------------------------------------------------------------------

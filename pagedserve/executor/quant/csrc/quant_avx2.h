@@ -1,0 +1,416 @@
+// The AVX2 + FMA + F16C kernels, included by quant_kernels.cpp inside `namespace avx2` and its
+// target region:
+//   few rows, Q4_0 / Q4_1 / Q8_0: each weight block expanded into registers and used for every
+//     activation row, as scale * sum(x * q) + min * sum(x) (1-3 rows) or with scale and min
+//     folded into the expanded weights (4-8 rows); other types: a row dequantized, then dot();
+//   many rows (gemm_many_rows, any type): chunks of weight rows dequantized into an L2-sized float
+//     buffer and multiplied by a 3x4 register-blocked micro-kernel;
+//   gguf_q8 (int8 activations): quant_avx2_q8.h for few rows, gemm_q8_many for many (also run
+//     on AVX-512 CPUs without VNNI).
+// No include guard on purpose.
+
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+#include "quant_dequant.h"
+#include "quant_avx2_q8.h"
+
+static inline float dot(const float* a, const float* b, int64_t K) {
+  int64_t i = 0;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= K; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+  }
+  float s = hsum8(_mm256_add_ps(a0, a1));
+  for (; i < K; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// ---- fused kernels: Q4_0, Q4_1, Q8_0 --------------------------------------------------------
+// Each block's 32 quants become float registers once and are used for up to MT activation
+// rows; per block and row: acc += d * sum(x * q) (+ m * sum(x) for Q4_1, from g.xsum), or
+// (4-8 rows) acc += x * (d * q + m).
+template <int TYPE>
+static inline void unpack32(const uint8_t* blk, __m256* f) {
+  if (TYPE == T_Q8_0) {
+    const int8_t* qs = reinterpret_cast<const bq8_0*>(blk)->qs;
+    for (int j = 0; j < 4; ++j)
+      f[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * j))));
+  } else {
+    // bytes widened to dwords straight from memory, then both nibbles taken per lane:
+    // bytes 0-7 give elements 0-7 (low nibbles) and 16-23 (high), bytes 8-15 give 8-15 and 24-31
+    const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+    const __m256i m4 = _mm256_set1_epi32(15);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+    __m256i l0 = _mm256_and_si256(b0, m4), l1 = _mm256_and_si256(b1, m4);
+    __m256i h0 = _mm256_srli_epi32(b0, 4), h1 = _mm256_srli_epi32(b1, 4);
+    if (TYPE == T_Q4_0) {
+      const __m256i e8 = _mm256_set1_epi32(8);
+      l0 = _mm256_sub_epi32(l0, e8);
+      l1 = _mm256_sub_epi32(l1, e8);
+      h0 = _mm256_sub_epi32(h0, e8);
+      h1 = _mm256_sub_epi32(h1, e8);
+    }
+    f[0] = _mm256_cvtepi32_ps(l0);
+    f[1] = _mm256_cvtepi32_ps(l1);
+    f[2] = _mm256_cvtepi32_ps(h0);
+    f[3] = _mm256_cvtepi32_ps(h1);
+  }
+}
+
+// 4-8 rows: the block's 32 weights dequantized in registers (q * d, + m for Q4_1: the same
+// FMA as deq_fast), so a row's products are plain FMAs. Each activation row keeps two accumulators
+// (up to 6 rows: 12 + the 4 weight vectors fill the 16 registers), so enough independent FMA
+// chains are in flight to keep both FMA pipes busy (one chain of 4-5 dependent FMAs per row
+// and block left a 5-row tile at half the machine's FMA rate).
+// 1-3 rows (a decode at batch 1 is this, and memory-bound): folding scale and min into the
+// weights would cost 4 FMAs a block for too few rows; instead each row's sum(x * q) is scaled
+// once (acc += d * s) and Q4_1's min term comes from the activations' block sums (g.xsum).
+template <int TYPE, int MT>
+static void gemm_fused_tile_few(const GemmArgs& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    __m256 f[4];
+    unpack32<TYPE>(blk, f);
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    const __m256 vd = _mm256_set1_ps(h2f(hdr[0]));
+    for (int t = 0; t < MT; ++t) {
+      const float* x = g.X + (m0 + t) * g.K + i * 32;
+      __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+      s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), s);
+      s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x + 16), s);
+      s = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), s);
+      acc[t] = _mm256_fmadd_ps(s, vd, acc[t]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xsum[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+}
+
+template <int TYPE, int MT>
+static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
+  if constexpr (MT <= 3) {
+    gemm_fused_tile_few<TYPE, MT>(g, n, m0);
+    return;
+  }
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  constexpr int NA = MT <= 6 ? 2 : 1;
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  const float* X = g.X + m0 * g.K;
+  __m256 acc[MT][NA];
+  for (int t = 0; t < MT; ++t)
+    for (int a = 0; a < NA; ++a) acc[t][a] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    __m256 f[4];
+    unpack32<TYPE>(blk, f);
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    const __m256 vd = _mm256_set1_ps(h2f(hdr[0]));
+    if (TYPE == T_Q4_1) {
+      const __m256 vm = _mm256_set1_ps(h2f(hdr[1]));
+      for (int j = 0; j < 4; ++j) f[j] = _mm256_fmadd_ps(f[j], vd, vm);
+    } else {
+      for (int j = 0; j < 4; ++j) f[j] = _mm256_mul_ps(f[j], vd);
+    }
+    for (int t = 0; t < MT; ++t) {
+      const float* x = X + t * g.K + i * 32;
+      for (int j = 0; j < 4; ++j) acc[t][j % NA] = _mm256_fmadd_ps(f[j], _mm256_loadu_ps(x + 8 * j), acc[t][j % NA]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) {
+    __m256 s = acc[t][0];
+    if (NA == 2) s = _mm256_add_ps(s, acc[t][NA - 1]);
+    g.out[(m0 + t) * g.ldo + n] = hsum8(s);
+  }
+}
+
+// Q4_0 / Q4_1 / Q8_0 rows through the same register unpacking as the fused kernel
+template <int TYPE>
+static void deq_fast(const uint8_t* src, float* y, int64_t K) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  for (int64_t i = 0; i < K / 32; ++i, y += 32) {
+    const uint8_t* blk = src + i * BB;
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    __m256 f[4];
+    unpack32<TYPE>(blk, f);
+    const __m256 d = _mm256_set1_ps(h2f(hdr[0]));
+    if (TYPE == T_Q4_1) {
+      const __m256 m = _mm256_set1_ps(h2f(hdr[1]));
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + j * 8, _mm256_fmadd_ps(f[j], d, m));
+    } else {
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + j * 8, _mm256_mul_ps(f[j], d));
+    }
+  }
+}
+
+static deq_fn best_deq_for(int type) {
+  switch (type) {
+    case T_Q4_0: return deq_fast<T_Q4_0>;
+    case T_Q4_1: return deq_fast<T_Q4_1>;
+    case T_Q8_0: return deq_fast<T_Q8_0>;
+    default: return deq_for(type);
+  }
+}
+
+#include "quant_loops.h"
+
+// ---- many rows (AVX2): dequantize a chunk of weight rows into an L2-resident float buffer,
+// then a register-blocked micro-kernel: 3 activation rows x 4 weight rows, 12 accumulators,
+// 7 loads per 12 FMAs, horizontal sums at the end of K. Every type (dequant_rows). Beats the
+// dequantized-tile + BLAS path at 16-64 rows (no packing of the tile, no second pass over it).
+static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {  // [sum a, sum b, sum c, sum d]
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 s = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+template <int MR, int NR>
+static void micro_many(const float* X, int64_t ldx, const float* Wf, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 x[MR];
+    for (int r = 0; r < MR; ++r) x[r] = _mm256_loadu_ps(X + r * ldx + k);
+    for (int c = 0; c < NR; ++c) {
+      const __m256 w = _mm256_loadu_ps(Wf + c * K + k);
+      for (int r = 0; r < MR; ++r) acc[r][c] = _mm256_fmadd_ps(x[r], w, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if constexpr (NR == 4) {
+      _mm_storeu_ps(out + r * ldo, hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      for (int c = 0; c < NR; ++c) out[r * ldo + c] = hsum8(acc[r][c]);
+    }
+  }
+}
+
+template <int MR>
+static inline void micro_cols(const float* X, int64_t ldx, const float* Wf, int64_t K, float* out, int64_t ldo,
+                              int64_t nc) {
+  int64_t c = 0;
+  for (; c + 4 <= nc; c += 4) micro_many<MR, 4>(X, ldx, Wf + c * K, K, out + c, ldo);
+  switch (nc - c) {
+    case 3: micro_many<MR, 3>(X, ldx, Wf + c * K, K, out + c, ldo); break;
+    case 2: micro_many<MR, 2>(X, ldx, Wf + c * K, K, out + c, ldo); break;
+    case 1: micro_many<MR, 1>(X, ldx, Wf + c * K, K, out + c, ldo); break;
+    default: break;
+  }
+}
+
+// Output columns [n0, n1) for all M rows; K a multiple of 8 (every packed type's block is).
+static void gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
+  const int64_t NC = std::max<int64_t>(4, std::min<int64_t>(64, ((int64_t(48) << 10) / 4 / g.K) & ~int64_t(3)));
+  // blocks of activation rows that stay in L2 (~384 KB) while every weight chunk passes over
+  // them; each block dequantizes the chunks again (~2% of its multiply-adds at 48+ rows)
+  const int64_t MB = std::max<int64_t>(48, ((int64_t(384) << 10) / 4 / g.K) / 3 * 3);
+  // F32 rows are already floats: read in place, no copy
+  const bool in_place = g.type == T_F32;
+  thread_local std::vector<float> buf;
+  if (!in_place) buf.resize(NC * g.K);
+  for (int64_t mb = 0; mb < g.M; mb += MB) {
+    const int64_t me = std::min(g.M, mb + MB);
+    for (int64_t c0 = n0; c0 < n1; c0 += NC) {
+      const int64_t nc = std::min(NC, n1 - c0);
+      const float* wf = reinterpret_cast<const float*>(g.W + c0 * g.rb);
+      if (!in_place) {
+        dequant_rows(g.type, g.W + c0 * g.rb, g.rb, g.K, nullptr, 0, nc, buf.data());
+        wf = buf.data();
+      }
+      int64_t m = mb;
+      for (; m + 3 <= me; m += 3) micro_cols<3>(g.X + m * g.K, g.K, wf, g.K, g.out + m * g.ldo + c0, g.ldo, nc);
+      if (me - m == 2) micro_cols<2>(g.X + m * g.K, g.K, wf, g.K, g.out + m * g.ldo + c0, g.ldo, nc);
+      if (me - m == 1) micro_cols<1>(g.X + m * g.K, g.K, wf, g.K, g.out + m * g.ldo + c0, g.ldo, nc);
+    }
+  }
+}
+
+// ---- many rows with int8 activations (the named option "gguf_q8"; AVX2, also run on AVX-512 CPUs) ----
+// A chunk of output columns is repacked into groups of 8: for each 32-element block and each of
+// its 8 steps of 4 elements, 32 bytes whose 32-bit lane c holds column c's 4 quants (unsigned:
+// Q4_0 / Q4_1 nibbles 0..15; Q8_0 keeps its signed bytes), beside the 8 columns' scales and
+// minimums as floats (Q4_0's min is -8 * scale: its quants are stored uncentred). Every step is
+// then one vpmaddubsw per (activation row, group) against 4 activation bytes broadcast to all
+// lanes: no horizontal sums, and each lane is an output column. Nibble products (|q x| <= 15 *
+// 127) are summed over a block's 8 steps in 16 bits (at most 16 * 1905 = 30480, no overflow);
+// Q8_0's (up to 2 * 128 * 127 = 32512 a step: a file may hold -128, whose magnitude vpmaddubsw
+// reads as unsigned 128) are widened to 32 bits every step. Per block and row:
+// acc += float(sum) * (d_w * d_x) + m_w * (d_x * sum(x quants)).
+template <int TYPE>
+static void q8_repack8(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint8_t* Q, float* D, float* Mn) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i e[8];
+    for (int c = 0; c < 8; ++c) {
+      if (c >= ncols) {
+        e[c] = _mm256_setzero_si256();
+        D[b * 8 + c] = Mn[b * 8 + c] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = W + c * rb + b * BB;
+      const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+      e[c] = quant_bytes32<TYPE>(blk);
+      const float d = h2f(hdr[0]);
+      D[b * 8 + c] = d;
+      Mn[b * 8 + c] = TYPE == T_Q4_1 ? h2f(hdr[1]) : TYPE == T_Q4_0 ? -8.f * d : 0.f;
+    }
+    // transpose 8 x 8 dwords: column c's dword s -> step s's lane c
+    const __m256i t0 = _mm256_unpacklo_epi32(e[0], e[1]), t1 = _mm256_unpackhi_epi32(e[0], e[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(e[2], e[3]), t3 = _mm256_unpackhi_epi32(e[2], e[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(e[4], e[5]), t5 = _mm256_unpackhi_epi32(e[4], e[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(e[6], e[7]), t7 = _mm256_unpackhi_epi32(e[6], e[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    __m256i* o = reinterpret_cast<__m256i*>(Q + b * 256);
+    _mm256_storeu_si256(o + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
+    _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
+    _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
+    _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
+    _mm256_storeu_si256(o + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
+    _mm256_storeu_si256(o + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
+    _mm256_storeu_si256(o + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
+    _mm256_storeu_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+  }
+}
+
+// R activation rows x G groups of 8 columns; `Q`, `D`, `Mn` the first group's repacked block 0
+// (groups `gs` bytes / `gf` floats apart); `ncols` valid columns in the last group.
+template <int TYPE, int R, int G>
+static void q8_micro(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const float* D, const float* Mn, int64_t gs,
+                     int64_t gf, float* out, int ncols) {
+  const int64_t nb = g.K / 32;
+  const int8_t* x = g.xq + m * g.K;
+  __m256 acc[R][G];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < G; ++c) acc[r][c] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s[R][G];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < G; ++c) s[r][c] = _mm256_setzero_si256();
+    const uint8_t* qb = Q + b * 256;
+#pragma GCC unroll 8
+    for (int st = 0; st < 8; ++st) {
+      __m256i w[G], wa[G];
+#pragma GCC unroll 8
+      for (int c = 0; c < G; ++c) {
+        w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * gs + st * 32));
+        wa[c] = TYPE == T_Q8_0 ? _mm256_sign_epi8(w[c], w[c]) : w[c];
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, x + r * g.K + b * 32 + st * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(xv);
+#pragma GCC unroll 8
+        for (int c = 0; c < G; ++c) {
+          if (TYPE == T_Q8_0)  // signed weights lend their sign to x; 32-bit sums every step
+            s[r][c] = _mm256_add_epi32(
+                s[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(xb, w[c])), ones));
+          else
+            s[r][c] = _mm256_add_epi16(s[r][c], _mm256_maddubs_epi16(wa[c], xb));
+        }
+      }
+      // keeps the sums in registers: without it GCC reassociates the adds into a tree of spills
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < G; ++c) __asm__("" : "+x"(s[r][c]));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_broadcast_ss(g.xd + (m + r) * nb + b);
+      const __m256 sx = _mm256_broadcast_ss(g.xs + (m + r) * nb + b);
+#pragma GCC unroll 8
+      for (int c = 0; c < G; ++c) {
+        const __m256i i32 = TYPE == T_Q8_0 ? s[r][c] : _mm256_madd_epi16(s[r][c], ones);
+        const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(D + c * gf + b * 8), dx);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), sc, acc[r][c]);
+        if (TYPE != T_Q8_0) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(Mn + c * gf + b * 8), sx, acc[r][c]);
+      }
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(ncols), lane);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < G; ++c) {
+      float* o = out + r * g.ldo + c * 8;
+      if (c == G - 1 && ncols < 8)
+        _mm256_maskstore_ps(o, tail, acc[r][c]);
+      else
+        _mm256_storeu_ps(o, acc[r][c]);
+    }
+}
+
+template <int TYPE, int G>
+static void q8_rows(const GemmQ8Args& g, int64_t m0, int64_t m1, const uint8_t* Q, const float* D, const float* Mn,
+                    int64_t gs, int64_t gf, float* out, int ncols) {
+  int64_t m = m0;
+  for (; m + 3 <= m1; m += 3) q8_micro<TYPE, 3, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols);
+  if (m1 - m == 2) q8_micro<TYPE, 2, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols);
+  if (m1 - m == 1) q8_micro<TYPE, 1, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols);
+}
+
+// Output columns [n0, n1) for all M rows (int8 activations in g.xq / g.xd / g.xs).
+template <int TYPE>
+static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  constexpr int64_t NC = 32;  // columns repacked at a time: 4 groups, nb * 1.3 KB (in L1/L2)
+  const int64_t nb = g.K / 32, gs = nb * 256, gf = nb * 8;
+  // blocks of activation rows that stay in L2 (~384 KB of int8; at least 48 rows, so more for
+  // K > 8192) while every chunk passes over them
+  const int64_t MB = std::max<int64_t>(48, ((int64_t(384) << 10) / g.K) / 3 * 3);
+  thread_local std::vector<uint8_t> qbuf;
+  thread_local std::vector<float> dbuf, mbuf;
+  qbuf.resize(NC / 8 * gs);
+  dbuf.resize(NC / 8 * gf);
+  mbuf.resize(NC / 8 * gf);
+  for (int64_t mb = 0; mb < g.M; mb += MB) {
+    const int64_t me = std::min(g.M, mb + MB);
+    for (int64_t c0 = n0; c0 < n1; c0 += NC) {
+      const int64_t nc = std::min(NC, n1 - c0), ng = (nc + 7) / 8;
+      for (int64_t j = 0; j < ng; ++j)
+        q8_repack8<TYPE>(g.W + (c0 + 8 * j) * g.rb, g.rb, nb, (int)std::min<int64_t>(8, nc - 8 * j),
+                         qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf);
+      int64_t j = 0;
+      for (; j + 2 <= ng; j += 2) {
+        const int last = (int)std::min<int64_t>(8, nc - 8 * (j + 1));
+        q8_rows<TYPE, 2>(g, mb, me, qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf, gs, gf,
+                         g.out + c0 + 8 * j, last);
+      }
+      if (j < ng)
+        q8_rows<TYPE, 1>(g, mb, me, qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf, gs, gf,
+                         g.out + c0 + 8 * j, (int)(nc - 8 * j));
+    }
+  }
+}
+
+static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
+  switch (g.type) {
+    case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
+    case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;
+    default: gemm_q8_many_t<T_Q8_0>(g, n0, n1); break;
+  }
+}

@@ -1,0 +1,104 @@
+// The gguf_q8 few-row code in AVX2 instructions (activation quantization, a block's quants as
+// bytes, the vpmaddubsw dot products), included by quant_avx2.h and, unchanged, by
+// quant_avx512.h: on AVX-512 CPUs the integer gains come from VNNI (quant_vnni.h), not from wider
+// vpmaddubsw. Needs h2f() and the block structs. No include guard on purpose.
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// ---- activation-quantized products (the named option "gguf_q8", as llama.cpp's q8 dot products) ----
+// Blocks [b0, b1) of 32 floats -> int8 quants round-half-even(x / d) in [-127, 127], d =
+// max|x| / 127 (0 for an all-zero block), s = d * sum(quants). x * (1 / d) is clamped to
+// +-127 and a NaN product becomes 0, so non-finite or tiny (d below FLT_MIN: 1 / d = inf)
+// blocks give bounded quants, never -128 (the sign trick's blind spot); such inputs give
+// finite garbage, not NaN. The vector and scalar code give the same bits for every input.
+static void quantize_q8_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* v = x + b * 32;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 f[4], mx = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      f[j] = _mm256_loadu_ps(v + 8 * j);
+      mx = _mm256_max_ps(_mm256_andnot_ps(sign, f[j]), mx);  // a NaN is skipped, as std::max does
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float dd = amax / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
+    const __m256 iv = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) {
+      __m256 y = _mm256_mul_ps(f[j], iv);
+      y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q));          // NaN -> 0
+      y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);                     // +-inf -> +-127
+      i[j] = _mm256_cvtps_epi32(y);                                    // MXCSR: round half to even
+    }
+    // 32 x int32 -> 32 x int8 in order (packs interleave 128-bit lanes; the permute undoes it)
+    const __m256i p16 = _mm256_packs_epi32(i[0], i[1]), p16b = _mm256_packs_epi32(i[2], i[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), p8);
+    const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const int32_t sum = _mm_cvtsi128_si32(s4);
+    d[b] = dd;
+    s[b] = dd * (float)sum;
+  }
+}
+
+// A Q4_0 / Q4_1 / Q8_0 block's 32 quants as bytes in element order, for the integer kernels:
+// Q8_0's signed bytes as stored; nibbles as unsigned 0..15 (Q4_0's not centred)
+template <int TYPE>
+static inline __m256i quant_bytes32(const uint8_t* blk) {
+  if (TYPE == T_Q8_0)
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const bq8_0*>(blk)->qs));
+  const uint8_t* qs = TYPE == T_Q4_0 ? reinterpret_cast<const bq4_0*>(blk)->qs : reinterpret_cast<const bq4_1*>(blk)->qs;
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
+                          _mm256_set1_epi8(15));
+}
+
+// The activations were quantized per 32-element block to int8 (Q8A: scale xd = max|x| / 127,
+// quants xq, and xs = xd * sum(xq) for Q4_1's min term); each weight block's quants meet them in
+// integer multiply-adds, then acc += (d_w * xd) * dot + m_w * xs. Q4_0, Q4_1, Q8_0 only.
+template <int TYPE, int MT>
+static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    __m256i w = quant_bytes32<TYPE>(blk);
+    if (TYPE == T_Q4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
+    // maddubs multiplies unsigned by signed bytes: signed weights lend their sign to x
+    const __m256i wu = TYPE == T_Q4_1 ? w : _mm256_sign_epi8(w, w);
+    const float dw = h2f(hdr[0]);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t r = (m0 + t) * nb + i;
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
+      if (TYPE != T_Q4_1) x = _mm256_sign_epi8(x, w);
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+}

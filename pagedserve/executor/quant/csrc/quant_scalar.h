@@ -1,0 +1,106 @@
+// The portable kernels (no vector instructions written out; the compiler's own), included by
+// quant_kernels.cpp inside `namespace scalar`. They define the reference arithmetic that every
+// vector path must reproduce: the same products as dequantize-then-matmul up to float rounding,
+// and for gguf_q8 the same integer sums bit for bit. No include guard on purpose.
+
+static inline float h2f(uint16_t h) { return fp16_to_f32(h); }
+
+#include "quant_dequant.h"
+
+static inline float dot(const float* a, const float* b, int64_t K) {
+  int64_t i = 0;
+  float p[4] = {0.f, 0.f, 0.f, 0.f};
+  for (; i + 4 <= K; i += 4)
+    for (int j = 0; j < 4; ++j) p[j] += a[i + j] * b[i + j];
+  float s = (p[0] + p[1]) + (p[2] + p[3]);
+  for (; i < K; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Q4_0 / Q4_1 / Q8_0: per block and row, acc += d * sum(x * q) (+ m * sum(x) for Q4_1, from g.xsum)
+template <int TYPE, int MT>
+static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  float acc[MT], accm[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = accm[t] = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    float q[32];
+    quants32<TYPE>(blk, q);
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    const float d = h2f(hdr[0]);
+    for (int t = 0; t < MT; ++t) {
+      const float* x = g.X + (m0 + t) * g.K + i * 32;
+      float s = 0.f;
+      for (int j = 0; j < 32; ++j) s += q[j] * x[j];
+      acc[t] += s * d;
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xsum[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
+}
+
+static deq_fn best_deq_for(int type) { return deq_for(type); }
+
+// ---- activation-quantized products (the named option "gguf_q8", as llama.cpp's q8 dot products) ----
+// Blocks [b0, b1) of 32 floats -> int8 quants round-half-even(x / d) in [-127, 127], d =
+// max|x| / 127 (0 for an all-zero block), s = d * sum(quants). x * (1 / d) is clamped to
+// +-127 and a NaN product becomes 0, so non-finite or tiny (d below FLT_MIN: 1 / d = inf)
+// blocks give bounded quants, never -128 (the sign trick's blind spot); such inputs give
+// finite garbage, not NaN. The vector and scalar code give the same bits for every input.
+static void quantize_q8_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* v = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float dd = amax / 127.f, id = dd > 0.f ? 1.f / dd : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      float y = v[j] * id;
+      y = y == y ? std::min(std::max(y, -127.f), 127.f) : 0.f;
+      const int8_t qq = (int8_t)std::nearbyint(y);
+      q[b * 32 + j] = qq;
+      sum += qq;
+    }
+    d[b] = dd;
+    s[b] = dd * (float)sum;
+  }
+}
+
+// The activations were quantized per 32-element block to int8 (Q8A: scale xd = max|x| / 127,
+// quants xq, and xs = xd * sum(xq) for Q4_1's min term); each weight block's quants meet them in
+// integer multiply-adds, then acc += (d_w * xd) * dot + m_w * xs. Q4_0, Q4_1, Q8_0 only.
+template <int TYPE, int MT>
+static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  const int64_t nb = g.K / 32;
+  const uint8_t* row = g.W + n * g.rb;
+  float acc[MT], accm[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = accm[t] = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* blk = row + i * BB;
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    int8_t w[32];
+    quants32<TYPE>(blk, w);
+    const float dw = h2f(hdr[0]);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t r = (m0 + t) * nb + i;
+      const int8_t* x = g.xq + r * 32;
+      int32_t s = 0;
+      for (int j = 0; j < 32; ++j) s += (int32_t)w[j] * (int32_t)x[j];
+      acc[t] += (float)s * (dw * g.xd[r]);
+    }
+    if (TYPE == T_Q4_1) {
+      const float mn = h2f(hdr[1]);
+      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + i];
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
+}
+
+#include "quant_loops.h"
