@@ -1,6 +1,7 @@
 """Prefill attention (BENCHMARKS.md sections 33, 37 and 42), 9 query / 3 KV heads, d 64, median ms
 per call (one layer): the AMX tile kernel (csrc/prefill_amx.h, bf16, one call for all chunks, K/V
-read from a paged cache of 16-token blocks) where built, the float32-arithmetic kernel
+read from a paged cache of 16-token blocks) and the vdpbf16ps kernel (csrc/prefill_bf16.h, the
+same call) where built, the float32-arithmetic kernel
 (csrc/prefill_paged.h, the same call) on bf16 and on float32 tensors, and torch's SDPA one call
 per chunk (fresh chunks on [1, heads, n, d] views of the fused QKV rows; a chunk after cached
 context on its gathered K/V with a mask, as torch_backend ran it before prefill_paged), in bf16
@@ -57,9 +58,14 @@ def case(cpp, name: str, reqs: list[tuple[int, int]], dtype) -> dict:
     res = {"case": name, "dtype": str(dtype).removeprefix("torch."), "tokens": t, "chunks": len(reqs)}
     if hasattr(cpp, "prefill_amx") and dtype == torch.bfloat16:
         res["amx_ms"] = ms(lambda: cpp.prefill_amx(q, kc, vc, out, *args, 0.125))
+    if hasattr(cpp, "prefill_bf16") and dtype == torch.bfloat16:
+        res["bf16_ms"] = ms(lambda: cpp.prefill_bf16(q, kc, vc, out, *args, 0.125))
     res["paged_ms"] = ms(lambda: cpp.prefill_paged(q, kc, vc, out, *args, 0.125))
     res["sdpa_ms"] = ms(sdpa)
     res["sdpa_over_paged"] = round(res["sdpa_ms"] / res["paged_ms"], 2)
+    if "bf16_ms" in res:
+        res["paged_over_bf16"] = round(res["paged_ms"] / res["bf16_ms"], 2)
+        res["sdpa_over_bf16"] = round(res["sdpa_ms"] / res["bf16_ms"], 2)
     if "amx_ms" in res:
         res["sdpa_over_amx"] = round(res["sdpa_ms"] / res["amx_ms"], 2)
     return res

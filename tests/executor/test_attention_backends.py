@@ -1,5 +1,7 @@
 """The C++ decode kernel against the PyTorch reference backend."""
 
+import collections
+
 import pytest
 import torch
 
@@ -284,7 +286,7 @@ def test_prefill_chunks_take_the_kernel_beside_decodes_and_short_queries():
     kernel takes bf16 only), the rest as before, and the whole equals the SDPA reference backend."""
     reqs = [(40, 1), (3, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
     ref, out, meta2 = _sdpa_vs_cpp_step(reqs, 8, 2, 64, seed=5)
-    starts, qlens, seq_lens, _ = meta2.backend_cache["paged"]
+    starts, qlens, seq_lens, _ = meta2.backend_cache["chunks"]
     assert qlens.tolist() == [30, 33, 17, 64] and seq_lens.tolist() == [30, 53, 17, 64]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
@@ -302,44 +304,79 @@ def _amx_kernel() -> bool:
     return kernels is not None and hasattr(kernels, "prefill_amx") and _amx()
 
 
-@pytest.mark.skipif(not _amx_kernel(), reason=_NO_AMX)
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 1, 256)])
+_NO_BF16 = "needs the C++ kernels built for a CPU with AVX512-BF16 (vdpbf16ps)"
+
+
+def _bf16_kernel() -> bool:
+    return kernels is not None and hasattr(kernels, "prefill_bf16")
+
+
+_BF16_KERNELS = [
+    pytest.param("prefill_bf16", marks=pytest.mark.skipif(not _bf16_kernel(), reason=_NO_BF16)),
+    pytest.param("prefill_amx", marks=pytest.mark.skipif(not _amx_kernel(), reason=_NO_AMX)),
+]
+
+
+@pytest.mark.parametrize("kernel", _BF16_KERNELS)
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 1, 256), (4, 2, 96)])
 @pytest.mark.parametrize("bs", [16, 5])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prefill_amx_kernel_matches_float64_sdpa(heads, kv_heads, d, bs, threads):
-    """Prefill chunks on the AMX tiles (csrc/prefill_amx.h): fresh prompts and chunks after
-    cached context (query and key counts around the kernel's 16-row, 32-row and 32-key
-    blocks), q as a strided view of fused QKV rows, K/V read from a paged cache with
-    scattered blocks of any size: against SDPA in float64, each within 1.5x the error of SDPA
-    in bf16 or 2^-8 of its largest output (P is rounded to bf16 for the tiles, as in torch's
-    flash attention); rows outside the listed requests untouched."""
+def test_bf16_prefill_kernels_match_float64_sdpa(kernel, heads, kv_heads, d, bs, threads):
+    """Prefill chunks in bf16 on vdpbf16ps (csrc/prefill_bf16.h) and on the AMX tiles
+    (csrc/prefill_amx.h): fresh prompts and chunks after cached context (query and key counts
+    around the kernels' 4-, 8-, 16- and 32-row and 32-key blocks), q as a strided view of fused
+    QKV rows, K/V read from a paged cache with scattered blocks of any size: against SDPA in
+    float64, each within 1.5x the error of SDPA in bf16 or 2^-8 of its largest output (P is
+    rounded to bf16 for the products, as in torch's flash attention); rows outside the listed
+    requests untouched."""
     g = torch.Generator().manual_seed(heads * d + bs + threads)
-    reqs = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (5, 40), (37, 1), (31, 2), (100, 70), (0, 150)]
+    reqs = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (5, 40), (37, 1), (31, 2), (100, 70), (0, 150), (0, 9), (3, 7)]
     q, kc, vc, starts, bt, blocks, t = _paged_case(reqs, heads, kv_heads, d, bs, torch.bfloat16, g)
     out = torch.full((t, heads, d), 7.0, dtype=torch.bfloat16)
     args = [torch.tensor(x) for x in (starts, [n for _, n in reqs], [c + n for c, n in reqs])]
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        kernels.prefill_amx(q, kc, vc, out, *args, bt, d**-0.5)
+        getattr(kernels, kernel)(q, kc, vc, out, *args, bt, d**-0.5)
     finally:
         torch.set_num_threads(prev)
     for c, n, err, bound, ref_max in _errors_against_float64_sdpa(out, q, kc, vc, reqs, starts, bt, blocks):
         assert err <= max(bound * 1.5, ref_max * 2**-8), (c, n, err, bound)
 
 
+@pytest.mark.skipif(not _bf16_kernel(), reason=_NO_BF16)
+def test_bf16_prefill_kernel_checks_its_arguments():
+    """Wrong dtypes, head sizes or block tables are errors naming the kernel, not bad reads."""
+    g = torch.Generator().manual_seed(2)
+    q, kc, vc, starts, bt, blocks, t = _paged_case([(3, 5)], 4, 2, 64, 16, torch.bfloat16, g)
+    out = torch.empty(t, 4, 64, dtype=torch.bfloat16)
+    args = [torch.tensor(x) for x in (starts, [5], [8])]
+    kernels.prefill_bf16(q, kc, vc, out, *args, bt, 0.125)
+    with pytest.raises(RuntimeError, match="prefill_bf16: bf16"):
+        kernels.prefill_bf16(q.float(), kc.float(), vc.float(), out.float(), *args, bt, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim a multiple of 32"):
+        q2, kc2, vc2, *_ = _paged_case([(3, 5)], 4, 2, 40, 16, torch.bfloat16, g)
+        kernels.prefill_bf16(q2, kc2, vc2, torch.empty(t, 4, 40, dtype=torch.bfloat16), *args, bt, 0.125)
+    with pytest.raises(RuntimeError, match="block id outside the cache"):
+        kernels.prefill_bf16(q, kc, vc, out, *args, bt + kc.shape[0], 0.125)
+
+
 class _Counting:
-    """A kernel module that counts its prefill_amx calls."""
+    """A kernel module that counts its prefill kernels' calls, by name."""
 
     def __init__(self, mod):
-        self.mod, self.calls = mod, 0
+        self.mod, self.calls = mod, collections.Counter()
 
     def __getattr__(self, name):
-        return getattr(self.mod, name)
+        fn = getattr(self.mod, name)
+        if not name.startswith("prefill_"):
+            return fn
 
-    def prefill_amx(self, *a):
-        self.calls += 1
-        return self.mod.prefill_amx(*a)
+        def counted(*a):
+            self.calls[name] += 1
+            return fn(*a)
+
+        return counted
 
 
 @pytest.mark.skipif(not _amx_kernel(), reason=_NO_AMX)
@@ -361,7 +398,7 @@ def test_bf16_prefills_go_to_the_amx_kernel():
     ref = TorchAttentionBackend().forward(
         q, k, v, kc0.clone(), vc0.clone(), _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(3)), 0.125
     )
-    assert counting.calls == 1 and meta.backend_cache["amx"][1].tolist() == [30, 33, 17, 64]
+    assert counting.calls == {"prefill_amx": 1} and meta.backend_cache["chunks"][1].tolist() == [30, 33, 17, 64]
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     from pagedserve.executor.quant import kernels as quant_kernels
 
@@ -370,6 +407,37 @@ def test_bf16_prefills_go_to_the_amx_kernel():
         assert not cpu_kernels.amx_prefill_usable(kernels)
     finally:
         quant_kernels.set_isa(prev)
+
+
+@pytest.mark.skipif(not _bf16_kernel() or _amx(), reason=_NO_BF16 + ", without AMX (there the tiles take them)")
+def test_bf16_prefills_go_to_the_vdpbf16ps_kernel():
+    """On an AVX512-BF16 CPU without AMX a bf16 step's prefill chunks (fresh, and over a cached
+    prefix) are attended in one call of the vdpbf16ps kernel, decodes and short queries as
+    before, and the step equals the reference backend within bf16's rounding. With
+    PAGEDSERVE_CPU_ISA's path below avx512_bf16 (set_isa) the float32-arithmetic kernel takes them."""
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    reqs = [(40, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
+    g = torch.Generator().manual_seed(3)
+    meta = _mixed_meta(reqs, 16, 96, g)
+    t, bf = meta.num_tokens, torch.bfloat16
+    q = torch.randn(t, 8, 64, generator=g).to(bf)
+    k, v = torch.randn(t, 2, 64, generator=g).to(bf), torch.randn(t, 2, 64, generator=g).to(bf)
+    kc0, vc0 = torch.randn(96, 16, 2, 64, generator=g).to(bf), torch.randn(96, 16, 2, 64, generator=g).to(bf)
+    ref = TorchAttentionBackend().forward(
+        q, k, v, kc0.clone(), vc0.clone(), _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(3)), 0.125
+    )
+    for isa, kernel in (("avx512_bf16", "prefill_bf16"), ("avx512", "prefill_paged")):
+        prev = quant_kernels.set_isa(isa)
+        try:
+            backend = TorchAttentionBackend(use_cpp_decode=True)
+            backend._cpp = counting = _Counting(backend._cpp)
+            m = _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(3))
+            out = backend.forward(q, k, v, kc0.clone(), vc0.clone(), m, 0.125)
+        finally:
+            quant_kernels.set_isa(prev)
+        assert counting.calls == {kernel: 1} and m.backend_cache["chunks"][1].tolist() == [30, 33, 17, 64]
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 class _WithoutAmx:
@@ -395,11 +463,11 @@ def test_amx_route_conditions_and_the_sdpa_fallback(monkeypatch):
 
     bf = torch.bfloat16
     q, kc = torch.zeros(4, 8, 64, dtype=bf), torch.zeros(3, 16, 2, 64, dtype=bf)
-    assert cpu_kernels.amx_prefill_fits(q, kc)
-    assert not cpu_kernels.amx_prefill_fits(q.float(), kc.float())
-    assert not cpu_kernels.amx_prefill_fits(q, kc.half())
-    assert not cpu_kernels.amx_prefill_fits(torch.zeros(4, 8, 40, dtype=bf), torch.zeros(3, 16, 2, 40, dtype=bf))
-    assert not cpu_kernels.amx_prefill_fits(torch.zeros(4, 64, 8, dtype=bf).transpose(1, 2), kc)
+    assert cpu_kernels.bf16_prefill_fits(q, kc)
+    assert not cpu_kernels.bf16_prefill_fits(q.float(), kc.float())
+    assert not cpu_kernels.bf16_prefill_fits(q, kc.half())
+    assert not cpu_kernels.bf16_prefill_fits(torch.zeros(4, 8, 40, dtype=bf), torch.zeros(3, 16, 2, 40, dtype=bf))
+    assert not cpu_kernels.bf16_prefill_fits(torch.zeros(4, 64, 8, dtype=bf).transpose(1, 2), kc)
     assert not cpu_kernels.amx_prefill_usable(_WithoutAmx(kernels))
     monkeypatch.setattr(quant_kernels, "amx_in_use", lambda: False)
     assert not cpu_kernels.amx_prefill_usable(kernels)

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
 _HEADERS = (
-    *(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("chunk_args.h", "prefill_paged.h", "prefill_amx.h")),
+    *(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("chunk_args.h", "prefill_paged.h", "prefill_bf16.h", "prefill_amx.h")),
     *(os.path.join(os.path.dirname(__file__), os.pardir, "ops", "csrc", h) for h in ("avx512_exp.h", "work_queue.h", "avx512_transpose.h", "amx_tiles.h")),
 )
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -45,9 +45,19 @@ def amx_prefill_usable(mod) -> bool:
     return hasattr(mod, "prefill_amx") and quant_kernels.amx_in_use()
 
 
-def amx_prefill_fits(q, k_cache) -> bool:
-    """The tile kernel's preconditions on a layer's tensors: bf16 queries and cache, head_dim
-    a multiple of 32 up to 256, rows of contiguous heads."""
+def bf16_prefill_usable(mod) -> bool:
+    """Whether prefill chunks may go to the vdpbf16ps kernel (csrc/prefill_bf16.h): the module
+    was built with it (the compiler targets AVX512-BF16) and the kernels run on a path with
+    native bf16 (quant.kernels.native_bf16_in_use: PAGEDSERVE_CPU_ISA did not choose one below).
+    1.8-2.9x the float32-arithmetic kernel per layer in bf16 on a Zen 4 (BENCHMARKS section 43)."""
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    return hasattr(mod, "prefill_bf16") and quant_kernels.native_bf16_in_use()
+
+
+def bf16_prefill_fits(q, k_cache) -> bool:
+    """The bf16 prefill kernels' preconditions (the tiles' and vdpbf16ps'): bf16 queries and
+    cache, head_dim a multiple of 32 up to 256, rows of contiguous heads."""
     import torch
 
     d = q.shape[-1]

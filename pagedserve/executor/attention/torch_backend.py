@@ -10,10 +10,11 @@ context with an offset causal mask. No loop over tokens.
 Sliding windows mask positions before the window and read no block wholly before it;
 logit soft-capping (Gemma 2) replaces SDPA by transformers' eager order of operations.
 
-With the C++ kernels, a step's prefill chunks go through one call: on an AMX CPU in bf16
-the tile kernel (csrc/prefill_amx.h: fresh or after cached context, K/V read from the
-cache), else the float32-arithmetic kernel (csrc/prefill_paged.h, the same chunks, K/V read
-from the cache; SDPA only for fresh bf16 prompts on an AMX CPU whose module lacks the tiles). Requests with a few query tokens over a cached context (speculative verification:
+With the C++ kernels, a step's prefill chunks (fresh or after cached context, K/V read from
+the cache) go through one call: in bf16 on an AMX CPU the tile kernel (csrc/prefill_amx.h),
+on an AVX512-BF16 CPU the vdpbf16ps kernel (csrc/prefill_bf16.h), else the float32-arithmetic
+kernel (csrc/prefill_paged.h); SDPA only for fresh bf16 prompts on an AMX CPU whose module
+lacks the tiles. Requests with a few query tokens over a cached context (speculative verification:
 the last token and k guesses) go through the decode kernel, each query token as its own
 row that sees the context up to itself: the kernel reads K/V in place, where SDPA would
 need the context gathered into a copy and a mask, per request and layer.
@@ -181,14 +182,18 @@ class TorchAttentionBackend(AttentionBackend):
                 tok, bt, lens = short
                 out.index_copy_(0, tok, cpp.paged_decode(q.index_select(0, tok), k_cache, v_cache, bt, lens, scale, w, c))
         if cpp is not None and rest and not w and not c:
-            if "amx_ok" not in meta.backend_cache:  # the module's answer, once per step
+            if "amx_ok" not in meta.backend_cache:  # the module's answers, once per step
                 meta.backend_cache["amx_ok"] = cpu_kernels.amx_prefill_usable(cpp)
-            if meta.backend_cache["amx_ok"] and cpu_kernels.amx_prefill_fits(q, k_cache):
-                rest = self._amx_prefills(q, k_cache, v_cache, out, meta, rest, scale)
+                meta.backend_cache["bf16_ok"] = cpu_kernels.bf16_prefill_usable(cpp)
+            bf16_fits = cpu_kernels.bf16_prefill_fits(q, k_cache)
+            if q.dtype == torch.bfloat16 and not meta.backend_cache["amx_ok"] and _amx_in_use():
+                rest = self._fresh_sdpa_prefills(q, k, v, out, meta, rest, scale)  # the tiles through torch
+            if meta.backend_cache["amx_ok"] and bf16_fits:
+                rest = self._cpp_prefills("prefill_amx", q, k_cache, v_cache, out, meta, rest, scale)
+            elif meta.backend_cache["bf16_ok"] and bf16_fits:
+                rest = self._cpp_prefills("prefill_bf16", q, k_cache, v_cache, out, meta, rest, scale)
             elif _paged_prefill_ok(q, k_cache):
-                if q.dtype == torch.bfloat16 and meta.backend_cache["amx_ok"] is False and _amx_in_use():
-                    rest = self._fresh_sdpa_prefills(q, k, v, out, meta, rest, scale)
-                rest = self._paged_prefills(q, k_cache, v_cache, out, meta, rest, scale)
+                rest = self._cpp_prefills("prefill_paged", q, k_cache, v_cache, out, meta, rest, scale)
         for r in rest:
             s, e = qsl[r], qsl[r + 1]
             out[s:e] = self._prefill(
@@ -209,24 +214,16 @@ class TorchAttentionBackend(AttentionBackend):
             meta.block_tables.index_select(0, rows).long(),
         )
 
-    def _amx_prefills(self, q, k_cache, v_cache, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
+    def _cpp_prefills(self, kernel: str, q, k_cache, v_cache, out, meta: AttentionMetadata, rest, scale) -> list[int]:
         """The requests of `rest` (prefill chunks, fresh or after cached context) attended in
-        one call of the AMX tile kernel (csrc/prefill_amx.h), K/V read from the cache, into
-        `out`; returns none left. The requests' rows are worked out once per step."""
-        if "amx" not in meta.backend_cache:
-            meta.backend_cache["amx"] = self._chunk_args(meta, rest)
-        self._cpp.prefill_amx(q, k_cache, v_cache, out, *meta.backend_cache["amx"], scale)
-        return []
-
-    def _paged_prefills(self, q, k_cache, v_cache, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:
-        """The requests of `rest` (prefill chunks, fresh or after cached context) attended in
-        one call of the C++ kernel (csrc/prefill_paged.h), K/V read from the cache, into
-        `out`; returns none left. The requests' rows are worked out once per step."""
+        one call of C++ kernel `kernel` (prefill_amx, prefill_bf16 or prefill_paged: csrc/),
+        K/V read from the cache, into `out`; returns none left. The requests' rows are worked
+        out once per step (every layer calls the same kernel on the same requests)."""
         if not rest:
             return []
-        if "paged" not in meta.backend_cache:
-            meta.backend_cache["paged"] = self._chunk_args(meta, rest)
-        self._cpp.prefill_paged(q, k_cache, v_cache, out, *meta.backend_cache["paged"], scale)
+        if "chunks" not in meta.backend_cache:
+            meta.backend_cache["chunks"] = self._chunk_args(meta, rest)
+        getattr(self._cpp, kernel)(q, k_cache, v_cache, out, *meta.backend_cache["chunks"], scale)
         return []
 
     def _fresh_sdpa_prefills(self, q, k, v, out, meta: AttentionMetadata, rest, scale: float) -> list[int]:

@@ -679,6 +679,7 @@ torch::Tensor paged_decode_qkv(torch::Tensor qkv, int64_t h, torch::Tensor k_cac
 }
 
 #include "prefill_paged.h"  // prefill_paged: a step's prefill chunks, fresh or after cached context
+#include "prefill_bf16.h"    // prefill_bf16: the same in bf16 on vdpbf16ps (where built), and what the tiles share
 #include "prefill_amx.h"     // prefill_amx: a step's prefill chunks on the AMX tiles (where built)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -691,6 +692,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_qkv", &paged_decode_qkv, "paged decode attention from fused QKV rows (CPU)", py::arg("qkv"),
         py::arg("h"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+#if defined(PAGEDSERVE_PREFILL_BF16)
+  m.def("prefill_bf16", &prefill_bf16, "causal prefill attention of paged chunks on the AVX512-BF16 dot products",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("out"), py::arg("starts"), py::arg("qlens"),
+        py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"));
+#endif
 #if defined(PAGEDSERVE_PREFILL_AMX)
   m.def("prefill_amx", &prefill_amx, "causal prefill attention of paged chunks on the AMX tiles (bf16)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("out"), py::arg("starts"), py::arg("qlens"),
