@@ -379,65 +379,52 @@ class _Counting:
         return counted
 
 
+def _bf16_step(isa=None):
+    """A bf16 step (decodes, short queries, chunks over a cached prefix, fresh prompts) through
+    the C++ backend on kernel path `isa` (None: the one in use): its prefill kernels' calls by
+    name and the chunks' query counts; and its output equals the reference backend's within
+    bf16's rounding."""
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    reqs = [(40, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
+    g = torch.Generator().manual_seed(3)
+    meta = _mixed_meta(reqs, 16, 96, g)
+    t, bf = meta.num_tokens, torch.bfloat16
+    q = torch.randn(t, 8, 64, generator=g).to(bf)
+    k, v = torch.randn(t, 2, 64, generator=g).to(bf), torch.randn(t, 2, 64, generator=g).to(bf)
+    kc0, vc0 = torch.randn(96, 16, 2, 64, generator=g).to(bf), torch.randn(96, 16, 2, 64, generator=g).to(bf)
+    prev = quant_kernels.set_isa(isa) if isa else None
+    try:
+        backend = TorchAttentionBackend(use_cpp_decode=True)
+        backend._cpp = counting = _Counting(backend._cpp)
+        out = backend.forward(q, k, v, kc0.clone(), vc0.clone(), meta, 0.125)
+    finally:
+        if prev:
+            quant_kernels.set_isa(prev)
+    ref_meta = _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(3))
+    ref = TorchAttentionBackend().forward(q, k, v, kc0.clone(), vc0.clone(), ref_meta, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    return dict(counting.calls), meta.backend_cache["chunks"][1].tolist()
+
+
 @pytest.mark.skipif(not _amx_kernel(), reason=_NO_AMX)
 def test_bf16_prefills_go_to_the_amx_kernel():
     """On an AMX CPU a bf16 step's prefill chunks (fresh, and over a cached prefix) are
     attended in one call of the tile kernel, decodes and short queries as before; the step
-    equals the reference backend within bf16's rounding. A kernel path below AMX, float32,
-    or a narrower cache keeps the other kernels."""
-    reqs = [(40, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
-    g = torch.Generator().manual_seed(3)
-    meta = _mixed_meta(reqs, 16, 96, g)
-    t, bf = meta.num_tokens, torch.bfloat16
-    q = torch.randn(t, 8, 64, generator=g).to(bf)
-    k, v = torch.randn(t, 2, 64, generator=g).to(bf), torch.randn(t, 2, 64, generator=g).to(bf)
-    kc0, vc0 = torch.randn(96, 16, 2, 64, generator=g).to(bf), torch.randn(96, 16, 2, 64, generator=g).to(bf)
-    backend = TorchAttentionBackend(use_cpp_decode=True)
-    backend._cpp = counting = _Counting(backend._cpp)
-    out = backend.forward(q, k, v, kc0.clone(), vc0.clone(), meta, 0.125)
-    ref = TorchAttentionBackend().forward(
-        q, k, v, kc0.clone(), vc0.clone(), _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(3)), 0.125
-    )
-    assert counting.calls == {"prefill_amx": 1} and meta.backend_cache["chunks"][1].tolist() == [30, 33, 17, 64]
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    from pagedserve.executor.quant import kernels as quant_kernels
-
-    prev = quant_kernels.set_isa("avx512_bf16")
-    try:
-        assert not cpu_kernels.amx_prefill_usable(kernels)
-    finally:
-        quant_kernels.set_isa(prev)
+    equals the reference backend within bf16's rounding. A kernel path below AMX keeps the
+    other kernels."""
+    assert _bf16_step() == ({"prefill_amx": 1}, [30, 33, 17, 64])
+    assert _bf16_step("avx512_bf16") == ({"prefill_bf16": 1}, [30, 33, 17, 64])
 
 
-@pytest.mark.skipif(not _bf16_kernel() or _amx(), reason=_NO_BF16 + ", without AMX (there the tiles take them)")
+@pytest.mark.skipif(not _bf16_kernel(), reason=_NO_BF16)
 def test_bf16_prefills_go_to_the_vdpbf16ps_kernel():
-    """On an AVX512-BF16 CPU without AMX a bf16 step's prefill chunks (fresh, and over a cached
-    prefix) are attended in one call of the vdpbf16ps kernel, decodes and short queries as
-    before, and the step equals the reference backend within bf16's rounding. With
-    PAGEDSERVE_CPU_ISA's path below avx512_bf16 (set_isa) the float32-arithmetic kernel takes them."""
-    from pagedserve.executor.quant import kernels as quant_kernels
-
-    reqs = [(40, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
-    g = torch.Generator().manual_seed(3)
-    meta = _mixed_meta(reqs, 16, 96, g)
-    t, bf = meta.num_tokens, torch.bfloat16
-    q = torch.randn(t, 8, 64, generator=g).to(bf)
-    k, v = torch.randn(t, 2, 64, generator=g).to(bf), torch.randn(t, 2, 64, generator=g).to(bf)
-    kc0, vc0 = torch.randn(96, 16, 2, 64, generator=g).to(bf), torch.randn(96, 16, 2, 64, generator=g).to(bf)
-    ref = TorchAttentionBackend().forward(
-        q, k, v, kc0.clone(), vc0.clone(), _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(3)), 0.125
-    )
-    for isa, kernel in (("avx512_bf16", "prefill_bf16"), ("avx512", "prefill_paged")):
-        prev = quant_kernels.set_isa(isa)
-        try:
-            backend = TorchAttentionBackend(use_cpp_decode=True)
-            backend._cpp = counting = _Counting(backend._cpp)
-            m = _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(3))
-            out = backend.forward(q, k, v, kc0.clone(), vc0.clone(), m, 0.125)
-        finally:
-            quant_kernels.set_isa(prev)
-        assert counting.calls == {kernel: 1} and m.backend_cache["chunks"][1].tolist() == [30, 33, 17, 64]
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    """On the avx512_bf16 path (an AVX512-BF16 CPU without AMX, or one with AMX forced below
+    it) a bf16 step's prefill chunks are attended in one call of the vdpbf16ps kernel; on a
+    path below (PAGEDSERVE_CPU_ISA=avx512) in one call of the float32-arithmetic kernel; both
+    equal the reference backend within bf16's rounding."""
+    assert _bf16_step("avx512_bf16") == ({"prefill_bf16": 1}, [30, 33, 17, 64])
+    assert _bf16_step("avx512") == ({"prefill_paged": 1}, [30, 33, 17, 64])
 
 
 class _WithoutAmx:
