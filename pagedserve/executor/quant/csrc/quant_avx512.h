@@ -96,13 +96,4 @@ static void deq_fast(const uint8_t* src, float* y, int64_t K) {
   }
 }
 
-static deq_fn best_deq_for(int type) {
-  switch (type) {
-    case T_Q4_0: return deq_fast<T_Q4_0>;
-    case T_Q4_1: return deq_fast<T_Q4_1>;
-    case T_Q8_0: return deq_fast<T_Q8_0>;
-    default: return deq_for(type);
-  }
-}
-
 #include "quant_loops.h"

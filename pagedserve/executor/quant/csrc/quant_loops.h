@@ -1,7 +1,17 @@
 // ISA-neutral loops over an ISA's kernels, included last by each ISA's kernel file
 // (quant_scalar.h, quant_avx2.h, quant_avx512.h) inside that ISA's namespace. They need from
-// the file: dot(), gemm_fused_tile<TYPE, MT>, gemm_q8_tile<TYPE, MT> and best_deq_for(type) (the
-// ISA's fastest row dequantizer). No include guard on purpose (one copy per ISA namespace).
+// the file: dot(), gemm_fused_tile<TYPE, MT>, gemm_q8_tile<TYPE, MT> and deq_fast<TYPE> (the ISA's
+// fastest Q4_0 / Q4_1 / Q8_0 row dequantizer). No include guard on purpose (one copy per ISA namespace).
+
+// The ISA's fastest row dequantizer of a type
+static deq_fn best_deq_for(int type) {
+  switch (type) {
+    case T_Q4_0: return deq_fast<T_Q4_0>;
+    case T_Q4_1: return deq_fast<T_Q4_1>;
+    case T_Q8_0: return deq_fast<T_Q8_0>;
+    default: return deq_for(type);
+  }
+}
 
 // Any type: dequantize a row into buf, then one dot product per activation row.
 static void gemm_generic(const GemmArgs& g, int64_t n0, int64_t n1) {

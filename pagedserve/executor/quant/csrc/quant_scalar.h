@@ -45,7 +45,11 @@ static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
 }
 
-static deq_fn best_deq_for(int type) { return deq_for(type); }
+// Q4_0 / Q4_1 / Q8_0 rows: no faster unpacking than the generic row code here
+template <int TYPE>
+static void deq_fast(const uint8_t* src, float* y, int64_t K) {
+  deq_for(TYPE)(src, y, K);
+}
 
 // ---- activation-quantized products (the named option "gguf_q8", as llama.cpp's q8 dot products) ----
 // Blocks [b0, b1) of 32 floats -> int8 quants round-half-even(x / d) in [-127, 127], d =
