@@ -54,15 +54,9 @@ inline void attend_tiles(Scratch& w, const Req& r, int64_t hq, int64_t i0, int64
                          const uint16_t* kp, const uint16_t* vp, int64_t d, float scale, uint16_t* out, int64_t so) {
   const int64_t mb = i1 - i0, halves = mb > 16 ? 2 : 1, nc = d / 32, nu = d / 16;
   const int64_t keys = r.ctx + i1, nt = (keys + KEYS - 1) / KEYS, ls = nt * KEYS;  // keys the block sees
-  // Q's tiles read in place when the block fills them (16 or 32 rows), else from a zero-padded copy
-  const uint16_t* qa = q + (r.start + i0) * sq + hq * d;
-  int64_t qs = sq;
-  if (mb != 16 * halves) {
-    w.qb.assign(QROWS * d, 0);
-    for (int64_t i = 0; i < mb; ++i) std::memcpy(w.qb.data() + i * d, qa + i * sq, d * sizeof(uint16_t));
-    qa = w.qb.data(), qs = d;
-  }
-  if ((int64_t)w.sb.size() < QROWS * ls) w.sb.resize(QROWS * ls), w.pb.resize(QROWS * ls);
+  int64_t qs;  // Q in one or two 16-row tiles
+  const uint16_t* qa = w.query_rows(q + (r.start + i0) * sq + hq * d, sq, mb, 16 * halves, d, &qs);
+  w.fit(ls);
   float* S = w.sb.data();
   uint16_t* P = w.pb.data();
   for (int64_t t = 0; t < nt; ++t) {  // S = Q K^T, 32 x 32 keys at a time

@@ -117,6 +117,23 @@ inline void softmax_rows(const float* s, int64_t width, const int64_t* n, float 
 struct Scratch {
   std::vector<uint16_t> qb, pb;
   std::vector<float> sb, ob;
+
+  // The query rows of a block (mb rows from qa, row stride sq), `rows` of them as the kernel
+  // reads them (its row groups): in place when mb fills them, else a zero-padded copy. Returns
+  // the rows and sets *stride.
+  const uint16_t* query_rows(const uint16_t* qa, int64_t sq, int64_t mb, int64_t rows, int64_t d, int64_t* stride) {
+    *stride = sq;
+    if (mb == rows) return qa;
+    qb.assign(rows * d, 0);
+    for (int64_t i = 0; i < mb; ++i) std::memcpy(qb.data() + i * d, qa + i * sq, d * sizeof(uint16_t));
+    *stride = d;
+    return qb.data();
+  }
+
+  // Room for QROWS rows of scores and probabilities over ls keys.
+  void fit(int64_t ls) {
+    if ((int64_t)sb.size() < QROWS * ls) sb.resize(QROWS * ls), pb.resize(QROWS * ls);
+  }
 };
 
 // Writes rows [r0, r0 + n) of a 16-row group's float32 output sums O ([16][d]) times their
@@ -254,15 +271,9 @@ inline void attend_dpbf16(Scratch& w, const Req& r, int64_t hq, int64_t i0, int6
                          const uint16_t* kp, const uint16_t* vp, int64_t d, float scale, uint16_t* out, int64_t so) {
   const int64_t mb = i1 - i0, rows = (mb + 7) / 8 * 8, nc = d / 32, nu = d / 16;
   const int64_t keys = r.ctx + i1, nt = (keys + KEYS - 1) / KEYS, ls = nt * KEYS;  // keys the block sees
-  // Q read in place when the block fills its groups of 8 rows, else from a zero-padded copy
-  const uint16_t* qa = q + (r.start + i0) * sq + hq * d;
-  int64_t qs = sq;
-  if (mb != rows) {
-    w.qb.assign(rows * d, 0);
-    for (int64_t i = 0; i < mb; ++i) std::memcpy(w.qb.data() + i * d, qa + i * sq, d * sizeof(uint16_t));
-    qa = w.qb.data(), qs = d;
-  }
-  if ((int64_t)w.sb.size() < QROWS * ls) w.sb.resize(QROWS * ls), w.pb.resize(QROWS * ls);
+  int64_t qs;  // Q in groups of 8 rows
+  const uint16_t* qa = w.query_rows(q + (r.start + i0) * sq + hq * d, sq, mb, rows, d, &qs);
+  w.fit(ls);
   float* S = w.sb.data();
   uint16_t* P = w.pb.data();
   for (int64_t m0 = 0; m0 < rows; m0 += 8) {
