@@ -1,4 +1,4 @@
-"""Prefill attention (BENCHMARKS.md sections 33, 37 and 42), 9 query / 3 KV heads, d 64, median ms
+"""Prefill attention (BENCHMARKS.md sections 33, 37, 42 and 43), 9 query / 3 KV heads, d 64, median ms
 per call (one layer): the AMX tile kernel (csrc/prefill_amx.h, bf16, one call for all chunks, K/V
 read from a paged cache of 16-token blocks) and the vdpbf16ps kernel (csrc/prefill_bf16.h, the
 same call) where built, the float32-arithmetic kernel

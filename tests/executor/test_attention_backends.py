@@ -126,8 +126,9 @@ def _mixed_meta(reqs, bs, nb, g):
     )
 
 def _sdpa_vs_cpp_step(reqs, heads, kv_heads, d, seed, bs=16, nb=96):
-    """One mixed step (_mixed_meta's (cached, new) requests, random q/k/v and caches) through
-    the SDPA reference backend and the C++ path: (reference, C++ output, the C++ run's meta)."""
+    """One mixed step (_mixed_meta's (cached, new) requests, random float32 q/k/v and caches)
+    through the SDPA reference backend and the C++ path: (reference, C++ output, the C++ run's
+    meta, its prefill kernels' calls by name)."""
     g = torch.Generator().manual_seed(seed)
     meta = _mixed_meta(reqs, bs, nb, g)
     t = meta.num_tokens
@@ -137,8 +138,10 @@ def _sdpa_vs_cpp_step(reqs, heads, kv_heads, d, seed, bs=16, nb=96):
     vc0 = torch.randn(nb, bs, kv_heads, d, generator=g)
     ref = TorchAttentionBackend().forward(q, k, v, kc0.clone(), vc0.clone(), meta, d**-0.5)
     meta2 = _mixed_meta(reqs, bs, nb, torch.Generator().manual_seed(seed))
-    out = TorchAttentionBackend(use_cpp_decode=True).forward(q, k, v, kc0.clone(), vc0.clone(), meta2, d**-0.5)
-    return ref, out, meta2
+    backend = TorchAttentionBackend(use_cpp_decode=True)
+    backend._cpp = counting = _Counting(backend._cpp)
+    out = backend.forward(q, k, v, kc0.clone(), vc0.clone(), meta2, d**-0.5)
+    return ref, out, meta2, dict(counting.calls)
 
 
 
@@ -148,7 +151,7 @@ def test_short_queries_through_decode_kernel_match_sdpa(heads, kv_heads):
     """Speculative verification rows (a few query tokens over a cached context), a short fresh
     prompt and a long chunk, beside decodes: the C++ path equals the SDPA path."""
     reqs = [(40, 1), (3, 1), (37, 5), (16, 2), (0, 4), (20, 16), (9, 40)]
-    ref, out, meta2 = _sdpa_vs_cpp_step(reqs, heads, kv_heads, 32, seed=heads)
+    ref, out, meta2, _ = _sdpa_vs_cpp_step(reqs, heads, kv_heads, 32, seed=heads)
     assert meta2.backend_cache["short"][0] is not None  # the short requests took the kernel
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
@@ -282,10 +285,11 @@ def test_prefill_paged_kernel_checks_its_arguments():
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
 def test_prefill_chunks_take_the_kernel_beside_decodes_and_short_queries():
     """A step of decodes, a short query, chunks over a cached prefix and fresh prompts: every
-    prefill chunk, fresh or not, goes through one prefill_paged call (float32: the AMX tile
-    kernel takes bf16 only), the rest as before, and the whole equals the SDPA reference backend."""
+    prefill chunk, fresh or not, goes through one prefill_paged call (float32: the bf16 kernels
+    take bf16 only), the rest as before, and the whole equals the SDPA reference backend."""
     reqs = [(40, 1), (3, 1), (37, 5), (0, 30), (20, 33), (0, 17), (0, 64)]
-    ref, out, meta2 = _sdpa_vs_cpp_step(reqs, 8, 2, 64, seed=5)
+    ref, out, meta2, calls = _sdpa_vs_cpp_step(reqs, 8, 2, 64, seed=5)
+    assert calls == {"prefill_paged": 1}
     starts, qlens, seq_lens, _ = meta2.backend_cache["chunks"]
     assert qlens.tolist() == [30, 33, 17, 64] and seq_lens.tolist() == [30, 53, 17, 64]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
@@ -441,8 +445,9 @@ class _WithoutAmx:
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
 def test_amx_route_conditions_and_the_sdpa_fallback(monkeypatch):
-    """Any CPU: the tile kernel's preconditions (bf16 queries and cache, head_dim a multiple of
-    32 up to 256, contiguous heads) and the module's answer (the kernel built, an AMX path);
+    """Any CPU: the bf16 kernels' preconditions (bf16 queries and contiguous cache, head_dim a
+    multiple of 32 up to 256, contiguous heads) and the module's answer (the kernel built, an
+    AMX path);
     an AMX CPU whose module lacks the kernel sends bf16 fresh prompts to SDPA, one call each,
     float32 ones to the C++ paged kernel, both equal to the reference backend."""
     from pagedserve.executor.attention import torch_backend
@@ -455,6 +460,7 @@ def test_amx_route_conditions_and_the_sdpa_fallback(monkeypatch):
     assert not cpu_kernels.bf16_prefill_fits(q, kc.half())
     assert not cpu_kernels.bf16_prefill_fits(torch.zeros(4, 8, 40, dtype=bf), torch.zeros(3, 16, 2, 40, dtype=bf))
     assert not cpu_kernels.bf16_prefill_fits(torch.zeros(4, 64, 8, dtype=bf).transpose(1, 2), kc)
+    assert not cpu_kernels.bf16_prefill_fits(q, torch.zeros(3, 2, 16, 64, dtype=bf).transpose(1, 2))
     assert not cpu_kernels.amx_prefill_usable(_WithoutAmx(kernels))
     monkeypatch.setattr(quant_kernels, "amx_in_use", lambda: False)
     assert not cpu_kernels.amx_prefill_usable(kernels)
@@ -463,18 +469,25 @@ def test_amx_route_conditions_and_the_sdpa_fallback(monkeypatch):
     real = torch_backend.F.scaled_dot_product_attention
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     reqs = [(40, 1), (0, 30), (0, 17), (0, 64)]
-    for dtype, sdpa_calls, tol in ((bf, 3, 2e-2), (torch.float32, 0, 2e-5)):
+    # (q's dtype, the cache's, SDPA calls or None): a float8 cache attends to K/V as stored (the
+    # reference's per-request path), never SDPA on the unrounded K/V of its fresh prompts
+    for dtype, kv_dtype, sdpa_calls, tol in (
+        (bf, bf, 3, 2e-2),
+        (torch.float32, torch.float32, 0, 2e-5),
+        (bf, torch.float8_e4m3fn, None, 2e-2),
+    ):
         g = torch.Generator().manual_seed(4)
         meta = _mixed_meta(reqs, 16, 96, g)
         t = meta.num_tokens
         q = torch.randn(t, 8, 64, generator=g).to(dtype)
         k, v = torch.randn(t, 2, 64, generator=g).to(dtype), torch.randn(t, 2, 64, generator=g).to(dtype)
-        kc0, vc0 = (torch.randn(96, 16, 2, 64, generator=g).to(dtype) for _ in range(2))
+        kc0, vc0 = (torch.randn(96, 16, 2, 64, generator=g).to(kv_dtype) for _ in range(2))
         backend = TorchAttentionBackend(use_cpp_decode=True)
         backend._cpp = _WithoutAmx(backend._cpp)
         calls.clear()
         out = backend.forward(q, k, v, kc0.clone(), vc0.clone(), meta, 0.125)
-        assert len(calls) == sdpa_calls and meta.backend_cache["amx_ok"] is False
+        assert sdpa_calls is None or len(calls) == sdpa_calls
+        assert meta.backend_cache["amx_ok"] is False
         ref_meta = _mixed_meta(reqs, 16, 96, torch.Generator().manual_seed(4))
         ref = TorchAttentionBackend().forward(q, k, v, kc0.clone(), vc0.clone(), ref_meta, 0.125)
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

@@ -142,11 +142,16 @@ def test_bfloat16_greedy_matches_transformers_bf16(checkpoint):
         assert (ours - ref[p]).abs().max().item() < 0.1  # bf16: a looser, stated tolerance
 
 
-def test_bfloat16_chunked_prefill_and_prefix_hits_match_transformers_bf16(checkpoint):
-    """bf16 through the step's prefill kernel (vdpbf16ps, the AMX tiles or the float32
-    arithmetic one, whichever this CPU runs) with chunks after cached context, prefix-cache
-    hits and decodes in one step: logits within 0.1 of transformers' bf16 on the same tokens,
-    greedy tokens its argmax except at near-ties (top-two gap within 0.1)."""
+def test_bfloat16_chunked_prefill_and_prefix_hits_match_transformers_bf16(checkpoint, monkeypatch):
+    """bf16 through the step's bf16 prefill kernel (the AMX tiles or vdpbf16ps, whichever this
+    CPU runs; none below AVX512-BF16) with chunks after cached context, prefix-cache hits and
+    decodes in one step: logits within 0.1 of transformers' bf16 on the same tokens, greedy
+    tokens its argmax except at near-ties (top-two gap within 0.1)."""
+    from pagedserve.executor.attention import cpu_kernels
+    from pagedserve.executor.attention.torch_backend import TorchAttentionBackend
+
+    used, real = set(), TorchAttentionBackend._cpp_prefills
+    monkeypatch.setattr(TorchAttentionBackend, "_cpp_prefills", lambda self, kernel, *a: used.add(kernel) or real(self, kernel, *a))
     path = checkpoint("llama")
     hf = load_hf(path, dtype=torch.bfloat16)
     runner = make_runner(path, 16, dtype="bfloat16")
@@ -157,6 +162,11 @@ def test_bfloat16_chunked_prefill_and_prefix_hits_match_transformers_bf16(checkp
     assert sched.kv.prefix_cache_hits >= 32
     with torch.inference_mode():
         check_against_hf(hf, reqs, logits_at, tol=0.1, tie=0.1)
+    mod = cpu_kernels.load()  # the kernel this CPU's bf16 chunks take (routing: test_attention_backends)
+    if mod is not None and cpu_kernels.amx_prefill_usable(mod):
+        assert used == {"prefill_amx"}
+    elif mod is not None and cpu_kernels.bf16_prefill_usable(mod):
+        assert used == {"prefill_bf16"}
 
 
 @pytest.mark.parametrize(

@@ -57,13 +57,15 @@ def bf16_prefill_usable(mod) -> bool:
 
 def bf16_prefill_fits(q, k_cache) -> bool:
     """The bf16 prefill kernels' preconditions (the tiles' and vdpbf16ps'): bf16 queries and
-    cache, head_dim a multiple of 32 up to 256, rows of contiguous heads."""
+    contiguous bf16 cache (K/V as stored equal the model's), head_dim a multiple of 32 up to
+    256, rows of contiguous heads."""
     import torch
 
     d = q.shape[-1]
     return (
         q.dtype == torch.bfloat16
         and k_cache.dtype == torch.bfloat16
+        and k_cache.is_contiguous()
         and d % 32 == 0
         and d <= 256
         and q.stride(-1) == 1

@@ -185,8 +185,9 @@ class TorchAttentionBackend(AttentionBackend):
             if "amx_ok" not in meta.backend_cache:  # the module's answers, once per step
                 meta.backend_cache["amx_ok"] = cpu_kernels.amx_prefill_usable(cpp)
                 meta.backend_cache["bf16_ok"] = cpu_kernels.bf16_prefill_usable(cpp)
+                meta.backend_cache["amx_cpu"] = _amx_in_use()
             bf16_fits = cpu_kernels.bf16_prefill_fits(q, k_cache)
-            if q.dtype == torch.bfloat16 and not meta.backend_cache["amx_ok"] and _amx_in_use():
+            if bf16_fits and not meta.backend_cache["amx_ok"] and meta.backend_cache["amx_cpu"]:
                 rest = self._fresh_sdpa_prefills(q, k, v, out, meta, rest, scale)  # the tiles through torch
             if meta.backend_cache["amx_ok"] and bf16_fits:
                 rest = self._cpp_prefills("prefill_amx", q, k_cache, v_cache, out, meta, rest, scale)

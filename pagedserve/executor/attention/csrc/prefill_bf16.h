@@ -149,6 +149,16 @@ inline void store_rows(const Req& r, int64_t hq, int64_t row0, int64_t n, const 
   }
 }
 
+// The packed K / V of a call: one pair of buffers for both kernels, reused across layers
+// (calls hold the GIL: one at a time), so they keep one layer's peak, not one per kernel.
+struct Packed {
+  std::vector<uint16_t> k, v;
+};
+inline Packed& packed_kv() {
+  static Packed p;
+  return p;
+}
+
 // The items of a call: (request, query head, block of QROWS query rows), cost = rows x keys seen.
 struct Item {
   int64_t cost, r, hq, i0;
@@ -183,16 +193,17 @@ inline void run(const char* name, torch::Tensor q, torch::Tensor k_cache, torch:
     r.packed = packed;
     packed += kvh * r.nt * KEYS * d;
   }
-  static std::vector<uint16_t> kpack, vpack;  // reused across layers (calls hold the GIL)
-  kpack.resize(packed);
-  vpack.resize(packed);
+  Packed& pk = packed_kv();
+  pk.k.resize(packed);
+  pk.v.resize(packed);
+  uint16_t *kpack = pk.k.data(), *vpack = pk.v.data();
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
   at::parallel_for(0, R * kvh, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const Req& r = reqs[i / kvh];
       const int64_t g = i % kvh, off = r.packed + g * r.nt * KEYS * d;
-      pack_kv(r, g, kc, vc, bs, kvh, d, kpack.data() + off, vpack.data() + off);
+      pack_kv(r, g, kc, vc, bs, kvh, d, kpack + off, vpack + off);
     }
   });
   std::vector<Item> items;
@@ -208,8 +219,8 @@ inline void run(const char* name, torch::Tensor q, torch::Tensor k_cache, torch:
   costliest_first(items, make, [&](auto& w, const Item& it) {
     const Req& r = reqs[it.r];
     const int64_t off = r.packed + (it.hq / g) * r.nt * KEYS * d;
-    attend(w, r, it.hq, it.i0, std::min(r.qlen, it.i0 + QROWS), qd, q.stride(0), kpack.data() + off,
-           vpack.data() + off, d, (float)scale, od, out.stride(0));
+    attend(w, r, it.hq, it.i0, std::min(r.qlen, it.i0 + QROWS), qd, q.stride(0), kpack + off, vpack + off, d,
+           (float)scale, od, out.stride(0));
   });
 }
 
@@ -289,13 +300,9 @@ inline void attend_dpbf16(Scratch& w, const Req& r, int64_t hq, int64_t i0, int6
   float* O = w.ob.data();
   for (int64_t m0 = 0; m0 < mb; m0 += 4) {
     const int64_t pairs = (std::min(r.ctx + i0 + m0 + 4, keys) + 1) / 2;  // keys these rows see, in pairs
-    for (int64_t u0 = 0; u0 < nu; u0 += 4) {
-      switch (std::min<int64_t>(4, nu - u0)) {
-        case 4: pv_4rows<4>(P + m0 * ls, ls, vp, u0, nu, pairs, O, d); break;
-        case 3: pv_4rows<3>(P + m0 * ls, ls, vp, u0, nu, pairs, O, d); break;
-        case 2: pv_4rows<2>(P + m0 * ls, ls, vp, u0, nu, pairs, O, d); break;
-        default: pv_4rows<1>(P + m0 * ls, ls, vp, u0, nu, pairs, O, d); break;
-      }
+    for (int64_t u0 = 0; u0 < nu; u0 += 4) {  // nu = d / 16 is even (d % 32 == 0): 4 or a last 2
+      if (nu - u0 >= 4) pv_4rows<4>(P + m0 * ls, ls, vp, u0, nu, pairs, O, d);
+      else pv_4rows<2>(P + m0 * ls, ls, vp, u0, nu, pairs, O, d);
     }
     store_rows(r, hq, i0 + m0, std::min<int64_t>(4, mb - m0), O, inv + m0, d, out, so);
   }
