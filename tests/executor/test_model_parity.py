@@ -69,6 +69,17 @@ def drive(runner, prompts, max_tokens, block_size, num_blocks=200, budget=4096, 
     return reqs, logits_at, sched
 
 
+def drive_mixed(runner, block_size):
+    """A mixed batch: a small budget forces chunked prefill; later arrivals join while others
+    decode and hit the shared prefix in the cache. (requests, logits at sampled positions)."""
+    shared = [(11 * i + 5) % 1000 for i in range(40)]
+    prompts = [shared + [1, 2, 3], [9] * 3, shared + [4, 5], list(range(100, 171)), [42]]
+    late = {3: [("late0", shared + [6, 7, 8, 9], 6)], 6: [("late1", list(range(300, 390)), 5)]}
+    reqs, logits_at, sched = drive(runner, prompts, 8, block_size, budget=24, late=late)
+    assert sched.kv.prefix_cache_hits >= 32  # shared prefix blocks were reused
+    return reqs, logits_at
+
+
 def check_against_hf(hf, reqs, logits_at, tol=TOL, tie=0.0):
     """Every sampled position's logits within `tol` of transformers' on the same tokens, and
     its greedy token transformers' argmax, except at a near-tie (top-two gap within `tie`:
@@ -110,13 +121,7 @@ def test_mixed_batch_chunked_prefill_and_prefix_hits(checkpoint, arch):
     hf = load_hf(path)
     block_size = 16
     runner = make_runner(path, block_size)
-    shared = [(11 * i + 5) % 1000 for i in range(40)]
-    prompts = [shared + [1, 2, 3], [9] * 3, shared + [4, 5], list(range(100, 171)), [42]]
-    # a small budget forces chunked prefill; later arrivals join while others decode and
-    # hit the shared prefix in the cache
-    late = {3: [("late0", shared + [6, 7, 8, 9], 6)], 6: [("late1", list(range(300, 390)), 5)]}
-    reqs, logits_at, sched = drive(runner, prompts, 8, block_size, budget=24, late=late)
-    assert sched.kv.prefix_cache_hits >= 32  # shared prefix blocks were reused
+    reqs, logits_at = drive_mixed(runner, block_size)
     check_against_hf(hf, reqs, logits_at)
 
 
@@ -155,11 +160,7 @@ def test_bfloat16_chunked_prefill_and_prefix_hits_match_transformers_bf16(checkp
     path = checkpoint("llama")
     hf = load_hf(path, dtype=torch.bfloat16)
     runner = make_runner(path, 16, dtype="bfloat16")
-    shared = [(11 * i + 5) % 1000 for i in range(40)]
-    prompts = [shared + [1, 2, 3], [9] * 3, shared + [4, 5], list(range(100, 171)), [42]]
-    late = {3: [("late0", shared + [6, 7, 8, 9], 6)], 6: [("late1", list(range(300, 390)), 5)]}
-    reqs, logits_at, sched = drive(runner, prompts, 8, 16, budget=24, late=late)
-    assert sched.kv.prefix_cache_hits >= 32
+    reqs, logits_at = drive_mixed(runner, 16)
     with torch.inference_mode():
         check_against_hf(hf, reqs, logits_at, tol=0.1, tie=0.1)
     mod = cpu_kernels.load()  # the kernel this CPU's bf16 chunks take (routing: test_attention_backends)

@@ -1,8 +1,9 @@
 #pragma once
-// The per-request arguments of the paged prefill kernels (prefill_paged.h, prefill_amx.h),
-// checked once: request r's queries are rows starts[r] .. starts[r] + qlens[r] - 1 of q, at
-// positions seq_lens[r] - qlens[r] .. seq_lens[r] - 1, its keys read through row r of
-// block_tables (int64 [R, max_blocks]). Every block a request reads lies inside the cache.
+// The per-request arguments of the paged prefill kernels (prefill_paged.h, and prefill_bf16.h's
+// run, which prefill_amx.h shares), checked once: request r's queries are rows starts[r] ..
+// starts[r] + qlens[r] - 1 of q, at positions seq_lens[r] - qlens[r] .. seq_lens[r] - 1, its
+// keys read through row r of block_tables (int64 [R, max_blocks]). Every block a request reads
+// lies inside the cache.
 #include <torch/extension.h>
 
 struct ChunkArgs {
