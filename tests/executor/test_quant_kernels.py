@@ -371,23 +371,23 @@ def test_bf16_products_only_for_bf16_models():
     old, old_dnn = kernels.set_bf16_rows(m), kernels.set_bf16_onednn_rows(10**9)
     try:
         y, calls = qlinear(xb)
-        assert y.dtype == torch.bfloat16 and calls == [2, 0] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}))
+        assert y.dtype == torch.bfloat16 and calls == [2, 0, 0] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}))
         y, calls = qlinear(xb, act_q8=True)
-        assert calls == [1, 0] and torch.equal(y, by_hand({int(Q.Q6_K)}, act_q8=True))
+        assert calls == [1, 0, 0] and torch.equal(y, by_hand({int(Q.Q6_K)}, act_q8=True))
         kernels.set_bf16_onednn_rows(m)
         y, calls = qlinear(xb)
-        assert calls == [0, 2] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}, onednn=True))
+        assert calls == [0, 2, 0] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}, onednn=True))
         for rows in (1, m, 10**9):
             kernels.set_bf16_rows(rows)
             y, calls = qlinear(x)
-            assert calls == [0, 0] and torch.equal(y, float_path(x))  # a float32 model: never
+            assert calls == [0, 0, 0] and torch.equal(y, float_path(x))  # a float32 model: never
         kernels.set_bf16_rows(m + 1)  # below the threshold: the float path
         y, calls = qlinear(xb)
-        assert calls == [0, 0] and torch.equal(y, float_path(xb).bfloat16())
+        assert calls == [0, 0, 0] and torch.equal(y, float_path(xb).bfloat16())
         kernels.set_bf16_rows(m)
         kernels.set_isa("avx512")
         y, calls = qlinear(xb)
-        assert calls == [0, 0] and torch.equal(y, float_path(xb).bfloat16())
+        assert calls == [0, 0, 0] and torch.equal(y, float_path(xb).bfloat16())
     finally:
         kernels.set_bf16_rows(old)
         kernels.set_bf16_onednn_rows(old_dnn)
@@ -454,6 +454,97 @@ def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(qtype):
             part = torch.zeros(r + 1 - lo, n)
             kernels.gemm(x[lo : r + 1].contiguous(), w, int(qtype), part, 0, interleaved=wi)
             assert torch.equal(part[-1], together[r]), (r, lo)
+
+
+needs_avx512_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="this CPU lacks avx512_bf16 (the bf16 few-row kernel's ISA)")
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [16, 48, 160])
+def test_bf16_interleaved_few_rows_match_the_dequantized_matmul(qtype, n):
+    """The bf16 few-row kernel on interleaved copies (csrc/quant_rows16_bf16.h): bf16
+    activations against the exact quants, 1-11 rows (tiles of 1-8, pairs of groups for 1-2),
+    within float32 summation of the float64 reference, into its own output columns only."""
+    for k in (96, 576):
+        raw = random_packed(qtype, n, k, seed=n + k)
+        w = torch.from_numpy(raw)
+        wi = kernels.interleave_rows16(w, int(qtype), k)
+        for m in (1, 2, 3, 4, 5, 8, 11):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)).bfloat16()
+            ref, mag = bf16_reference(x, raw, qtype, k)
+            out = torch.full((m, n + 5), 7.0)
+            kernels.gemm_bf16(x, w, int(qtype), out, 3, interleaved=wi)
+            got = out[:, 3 : 3 + n].numpy()
+            assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-6), (k, m, np.abs(got - ref).max())
+            assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
+def test_a_bf16_interleaved_rows_bits_do_not_depend_on_the_other_rows(qtype):
+    """As for the float kernel: a verification of k guesses (k + 1 bf16 rows) computes what
+    1-row decode steps do, whatever tile of 1-8 rows (or pair of groups) the row lands in."""
+    n, k = 48, 576
+    w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
+    wi = kernels.interleave_rows16(w, int(qtype), k)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    together = torch.zeros(11, n)
+    kernels.gemm_bf16(x, w, int(qtype), together, 0, interleaved=wi)
+    for r in (0, 4, 10):
+        for lo in {0, max(0, r - 2), r}:
+            part = torch.zeros(r + 1 - lo, n)
+            kernels.gemm_bf16(x[lo : r + 1].contiguous(), w, int(qtype), part, 0, interleaved=wi)
+            assert torch.equal(part[-1], together[r]), (r, lo)
+
+
+@needs_avx512_bf16
+def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
+    """qlinear with bf16 activations below the bf16 row threshold: a segment with an
+    interleaved copy runs the bf16 few-row kernel (the same bits as gemm_bf16 on the copy),
+    or with set_rows16_bf16(False) the float kernel on widened activations; a segment
+    without a copy the float kernel; float32 activations never the bf16 one. Below
+    avx512_bf16 (PAGEDSERVE_CPU_ISA=avx512) the float kernel."""
+    mod = kernels.load()
+    k, m = 576, 5
+    raws = [random_packed(Q.Q4_1, 32, k, seed=1), random_packed(Q.Q8_0, 24, k, seed=2)]
+    ws = [torch.from_numpy(r) for r in raws]
+    wis = [kernels.interleave_rows16(ws[0], int(Q.Q4_1), k), torch.empty(0, dtype=torch.uint8)]
+    types, cols, n = [int(Q.Q4_1), int(Q.Q8_0)], [0, 32], 56
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+
+    def qlinear(x):
+        before = mod.bf16_calls()
+        y = mod.qlinear(x, ws, types, cols, n, None, False, wis)
+        return y, [a - b for a, b in zip(mod.bf16_calls(), before)]
+
+    def by_hand(bf16_copy):
+        out = torch.empty(m, n)
+        if bf16_copy:
+            kernels.gemm_bf16(x, ws[0], types[0], out, 0, interleaved=wis[0])
+        else:
+            kernels.gemm(x.float(), ws[0], types[0], out, 0, interleaved=wis[0])
+        kernels.gemm(x.float(), ws[1], types[1], out, 32)
+        return out.bfloat16()
+
+    prev = kernels.set_isa("avx512_bf16")
+    try:
+        y, calls = qlinear(x)
+        assert calls == [0, 0, 1] and torch.equal(y, by_hand(True))
+        y, calls = qlinear(x.float())
+        assert calls == [0, 0, 0] and torch.equal(y.bfloat16(), by_hand(False))
+        assert kernels.set_rows16_bf16(False) is True
+        y, calls = qlinear(x)
+        assert calls == [0, 0, 0] and torch.equal(y, by_hand(False))
+        kernels.set_rows16_bf16(True)
+        kernels.set_isa("avx512")
+        y, calls = qlinear(x)
+        assert calls == [0, 0, 0] and torch.equal(y, by_hand(False))
+    finally:
+        kernels.set_rows16_bf16(True)
+        kernels.set_isa(prev)
+    with pytest.raises(RuntimeError, match="interleave_rows16"):
+        kernels.gemm_bf16(x, ws[1], types[1], torch.empty(m, n), 32, interleaved=wis[0])
 
 
 @needs_avx512

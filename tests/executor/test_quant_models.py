@@ -387,9 +387,10 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
 
 @pytest.mark.skipif(not HAVE_AVX512 or "avx512_bf16" not in kernels.available_isas(), reason="this CPU lacks avx512_bf16")
 def test_a_bf16_layer_with_interleaved_copies_keeps_them_up_to_8_rows():
-    """bf16 activations: a segment with an interleaved copy runs its few-row kernel up to 8
-    rows (so a verification of up to 7 tokens computes what 1-row steps do), the bf16 units
-    from 9; a segment without one from 6 (kernels.set_bf16_rows)."""
+    """bf16 activations: a segment with an interleaved copy runs its few-row kernel (on the
+    bf16 units, csrc/quant_rows16_bf16.h) up to 8 rows (so a verification of up to 7 tokens
+    computes what 1-row steps do), the many-row bf16 kernel from 9; a segment without one the
+    many-row kernel from 6 (kernels.set_bf16_rows)."""
     from pagedserve.executor.quant.formats import PackedWeight
     from pagedserve.executor.quant.layers import rows16_copies
     from tests.executor.test_quant_kernels import random_packed
@@ -403,9 +404,11 @@ def test_a_bf16_layer_with_interleaved_copies_keeps_them_up_to_8_rows():
     isa = kernels.set_isa("avx512_bf16")  # no AMX copies in play
     try:
         for layer, first_bf16 in ((with_copy, 9), (without, 6)):
-            for m in (first_bf16 - 1, first_bf16):
-                before = sum(mod.bf16_calls())
+            for m in (1, first_bf16 - 1, first_bf16):
+                before = mod.bf16_calls()
                 layer(torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16())
-                assert (sum(mod.bf16_calls()) > before) == (m == first_bf16), (first_bf16, m)
+                many, few = sum(mod.bf16_calls()[:2]) - sum(before[:2]), mod.bf16_calls()[2] - before[2]
+                assert (many > 0) == (m == first_bf16), (first_bf16, m)
+                assert (few > 0) == (layer is with_copy and m < first_bf16), (first_bf16, m)
     finally:
         kernels.set_isa(isa)

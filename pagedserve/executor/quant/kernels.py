@@ -24,7 +24,7 @@ _DIR = os.path.join(os.path.dirname(__file__), "csrc")
 # included by quant_kernels.cpp (one file per ISA, and what they share); part of the build key
 _HEADERS = (
     "quant_dequant.h", "quant_loops.h", "quant_scalar.h", "quant_avx2_q8.h", "quant_avx2.h", "quant_avx512.h",
-    "quant_rows16.h", "quant_vnni.h", "quant_bf16.h",
+    "quant_rows16.h", "quant_vnni.h", "quant_bf16.h", "quant_rows16_bf16.h",
 )
 _OPS_HEADERS = ("avx512_transpose.h", "isa_target.h")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 4, "amx_bf16": 5, "amx_int8": 6}
@@ -150,9 +150,18 @@ def set_bf16_onednn_rows(m: int, amx: bool = False) -> int:
     return int(load().set_bf16_onednn_rows(int(m), bool(amx)))
 
 
-def gemm_bf16(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, onednn: bool = False):
-    """out[:, col0:col0+N] (float32) = x (bf16) @ dequant(w).T on the bf16 units (block types)."""
-    load().gemm_bf16(x, w, int(qtype), out, int(col0), bool(onednn))
+def gemm_bf16(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, onednn: bool = False,
+              interleaved: torch.Tensor | None = None):
+    """out[:, col0:col0+N] (float32) = x (bf16) @ dequant(w).T on the bf16 units (block types);
+    interleaved: w's interleave_rows16 copy, read by the few-row kernel of csrc/quant_rows16_bf16.h."""
+    load().gemm_bf16(x, w, int(qtype), out, int(col0), bool(onednn), interleaved)
+
+
+def set_rows16_bf16(on: bool) -> bool:
+    """Whether a bf16 model's few-row products on interleaved copies run on the bf16 units
+    (csrc/quant_rows16_bf16.h, the default) or on float activations (csrc/quant_rows16.h).
+    Returns the previous setting."""
+    return bool(load().set_rows16_bf16(bool(on)))
 
 
 def has_many_rows_kernel() -> bool:

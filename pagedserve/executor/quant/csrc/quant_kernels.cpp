@@ -5,7 +5,8 @@
 // this one translation unit (ISA_TARGET_BEGIN): quant_scalar.h (portable), quant_avx2.h
 // (AVX2+FMA+F16C), quant_avx512.h (AVX-512 F/BW/VL/DQ), and on top of the AVX-512 one
 // quant_rows16.h (row-interleaved few-row products), quant_vnni.h (AVX512-VNNI integer
-// products) and quant_bf16.h (AVX512-BF16 many-row products). The first three share the
+// products), quant_bf16.h (AVX512-BF16 many-row products) and quant_rows16_bf16.h (AVX512-BF16
+// few-row products of bf16 models on the row-interleaved copies). The first three share the
 // ISA-neutral block code (quant_dequant.h) and loops (quant_loops.h), compiled into each; a new
 // ISA is one more file and one more region here. The path is chosen at run time from what the
 // CPU has (CPUID; or forced with set_isa, which the Python side drives from
@@ -16,7 +17,8 @@
 //     few rows (M < prefill_rows): every packed row is read once for all M activation rows,
 //     OpenMP (at::parallel_for) over output rows; on AVX-512 with a row-interleaved copy of
 //     Q4_0 / Q4_1 / Q8_0 rows (interleave_rows16, quant_rows16.h: 16 rows' blocks side by
-//     side) the copy's kernel instead, ~2x, over groups of 16 output rows;
+//     side) the copy's kernel instead, ~2x, over groups of 16 output rows (a bf16 model's
+//     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps);
 //     many rows, AVX2: chunks of output rows are dequantized into an L2-resident float buffer
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
@@ -150,6 +152,10 @@ namespace avx512_bf16 {
 using namespace avx512;
 #include "quant_bf16.h"
 }  // namespace avx512_bf16
+// few-row products of bf16 models on the row-interleaved copies (quant_rows16_bf16.h)
+namespace avx512_bf16_rows16 {
+#include "quant_rows16_bf16.h"
+}  // namespace avx512_bf16_rows16
 ISA_TARGET_END()
 #endif  // QK_X86
 
@@ -575,8 +581,18 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
 }
 
 static bool bf16_products() { return QK_X86 && current_isa() >= ISA_AVX512_BF16; }
-static int64_t g_bf16_calls[2] = {0, 0};  // products on the vdpbf16ps kernel / oneDNN (tests)
-std::vector<int64_t> bf16_calls() { return {g_bf16_calls[0], g_bf16_calls[1]}; }
+// products on the vdpbf16ps kernel / oneDNN / the interleaved copies' bf16 kernel (tests)
+static int64_t g_bf16_calls[3] = {0, 0, 0};
+std::vector<int64_t> bf16_calls() { return {g_bf16_calls[0], g_bf16_calls[1], g_bf16_calls[2]}; }
+// Whether a bf16 model's few-row products on segments with an interleaved copy run on the
+// bf16 units (quant_rows16_bf16.h) or widen the activations for the float kernel
+// (quant_rows16.h). On by default; off: the A/B of BENCHMARKS section 44.
+static bool g_rows16_bf16 = true;
+bool set_rows16_bf16(bool on) {
+  const bool prev = g_rows16_bf16;
+  g_rows16_bf16 = on;
+  return prev;
+}
 
 // Whether a type's products may take the bf16 route (block types: integer quants and group
 // scales, exact in bf16; float rows take the float path)
@@ -589,11 +605,29 @@ static bool bf16_type(int64_t type) {
 #endif
 }
 
+// The interleaved copy's bf16 kernel (quant_rows16_bf16.h): out (offset by col0) = x @ w.T
+static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N, int64_t type, const uint8_t* WI,
+                             float* out, int64_t ldo) {
+#if QK_X86
+  thread_local std::vector<uint32_t> xp;
+  thread_local std::vector<float> xs;
+  xp.resize(M * K / 2);
+  xs.resize(type == T_Q4_1 ? M * (K / 32) : 0);
+  avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data(), xs.empty() ? nullptr : xs.data());
+  const avx512_bf16_rows16::Rows16Bf16Args g{(int)type, K, M, ldo, xp.data(), xs.empty() ? nullptr : xs.data(), out};
+  const int64_t grain = std::max<int64_t>(1, 65536 / K);  // as gemm's few-row kernels
+  at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16),
+                   [&](int64_t g0, int64_t g1) { avx512_bf16_rows16::gemm_rows16_bf16(g, WI, g0, g1); });
+#endif
+}
+
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K], K a multiple of 32) @ dequant(w).T on the
-// bf16 units, a block type's weights unrounded (quant_bf16.h): the vdpbf16ps kernel over exact
-// quants and float group scales, or (onednn) at::mm over [x, x] and the weights split into
-// bf16 hi + lo (2K deep).
-void gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool onednn) {
+// bf16 units, a block type's weights unrounded: with wi (w's interleave_rows16 copy; Q4_0 /
+// Q4_1 / Q8_0) the few-row kernel on it (quant_rows16_bf16.h), else (quant_bf16.h) the
+// vdpbf16ps kernel over exact quants and float group scales, or (onednn) at::mm over [x, x] and
+// the weights split into bf16 hi + lo (2K deep).
+void gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool onednn,
+               c10::optional<torch::Tensor> wi) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -602,11 +636,20 @@ void gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out
   TORCH_CHECK(bf16_products(), "bf16 products need the avx512_bf16 path (or above)");
   TORCH_CHECK(bf16_type(type), "bf16 products: block types only (Q4_0 ... Q6_K)");
   TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
+  const bool interleaved = wi.has_value() && wi->defined();
+  TORCH_CHECK(!interleaved || (rows16_usable(wi, w, type) && N % 16 == 0),
+              "wi: w's interleave_rows16 copy (Q4_0 / Q4_1 / Q8_0, rows a multiple of 16)");
+  TORCH_CHECK(!(interleaved && onednn), "wi and onednn exclude each other");
   if (M == 0 || N == 0) return;
-  ++(onednn ? g_bf16_calls[1] : g_bf16_calls[0]);
+  ++g_bf16_calls[interleaved ? 2 : onednn ? 1 : 0];
 #if QK_X86
   const uint8_t* W = w.data_ptr<uint8_t>();
   const int64_t rb = w.size(1), ldo = out.size(1);
+  if (interleaved) {
+    gemm_rows16_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, N, type,
+                     wi->data_ptr<uint8_t>(), out.data_ptr<float>() + col0, ldo);
+    return;
+  }
   if (onednn) {
     // tiles of ~2 MB of split bf16 weights in a reused buffer, each multiplied by the BLAS (oneDNN)
     const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(512) << 10) / K));
@@ -678,20 +721,23 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   torch::Tensor x2 = x, xb;
   if (!flat) x2 = x.reshape({-1, x.size(-1)});
   const int64_t M = x2.size(0), K = x2.size(1);
-  // a bfloat16 model's many-row products: bf16 weights on the bf16 units (see g_bf16_rows; a
-  // segment with an interleaved copy from g_rows16_bf16_rows rows)
-  const bool bf16 = x2.scalar_type() == at::kBFloat16 && M >= std::min(g_bf16_rows, g_rows16_bf16_rows) &&
-                    K % 32 == 0 && bf16_products();
+  // a bfloat16 model's products on the bf16 units: many rows (see g_bf16_rows; a segment with
+  // an interleaved copy from g_rows16_bf16_rows rows), and fewer on an interleaved copy
+  const bool bf16 = x2.scalar_type() == at::kBFloat16 && K % 32 == 0 && bf16_products();
   if (bf16) xb = x2.contiguous();
   torch::Tensor out = at::detail::empty_cpu({M, N}, at::kFloat, c10::nullopt, c10::nullopt, c10::nullopt,
                                             c10::nullopt);
   for (size_t i = 0; i < ws.size(); ++i) {
     const int64_t t = types[i];
     const bool rows16 = !wis.empty() && wis[i].numel() > 0;
-    if (bf16 && M >= (rows16 ? g_rows16_bf16_rows : g_bf16_rows) && bf16_type(t) &&
-        !(act_q8 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0))) {
+    const bool int8 = act_q8 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0);
+    if (bf16 && M >= (rows16 ? g_rows16_bf16_rows : g_bf16_rows) && bf16_type(t) && !int8) {
       const bool onednn = M >= (current_isa() >= ISA_AMX_BF16 ? g_amx_onednn_rows : g_bf16_onednn_rows);
-      gemm_bf16(xb, ws[i], t, out, cols[i], onednn);
+      gemm_bf16(xb, ws[i], t, out, cols[i], onednn, c10::nullopt);
+      continue;
+    }
+    if (bf16 && rows16 && g_rows16_bf16 && !int8) {
+      gemm_bf16(xb, ws[i], t, out, cols[i], false, wis[i]);
       continue;
     }
     if (x2.scalar_type() == at::kBFloat16 && x2.is_contiguous()) x2 = widen_bf16(x2);
@@ -718,9 +764,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
         py::arg("rows") = py::none());
   m.def("gemm_bf16", &gemm_bf16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the bf16 units (vdpbf16ps, or oneDNN)",
-        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("out"), py::arg("col0") = 0, py::arg("onednn") = false);
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("out"), py::arg("col0") = 0, py::arg("onednn") = false,
+        py::arg("wi") = py::none());
+  m.def("set_rows16_bf16", &set_rows16_bf16, "bf16 few-row products on interleaved copies on the bf16 units (on)");
   m.def("set_bf16_rows", &set_bf16_rows, py::arg("m"), py::arg("rows16") = false);
-  m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN]");
+  m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN, interleaved copies]");
   m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows, py::arg("m"), py::arg("amx") = false);
   m.def("set_isa", &set_isa);
   m.def("request_amx_permission", &request_amx_permission,
