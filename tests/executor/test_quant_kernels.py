@@ -488,10 +488,10 @@ def test_a_bf16_interleaved_rows_bits_do_not_depend_on_the_other_rows(qtype):
     n, k = 48, 576
     w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
     wi = kernels.interleave_rows16(w, int(qtype), k)
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(5)).bfloat16()
-    together = torch.zeros(11, n)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    together = torch.zeros(16, n)
     kernels.gemm_bf16(x, w, int(qtype), together, 0, interleaved=wi)
-    for r in (0, 4, 10):
+    for r in (0, 4, 10, 15):
         for lo in {0, max(0, r - 2), r}:
             part = torch.zeros(r + 1 - lo, n)
             kernels.gemm_bf16(x[lo : r + 1].contiguous(), w, int(qtype), part, 0, interleaved=wi)
