@@ -90,6 +90,7 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t
   for (int g = 0; g < G; ++g)
     for (int t = 0; t < MT; ++t) acc[g][t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
+    avx512_rows16::prefetch_ahead<G>(WI, g0, nb, i, BB);  // the float kernel's, same distance
     __m512 s[2][G][MT];
     for (int e = 0; e < 2; ++e)
       for (int g = 0; g < G; ++g)
