@@ -417,12 +417,31 @@ needs_avx512 = pytest.mark.skipif(not HAVE_AVX512, reason="this CPU lacks avx512
 ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
 
-@needs_avx512
+# the two few-row kernels on interleaved copies: float activations (quant_rows16.h) and bf16
+# ones on the bf16 units (quant_rows16_bf16.h)
+ROWS16_KERNELS = [
+    pytest.param("float", marks=needs_avx512),
+    pytest.param(
+        "bf16", marks=pytest.mark.skipif(not HAVE_BF16, reason="this CPU lacks avx512_bf16 (the bf16 few-row kernel's ISA)")
+    ),
+]
+
+
+def rows16_product(kernel, x, w, qtype, out, col0, wi):
+    """out[:, col0:] = x @ w.T on the interleaved copy wi, by the float or the bf16 kernel."""
+    if kernel == "bf16":
+        kernels.gemm_bf16(x, w, int(qtype), out, col0, interleaved=wi)
+    else:
+        kernels.gemm(x, w, int(qtype), out, col0, interleaved=wi)
+
+
+@pytest.mark.parametrize("kernel", ROWS16_KERNELS)
 @pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [16, 48, 160])  # one group; three (a pair and a single); ten
-def test_interleaved_few_rows_match_the_dequantized_matmul(qtype, n):
+def test_interleaved_few_rows_match_the_dequantized_matmul(kernel, qtype, n):
     """Every few-row count (1-11: tiles of 1-8 rows, pairs of groups for 1-2 rows), into its
-    output columns only, within the float kernels' bound of the float64 reference."""
+    output columns only, within float32 summation of the float64 reference (the bf16 kernel:
+    of the bf16 activations against the unrounded weights)."""
     for k in (96, 576):
         raw = random_packed(qtype, n, k, seed=n + k)
         w = torch.from_numpy(raw)
@@ -430,75 +449,38 @@ def test_interleaved_few_rows_match_the_dequantized_matmul(qtype, n):
         assert wi is not None and wi.numel() == w.numel()  # the same bytes, rearranged
         for m in (1, 2, 3, 4, 5, 8, 11):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
-            ref, mag = reference(x, raw, qtype, k)
+            if kernel == "bf16":
+                x = x.bfloat16()
+            ref, mag = bf16_reference(x, raw, qtype, k) if kernel == "bf16" else reference(x, raw, qtype, k)
             out = torch.full((m, n + 5), 7.0)
-            kernels.gemm(x, w, int(qtype), out, 3, interleaved=wi)
+            rows16_product(kernel, x, w, qtype, out, 3, wi)
             got = out[:, 3 : 3 + n].numpy()
             assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-6), (k, m, np.abs(got - ref).max())
             assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)
 
 
-@needs_avx512
+@pytest.mark.parametrize("kernel", ROWS16_KERNELS)
 @pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
-def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(qtype):
+def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(kernel, qtype):
     """A k-token verification (k + 1 rows) computes what 1-row decode steps compute: each row's
-    sums are the same whatever the row count (the tiles of 1-8 rows, one or two groups)."""
-    n, k = 48, 576
+    sums are the same whatever the row count (tiles of 1-8 rows, one or two groups; up to the
+    float kernel's 11 few rows, the bf16 kernel's 16)."""
+    n, k, rows = 48, 576, 16 if kernel == "bf16" else 11
     w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
     wi = kernels.interleave_rows16(w, int(qtype), k)
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(5))
-    together = torch.zeros(11, n)
-    kernels.gemm(x, w, int(qtype), together, 0, interleaved=wi)
-    for r in (0, 4, 10):
-        for lo in {0, max(0, r - 2), r}:  # the row alone, and inside tiles of 1-3 and 5-11 rows
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
+    if kernel == "bf16":
+        x = x.bfloat16()
+    together = torch.zeros(rows, n)
+    rows16_product(kernel, x, w, qtype, together, 0, wi)
+    for r in (0, 4, 10, rows - 1):
+        for lo in {0, max(0, r - 2), r}:  # the row alone, and inside tiles of 1-3 and 5-16 rows
             part = torch.zeros(r + 1 - lo, n)
-            kernels.gemm(x[lo : r + 1].contiguous(), w, int(qtype), part, 0, interleaved=wi)
+            rows16_product(kernel, x[lo : r + 1].contiguous(), w, qtype, part, 0, wi)
             assert torch.equal(part[-1], together[r]), (r, lo)
 
 
-needs_avx512_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="this CPU lacks avx512_bf16 (the bf16 few-row kernel's ISA)")
-
-
-@needs_avx512_bf16
-@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [16, 48, 160])
-def test_bf16_interleaved_few_rows_match_the_dequantized_matmul(qtype, n):
-    """The bf16 few-row kernel on interleaved copies (csrc/quant_rows16_bf16.h): bf16
-    activations against the exact quants, 1-11 rows (tiles of 1-8, pairs of groups for 1-2),
-    within float32 summation of the float64 reference, into its own output columns only."""
-    for k in (96, 576):
-        raw = random_packed(qtype, n, k, seed=n + k)
-        w = torch.from_numpy(raw)
-        wi = kernels.interleave_rows16(w, int(qtype), k)
-        for m in (1, 2, 3, 4, 5, 8, 11):
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)).bfloat16()
-            ref, mag = bf16_reference(x, raw, qtype, k)
-            out = torch.full((m, n + 5), 7.0)
-            kernels.gemm_bf16(x, w, int(qtype), out, 3, interleaved=wi)
-            got = out[:, 3 : 3 + n].numpy()
-            assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-6), (k, m, np.abs(got - ref).max())
-            assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)
-
-
-@needs_avx512_bf16
-@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
-def test_a_bf16_interleaved_rows_bits_do_not_depend_on_the_other_rows(qtype):
-    """As for the float kernel: a verification of k guesses (k + 1 bf16 rows) computes what
-    1-row decode steps do, whatever tile of 1-8 rows (or pair of groups) the row lands in."""
-    n, k = 48, 576
-    w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
-    wi = kernels.interleave_rows16(w, int(qtype), k)
-    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5)).bfloat16()
-    together = torch.zeros(16, n)
-    kernels.gemm_bf16(x, w, int(qtype), together, 0, interleaved=wi)
-    for r in (0, 4, 10, 15):
-        for lo in {0, max(0, r - 2), r}:
-            part = torch.zeros(r + 1 - lo, n)
-            kernels.gemm_bf16(x[lo : r + 1].contiguous(), w, int(qtype), part, 0, interleaved=wi)
-            assert torch.equal(part[-1], together[r]), (r, lo)
-
-
-@needs_avx512_bf16
+@needs_bf16
 def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
     """qlinear with bf16 activations below the bf16 row threshold: a segment with an
     interleaved copy runs the bf16 few-row kernel (the same bits as gemm_bf16 on the copy),

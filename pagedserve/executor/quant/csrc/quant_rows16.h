@@ -116,19 +116,20 @@ static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_
     for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + (g0 + g) * 16, acc[g][t]);
 }
 
-// Groups g0 .. g1 of every activation row: pairs of groups for 1-2 rows (four FMA chains in
-// flight), one group for 3-8 rows at a time
-template <int TYPE>
-static void rows16_groups(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_t g1) {
-  for (int64_t m0 = 0; m0 < a.M;) {
-    const int64_t mt = std::min<int64_t>(8, a.M - m0);
+// Every (group, row tile) of groups g0 .. g1 and M activation rows, as tile(G, MT, g, m0) with G
+// and MT std::integral_constants: tiles of up to 8 rows; pairs of groups for 1-2 rows (four
+// multiply chains in flight), one group for 3-8. Both interleaved kernels walk their tiles so
+// (quant_rows16_bf16.h too).
+template <class Tile>
+static void for_each_tile(int64_t M, int64_t g0, int64_t g1, const Tile& tile) {
+  using std::integral_constant;
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t mt = std::min<int64_t>(8, M - m0);
     auto each = [&](auto G, auto MT) {
-      constexpr int g_ = decltype(G)::value, mt_ = decltype(MT)::value;
       int64_t g = g0;
-      for (; g + g_ <= g1; g += g_) rows16_tile<TYPE, g_, mt_>(a, WI, g, m0);
-      for (; g < g1; ++g) rows16_tile<TYPE, 1, mt_>(a, WI, g, m0);
+      for (; g + decltype(G)::value <= g1; g += decltype(G)::value) tile(G, MT, g, m0);
+      for (; g < g1; ++g) tile(integral_constant<int, 1>{}, MT, g, m0);
     };
-    using std::integral_constant;
     switch (mt) {
       case 1: each(integral_constant<int, 2>{}, integral_constant<int, 1>{}); break;
       case 2: each(integral_constant<int, 2>{}, integral_constant<int, 2>{}); break;
@@ -141,6 +142,13 @@ static void rows16_groups(const GemmArgs& a, const uint8_t* WI, int64_t g0, int6
     }
     m0 += mt;
   }
+}
+
+template <int TYPE>
+static void rows16_groups(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_t g1) {
+  for_each_tile(a.M, g0, g1, [&](auto G, auto MT, int64_t g, int64_t m0) {
+    rows16_tile<TYPE, decltype(G)::value, decltype(MT)::value>(a, WI, g, m0);
+  });
 }
 
 static void gemm_rows16(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_t g1) {

@@ -118,30 +118,12 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t
     for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + (g0 + g) * 16, acc[g][t]);
 }
 
-// Groups g0 .. g1 of every activation row: pairs of groups for 1-2 rows, one group for 3-8
+// Groups g0 .. g1 of every activation row, in the float kernel's tiles
 template <int TYPE>
 static void groups(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
-  for (int64_t m0 = 0; m0 < a.M;) {
-    const int64_t mt = std::min<int64_t>(8, a.M - m0);
-    auto each = [&](auto G, auto MT) {
-      constexpr int g_ = decltype(G)::value, mt_ = decltype(MT)::value;
-      int64_t g = g0;
-      for (; g + g_ <= g1; g += g_) tile<TYPE, g_, mt_>(a, WI, g, m0);
-      for (; g < g1; ++g) tile<TYPE, 1, mt_>(a, WI, g, m0);
-    };
-    using std::integral_constant;
-    switch (mt) {
-      case 1: each(integral_constant<int, 2>{}, integral_constant<int, 1>{}); break;
-      case 2: each(integral_constant<int, 2>{}, integral_constant<int, 2>{}); break;
-      case 3: each(integral_constant<int, 1>{}, integral_constant<int, 3>{}); break;
-      case 4: each(integral_constant<int, 1>{}, integral_constant<int, 4>{}); break;
-      case 5: each(integral_constant<int, 1>{}, integral_constant<int, 5>{}); break;
-      case 6: each(integral_constant<int, 1>{}, integral_constant<int, 6>{}); break;
-      case 7: each(integral_constant<int, 1>{}, integral_constant<int, 7>{}); break;
-      default: each(integral_constant<int, 1>{}, integral_constant<int, 8>{}); break;
-    }
-    m0 += mt;
-  }
+  avx512_rows16::for_each_tile(a.M, g0, g1, [&](auto G, auto MT, int64_t g, int64_t m0) {
+    tile<TYPE, decltype(G)::value, decltype(MT)::value>(a, WI, g, m0);
+  });
 }
 
 static void gemm_rows16_bf16(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
