@@ -428,11 +428,16 @@ ROWS16_KERNELS = [
 
 
 def rows16_product(kernel, x, w, qtype, out, col0, wi):
-    """out[:, col0:] = x @ w.T on the interleaved copy wi, by the float or the bf16 kernel."""
-    if kernel == "bf16":
-        kernels.gemm_bf16(x, w, int(qtype), out, col0, interleaved=wi)
-    else:
-        kernels.gemm(x, w, int(qtype), out, col0, interleaved=wi)
+    """out[:, col0:] = x @ w.T on the interleaved copy wi, by the float or the bf16 kernel (on
+    its ISA path, whatever PAGEDSERVE_CPU_ISA chose)."""
+    prev = kernels.set_isa("avx512_bf16" if kernel == "bf16" else "avx512")
+    try:
+        if kernel == "bf16":
+            kernels.gemm_bf16(x, w, int(qtype), out, col0, interleaved=wi)
+        else:
+            kernels.gemm(x, w, int(qtype), out, col0, interleaved=wi)
+    finally:
+        kernels.set_isa(prev)
 
 
 @pytest.mark.parametrize("kernel", ROWS16_KERNELS)
@@ -485,8 +490,8 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
     """qlinear with bf16 activations below the bf16 row threshold: a segment with an
     interleaved copy runs the bf16 few-row kernel (the same bits as gemm_bf16 on the copy),
     or with set_rows16_bf16(False) the float kernel on widened activations; a segment
-    without a copy the float kernel; float32 activations never the bf16 one. Below
-    avx512_bf16 (PAGEDSERVE_CPU_ISA=avx512) the float kernel."""
+    without a copy the float kernel; float32 activations never the bf16 one; act_q8 (gguf_q8)
+    its integer kernels. Below avx512_bf16 (PAGEDSERVE_CPU_ISA=avx512) the float kernel."""
     mod = kernels.load()
     k, m = 576, 5
     raws = [random_packed(Q.Q4_1, 32, k, seed=1), random_packed(Q.Q8_0, 24, k, seed=2)]
@@ -495,9 +500,9 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
     types, cols, n = [int(Q.Q4_1), int(Q.Q8_0)], [0, 32], 56
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).bfloat16()
 
-    def qlinear(x):
+    def qlinear(x, act_q8=False):
         before = mod.bf16_calls()
-        y = mod.qlinear(x, ws, types, cols, n, None, False, wis)
+        y = mod.qlinear(x, ws, types, cols, n, None, act_q8, wis)
         return y, [a - b for a, b in zip(mod.bf16_calls(), before)]
 
     def by_hand(bf16_copy):
@@ -515,18 +520,23 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
         assert calls == [0, 0, 1] and torch.equal(y, by_hand(True))
         y, calls = qlinear(x.float())
         assert calls == [0, 0, 0] and torch.equal(y.bfloat16(), by_hand(False))
+        y, calls = qlinear(x, act_q8=True)
+        int8 = torch.empty(m, n)
+        for w, t, c in zip(ws, types, cols):
+            kernels.gemm(x.float(), w, t, int8, c, act_q8=True)
+        assert calls == [0, 0, 0] and torch.equal(y, int8.bfloat16())
         assert kernels.set_rows16_bf16(False) is True
         y, calls = qlinear(x)
         assert calls == [0, 0, 0] and torch.equal(y, by_hand(False))
         kernels.set_rows16_bf16(True)
+        with pytest.raises(RuntimeError, match="interleave_rows16"):  # another weight's copy
+            kernels.gemm_bf16(x, ws[1], types[1], torch.empty(m, n), 32, interleaved=wis[0])
         kernels.set_isa("avx512")
         y, calls = qlinear(x)
         assert calls == [0, 0, 0] and torch.equal(y, by_hand(False))
     finally:
         kernels.set_rows16_bf16(True)
         kernels.set_isa(prev)
-    with pytest.raises(RuntimeError, match="interleave_rows16"):
-        kernels.gemm_bf16(x, ws[1], types[1], torch.empty(m, n), 32, interleaved=wis[0])
 
 
 @needs_avx512

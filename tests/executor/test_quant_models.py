@@ -138,10 +138,10 @@ def test_gguf_q8_activations_close_to_float_activations(checkpoint, tmp_path, mo
 )
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 def test_bf16_model_products_on_bf16_units(checkpoint, tmp_path, monkeypatch, qtype):
-    """A bfloat16 engine of a packed GGUF runs its prefill products on the bf16 kernel (the
-    weights' exact quants against bf16 activations): logits within 2% of the largest logit of
-    the same engine with the bf16 products off where the inputs agree; a float32 engine never
-    takes them."""
+    """A bfloat16 engine of a packed GGUF runs its prefill products on the bf16 many-row kernel
+    (the weights' exact quants against bf16 activations): logits within 2% of the largest logit
+    of the same engine with that kernel off (set_bf16_rows; few-row products stay on the
+    interleaved copies' kernel in both) where the inputs agree; a float32 engine never takes it."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(checkpoint("llama"), str(tmp_path / f"{qtype.name}.gguf"), qtype)
     monkeypatch.setenv("PAGEDSERVE_NO_ONEDNN_PACK", "1")  # the kernel, not the bf16 copies

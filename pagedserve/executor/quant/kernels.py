@@ -1,8 +1,8 @@
 """The packed-weight C++ kernels (csrc/), compiled once per machine (executor/cpp_build.py).
 
 One module holds a portable scalar path, an AVX2+FMA path, an AVX-512 path and, above it,
-avx512_vnni (vpdpbusd in the int8-activation kernels), avx512_bf16 (and the bf16 many-row
-products of bfloat16 models) and amx_bf16 / amx_int8 (AMX tiles present and granted by Linux:
+avx512_vnni (vpdpbusd in the int8-activation kernels), avx512_bf16 (and the bf16 products of
+bfloat16 models: many rows, and few rows on the row-interleaved copies) and amx_bf16 / amx_int8 (AMX tiles present and granted by Linux:
 bf16 products of 32+ rows go to oneDNN, which runs them on the tiles; no kernel here issues
 tile instructions). The best one the CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (those
 names; a path the CPU lacks is an error). `set_isa()` switches at run time (tests run every
@@ -137,8 +137,10 @@ def set_q8_many_rows(m: int) -> int:
 
 def set_bf16_rows(m: int, rows16: bool = False) -> int:
     """bfloat16 models on avx512_bf16 and up: from this many activation rows (6; rows16: for
-    segments with an interleaved copy, 9), block-type products run on the bf16 units, the
-    weights' exact quants against the bf16 activations (returns the previous value)."""
+    segments with an interleaved copy, 9), block-type products run on the many-row bf16
+    kernels, the weights' exact quants against the bf16 activations; below it the float path,
+    or a segment's interleaved copy on its bf16 kernel (set_rows16_bf16). Returns the previous
+    value."""
     return int(load().set_bf16_rows(int(m), bool(rows16)))
 
 

@@ -170,7 +170,8 @@ ISA_TARGET_END()
 // Levels, each the one below it plus its own instructions (set_isa forces one; the best one
 // the CPU has is the default):
 //   avx512_vnni: vpdpbusd in the act_q8 integer kernels;
-//   avx512_bf16: and the bf16 many-row products of bfloat16 models (quant_bf16.h);
+//   avx512_bf16: and the bf16 products of bfloat16 models: many rows (quant_bf16.h), few rows on
+//     the row-interleaved copies (quant_rows16_bf16.h);
 //   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
 //     (arch_prctl): the bf16 many-row products go to oneDNN from g_amx_onednn_rows rows on,
 //     which runs them on the tiles.
@@ -274,7 +275,8 @@ static int64_t g_prefill_rows = 12;
 static int64_t g_q8_many_rows = 6;
 
 // bfloat16 models (x arrives in bf16), avx512_bf16 and up: from this many rows the products of
-// block-type weights run on the bf16 units (quant_bf16.h; the float path below); from
+// block-type weights run on the bf16 many-row kernels (quant_bf16.h; below it the float path,
+// or for a segment with an interleaved copy that copy's bf16 kernel, quant_rows16_bf16.h); from
 // g_bf16_onednn_rows on (g_amx_onednn_rows on the AMX levels) split bf16 weight tiles go to
 // oneDNN through at::mm (AMX tiles where the CPU has them), below it the vdpbf16ps kernel.
 // Measured on a Zen 4 (avx512_bf16, one thread, hot cache), float few-row kernel vs the bf16
@@ -282,10 +284,12 @@ static int64_t g_q8_many_rows = 6;
 // kernel beat oneDNN at every shape measured, so oneDNN is off by default below AMX. (Prepacked
 // bf16 copies do beat it there from 16 rows: quant/layers.py's bf16_copies, BENCHMARKS section 41.)
 static int64_t g_bf16_rows = 6;
-// The same threshold for a segment with a row-interleaved copy (quant_rows16.h): its few-row
-// kernel beat the bf16 units and oneDNN's tiles up to 8 rows (AMX Xeon, the default model's
-// decode steps, 6 / 8 / 9 / 10 rows: 13.6-14.1 / 16.8-17.0 / 20.9-21.1 / 21.7-22.2 ms against
-// 17.5-18.0 / 18.9-19.1 / 20.3-20.8 / 21.0-21.1 on the bf16 copies; BENCHMARKS section 39).
+// The same threshold for a segment with a row-interleaved copy: its few-row kernel (then the
+// float one, quant_rows16.h) beat the bf16 units and oneDNN's tiles up to 8 rows (AMX Xeon, the
+// default model's decode steps, 6 / 8 / 9 / 10 rows: 13.6-14.1 / 16.8-17.0 / 20.9-21.1 /
+// 21.7-22.2 ms against 17.5-18.0 / 18.9-19.1 / 20.3-20.8 / 21.0-21.1 on the bf16 copies;
+// BENCHMARKS section 39). Its bf16 kernel (quant_rows16_bf16.h), faster, runs below it now; on a
+// Zen 4 it stayed level with the bf16 copies at 12-16 rows (section 44), so 9 stands.
 static int64_t g_rows16_bf16_rows = 9;
 static int64_t g_bf16_onednn_rows = 1 << 30;
 // The AMX levels' threshold: oneDNN's tiles should win from a few dozen rows; not measured
