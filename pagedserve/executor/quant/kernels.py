@@ -2,9 +2,9 @@
 
 One module holds a portable scalar path, an AVX2+FMA path, an AVX-512 path and, above it,
 avx512_vnni (vpdpbusd in the int8-activation kernels), avx512_bf16 (and the bf16 products of
-bfloat16 models: many rows, and few rows on the row-interleaved copies) and amx_bf16 / amx_int8 (AMX tiles present and granted by Linux:
-bf16 products of 32+ rows go to oneDNN, which runs them on the tiles; no kernel here issues
-tile instructions). The best one the CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (those
+bfloat16 models: many rows, and few rows on the row-interleaved copies) and amx_bf16 /
+amx_int8 (AMX tiles present and granted by Linux: bf16 products of 32+ rows go to oneDNN,
+which runs them on the tiles; no kernel here issues tile instructions). The best one the CPU has is used, or the one named by PAGEDSERVE_CPU_ISA (those
 names; a path the CPU lacks is an error). `set_isa()` switches at run time (tests run every
 available path).
 """

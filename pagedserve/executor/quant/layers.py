@@ -87,9 +87,9 @@ class QuantLinear(nn.Module):
 
     def attach_rows16(self) -> bool:
         """Keep beside each Q4_0 / Q4_1 / Q8_0 segment its row-interleaved copy, which the
-        AVX-512 few-row products (decode at batch 1-11 in float32, 1-8 in bf16; verification rows)
-        read at ~2x the packed rows' kernel (BENCHMARKS sections 39, 44). Costs the segments' packed bytes again. False
-        (nothing kept) where no segment takes it."""
+        AVX-512 few-row products (decode at batch 1-11 in float32, 1-8 in bf16; verification
+        rows) read at ~2x the packed rows' kernel (BENCHMARKS sections 39, 44). Costs the
+        segments' packed bytes again. False (nothing kept) where no segment takes it."""
         copies = [kernels.interleave_rows16(d, t, self.in_features) for t, d, _ in self.segments]
         if all(c is None for c in copies):
             return False

@@ -616,9 +616,14 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
   thread_local std::vector<uint32_t> xp;
   thread_local std::vector<float> xs;
   xp.resize(M * K / 2);
-  xs.resize(type == T_Q4_1 ? M * (K / 32) : 0);
-  avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data(), xs.empty() ? nullptr : xs.data());
-  const avx512_bf16_rows16::Rows16Bf16Args g{(int)type, K, M, ldo, xp.data(), xs.empty() ? nullptr : xs.data(), out};
+  avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data());
+  float* sums = nullptr;  // Q4_1's block sums of the activations
+  if (type == T_Q4_1) {
+    xs.resize(M * (K / 32));
+    sums = xs.data();
+    avx512_bf16::group_sums(X, K, 32, 0, M, sums);
+  }
+  const avx512_bf16_rows16::Rows16Bf16Args g{(int)type, K, M, ldo, xp.data(), sums, out};
   const int64_t grain = std::max<int64_t>(1, 65536 / K);  // as gemm's few-row kernels
   at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16),
                    [&](int64_t g0, int64_t g1) { avx512_bf16_rows16::gemm_rows16_bf16(g, WI, g0, g1); });

@@ -29,9 +29,9 @@ struct Rows16Bf16Args {
   float* out;          // already offset by col0
 };
 
-// Rows [r0, r1) of X (bf16 [M, K]) -> XP: per block of 32, dword j = x[j] | x[j + 16] << 16;
-// and the block sums (float32, element order) where xsum is given
-static void pair_activations(const uint16_t* X, int64_t K, int64_t r0, int64_t r1, uint32_t* XP, float* xsum) {
+// Rows [r0, r1) of X (bf16 [M, K]) -> XP: per block of 32, dword j = x[j] | x[j + 16] << 16
+// (Q4_1's block sums: quant_bf16.h's group_sums)
+static void pair_activations(const uint16_t* X, int64_t K, int64_t r0, int64_t r1, uint32_t* XP) {
   const __m512i perm = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const int64_t nb = K / 32;
@@ -39,15 +39,6 @@ static void pair_activations(const uint16_t* X, int64_t K, int64_t r0, int64_t r
     for (int64_t i = 0; i < nb; ++i) {
       const uint16_t* x = X + r * K + i * 32;
       _mm512_storeu_si512(XP + r * (K / 2) + i * 16, _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(x)));
-      if (!xsum) continue;
-      float s = 0.f;
-      for (int j = 0; j < 32; ++j) {
-        const uint32_t u = uint32_t(x[j]) << 16;
-        float f;
-        std::memcpy(&f, &u, 4);
-        s += f;
-      }
-      xsum[r * nb + i] = s;
     }
 }
 
@@ -68,24 +59,22 @@ static inline __m512bh pair_quants(const uint8_t* q, int64_t j, __m512i table) {
   return (__m512bh)_mm512_permutexvar_epi16(idx, table);
 }
 
-// bf16 of the 16 nibble values (Q4_0: minus 8), words 0..15 (16..31 repeat them)
-template <int TYPE>
-static inline __m512i nibble_table() {
-  alignas(64) uint16_t t[32];
-  for (int v = 0; v < 32; ++v) {
-    const float f = float((v & 15) - (TYPE == T_Q4_0 ? 8 : 0));
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    t[v] = uint16_t(u >> 16);  // exact: small integers
-  }
-  return _mm512_load_si512(t);
-}
+// bf16 bits of the 16 nibble values, words 0..15 (16..31 repeat them): Q4_1's 0 .. 15, Q4_0's
+// 0 - 8 .. 15 - 8
+alignas(64) static const uint16_t kNibbleBf16[2][32] = {
+    {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120,
+     0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
+     0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170},
+    {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000,
+     0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040,
+     0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0},
+};
 
 // out[m0 + t][16 g .. 16 g + 15] for G groups from g0 and MT activation rows from m0
 template <int TYPE, int G, int MT>
 static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t m0) {
   const int64_t nb = a.K / 32, BB = avx512_rows16::rows16_block_bytes(TYPE), hdr = TYPE == T_Q4_1 ? 64 : 32;
-  const __m512i table = TYPE == T_Q8_0 ? _mm512_setzero_si512() : nibble_table<TYPE>();
+  const __m512i table = _mm512_load_si512(kNibbleBf16[TYPE == T_Q4_0]);  // (unused for Q8_0)
   __m512 acc[G][MT];
   for (int g = 0; g < G; ++g)
     for (int t = 0; t < MT; ++t) acc[g][t] = _mm512_setzero_ps();
