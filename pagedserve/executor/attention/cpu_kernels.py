@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
 _HEADERS = (
-    *(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("chunk_args.h", "prefill_paged.h", "prefill_bf16.h", "prefill_amx.h")),
+    *(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("chunk_args.h", "prefill_paged.h", "prefill_bf16.h", "prefill_amx.h", "decode_bf16.h")),
     *(os.path.join(os.path.dirname(__file__), os.pardir, "ops", "csrc", h) for h in ("avx512_exp.h", "work_queue.h", "avx512_transpose.h", "amx_tiles.h")),
 )
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -29,10 +29,23 @@ def load():
     if envs.PAGEDSERVE_NO_CPP_KERNELS:
         return None
     try:
-        return load_extension("attention", [_SRC], headers=_HEADERS, cflags=_CFLAGS, ldflags=("-fopenmp",), expected_seconds=35)
+        mod = load_extension("attention", [_SRC], headers=_HEADERS, cflags=_CFLAGS, ldflags=("-fopenmp",), expected_seconds=35)
     except Exception as e:  # noqa: BLE001 (any build failure means: use the fallback)
         logger.warning("pagedserve: C++ CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
+    sync_isa(mod)
+    return mod
+
+
+def sync_isa(mod=None) -> None:
+    """Let bf16 decode rows take the vdpbf16ps kernel (csrc/decode_bf16.h, where the module has
+    it) only while the kernels run on a path with native bf16 (quant.kernels.native_bf16_in_use:
+    PAGEDSERVE_CPU_ISA below it turns it off). Read at load; call again after quant.kernels.set_isa."""
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    mod = mod if mod is not None else load()
+    if mod is not None and hasattr(mod, "set_decode_bf16"):
+        mod.set_decode_bf16(quant_kernels.native_bf16_in_use())
 
 
 def amx_prefill_usable(mod) -> bool:

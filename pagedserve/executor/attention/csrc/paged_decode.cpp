@@ -1,7 +1,8 @@
 // Paged decode attention on the CPU: one query token per sequence, K/V read in place from
 // the paged cache through the block table (no gathered copy), GQA-aware (each K/V row is
 // read once for all query heads that share it). Parallel over sequences (the AVX2 float32 path
-// below: over sequences and KV heads).
+// below: over sequences and KV heads). bf16 queries over a bf16 cache take the vdpbf16ps kernel
+// where the module has it (decode_bf16.h); other bf16 queries are widened to float32.
 //
 //   q        [n, h, d]                  (float32 or bfloat16)
 //   k_cache  [num_blocks, bs, kvh, d]   (q's dtype, or float16 / bfloat16 / float8 e4m3fn /
@@ -595,6 +596,18 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
 }
 #endif
 
+#include "prefill_bf16.h"  // prefill_bf16: prefill chunks in bf16 on vdpbf16ps (where built), and what the tiles share
+#include "decode_bf16.h"   // bf16_decode: decode rows in bf16 on vdpbf16ps (where built)
+
+// Whether bf16 decode rows over a bf16 cache take bf16_decode (where built); the Python side
+// clears it where the kernels run on a path below avx512_bf16 (PAGEDSERVE_CPU_ISA).
+static bool g_decode_bf16 = true;
+static bool set_decode_bf16(bool on) {
+  const bool prev = g_decode_bf16;
+  g_decode_bf16 = on;
+  return prev;
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [n,h,d], k_cache [nb,bs,kvh,d]");
@@ -615,6 +628,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto run = [&](auto* q_type, auto* kv_type) {
     using T = std::remove_pointer_t<decltype(q_type)>;
     using KV = std::remove_pointer_t<decltype(kv_type)>;
+#if defined(PAGEDSERVE_DECODE_BF16)
+    if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+      if (g_decode_bf16 && d % 64 == 0 && d <= 256 && softcap <= 0.0 && q.stride(2) == 1 && q.stride(1) == d) {
+        const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+        bf16_decode::decode(qp, q.stride(0), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<KV>()),
+                            reinterpret_cast<const uint16_t*>(v_cache.data_ptr<KV>()), bt.data_ptr<int64_t>(),
+                            sl.data_ptr<int64_t>(), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, h,
+                            kvh, d, bs, bt.size(1), (float)scale, window);
+        return;
+      }
+    }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__F16C__)
     constexpr bool kv_ok = true;
@@ -679,7 +704,6 @@ torch::Tensor paged_decode_qkv(torch::Tensor qkv, int64_t h, torch::Tensor k_cac
 }
 
 #include "prefill_paged.h"  // prefill_paged: a step's prefill chunks, fresh or after cached context
-#include "prefill_bf16.h"    // prefill_bf16: the same in bf16 on vdpbf16ps (where built), and what the tiles share
 #include "prefill_amx.h"     // prefill_amx: a step's prefill chunks on the AMX tiles (where built)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -692,6 +716,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_qkv", &paged_decode_qkv, "paged decode attention from fused QKV rows (CPU)", py::arg("qkv"),
         py::arg("h"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("set_decode_bf16", &set_decode_bf16, "bf16 decode rows on vdpbf16ps where built (returns the previous setting)",
+        py::arg("on"));
+  m.def("has_decode_bf16", []() {
+#if defined(PAGEDSERVE_DECODE_BF16)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether the module was built with the vdpbf16ps decode kernel");
 #if defined(PAGEDSERVE_PREFILL_BF16)
   m.def("prefill_bf16", &prefill_bf16, "causal prefill attention of paged chunks on the AVX512-BF16 dot products",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("out"), py::arg("starts"), py::arg("qlens"),
