@@ -7,6 +7,9 @@ and the K/V bytes read per second. `--engine vllm` runs vLLM's `cpu_attention_wi
 the anchors' venv; `--with-vllm` does that in a subprocess after pagedserve's run.
 
     .venv/bin/python benchmarks/decode_attention_vs_vllm.py --rows 12 --context 2500 --with-vllm
+
+`--ab-float` alternates pagedserve's vdpbf16ps kernel (csrc/decode_bf16.h) with its float kernel
+(bf16 widened to float32) in one process, `--rounds` times each, and prints both medians.
 """
 
 from __future__ import annotations
@@ -71,6 +74,29 @@ def vllm_run(rows: int, ctx: int, bs: int):
     return run
 
 
+def ab_float(run, a) -> None:
+    """The vdpbf16ps kernel and the float kernel alternately (set_decode_bf16), medians."""
+    import statistics
+
+    from pagedserve.executor.attention import cpu_kernels
+
+    cpp = cpu_kernels.load()
+    if cpp is None or not cpp.has_decode_bf16():
+        sys.exit("this module has no vdpbf16ps decode kernel (a CPU without AVX512-BF16)")
+    ms = {"float_kernel": [], "bf16_kernel": []}
+    try:
+        for _ in range(a.rounds):
+            for name, on in (("float_kernel", False), ("bf16_kernel", True)):
+                cpp.set_decode_bf16(on)
+                ms[name].append(timed(run, a.iters) * 1e3)
+    finally:
+        cpu_kernels.sync_isa(cpp)
+    res = {k: round(statistics.median(v), 2) for k, v in ms.items()}
+    print(json.dumps({"engine": "pagedserve", "rows": a.rows, "context": a.context, "kv_dtype": a.kv_dtype,
+                      "ms_30_layers": res, "ratio": round(res["float_kernel"] / res["bf16_kernel"], 3),
+                      "rounds": a.rounds, "threads": torch.get_num_threads()}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=64)
@@ -80,13 +106,20 @@ def main() -> None:
     ap.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bfloat16", help="pagedserve's cache dtype")
     ap.add_argument("--engine", choices=["pagedserve", "vllm"], default="pagedserve")
     ap.add_argument("--with-vllm", action="store_true", help="then vLLM's kernel, under the anchors' venv")
+    ap.add_argument("--ab-float", action="store_true", help="the bf16 kernel against the float one, alternating")
+    ap.add_argument("--rounds", type=int, default=6)
     a = ap.parse_args()
+    if a.ab_float and a.engine != "pagedserve":
+        ap.error("--ab-float compares pagedserve's two kernels (--engine pagedserve)")
     torch.manual_seed(0)
     bs = a.block_size or (16 if a.engine == "pagedserve" else 128)
     if a.engine == "pagedserve":
         run, elem = pagedserve_run(a.rows, a.context, bs, a.kv_dtype), KV_DTYPES[a.kv_dtype].itemsize
     else:
         run, elem = vllm_run(a.rows, a.context, bs), 2
+    if a.ab_float and a.engine == "pagedserve":
+        ab_float(run, a)
+        return
     dt = timed(run, a.iters)
     kv_bytes = LAYERS * a.rows * a.context * KVH * D * 2 * elem
     print(json.dumps({"engine": a.engine, "rows": a.rows, "context": a.context, "block_size": bs,

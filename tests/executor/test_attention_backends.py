@@ -1,6 +1,7 @@
 """The C++ decode kernel against the PyTorch reference backend."""
 
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -516,28 +517,47 @@ def _bf16_decode_kernel() -> bool:
     return kernels is not None and kernels.has_decode_bf16()
 
 
+@contextlib.contextmanager
+def _isa(name):
+    """The kernels on path `name` (quant.kernels.set_isa; the attention module follows it),
+    whatever PAGEDSERVE_CPU_ISA chose, then back."""
+    from pagedserve.executor.quant import kernels as quant_kernels
+
+    prev = quant_kernels.set_isa(name)
+    try:
+        yield
+    finally:
+        quant_kernels.set_isa(prev)
+
+
 @pytest.mark.skipif(not _bf16_decode_kernel(), reason=_NO_BF16)
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (10, 2, 64), (6, 1, 256)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (8, 2, 64), (10, 2, 192), (6, 1, 256)])
 @pytest.mark.parametrize("bs", [16, 5])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [[1, 2, 7, 8, 9, 31, 32, 33, 64, 65, 300], [65, 300]])
 def test_bf16_decode_kernel_matches_float64_sdpa(heads, kv_heads, d, bs, threads, lens):
     """bf16 decode rows over a bf16 cache on vdpbf16ps (csrc/decode_bf16.h): context lengths
     around its 8-token score groups, 32-token chunks and odd token pairs, query heads per KV
-    head from 1 to 6 (groups of 3), q as strided fused-QKV rows, one job per sequence or (few
+    head from 1 to 5 (groups of 3), q as strided fused-QKV rows, one job per sequence or (few
     rows) per (sequence, KV head): against SDPA in float64, each row within 1.5x the error of
-    SDPA in bf16 or 2^-8 of its largest output (P is rounded to bf16, as in the prefill kernels)."""
+    SDPA in bf16 or 2^-8 of its largest output (P is rounded to bf16, as in the prefill kernels).
+    The float kernel (the switch off) gives other bits: the rows did take the bf16 kernel."""
     g = torch.Generator().manual_seed(heads * d + bs + threads + len(lens))
     reqs = [(n - 1, 1) for n in lens]  # a decode row: its last position's query over the rest
     q, kc, vc, starts, bt, blocks, t = _paged_case(reqs, heads, kv_heads, d, bs, torch.bfloat16, g)
     qkv = torch.randn(len(reqs), (heads + 2 * kv_heads) * d, generator=g).bfloat16()
     qkv[:, : heads * d] = q[starts].reshape(len(reqs), -1)
+    rows = qkv[:, : heads * d].view(-1, heads, d)
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        dec = kernels.paged_decode(qkv[:, : heads * d].view(-1, heads, d), kc, vc, bt, torch.tensor(lens), d**-0.5)
+        with _isa("avx512_bf16"):
+            dec = kernels.paged_decode(rows, kc, vc, bt, torch.tensor(lens), d**-0.5)
+            kernels.set_decode_bf16(False)
+            widened = kernels.paged_decode(rows, kc, vc, bt, torch.tensor(lens), d**-0.5)
     finally:
         torch.set_num_threads(prev)
+    assert not torch.equal(dec, widened)
     out = torch.full((t, heads, d), 7.0, dtype=torch.bfloat16)
     out[starts] = dec
     for c, n, err, bound, ref_max in _errors_against_float64_sdpa(out, q, kc, vc, reqs, starts, bt, blocks):
@@ -547,29 +567,23 @@ def test_bf16_decode_kernel_matches_float64_sdpa(heads, kv_heads, d, bs, threads
 @pytest.mark.skipif(not _bf16_decode_kernel(), reason=_NO_BF16)
 def test_bf16_decode_kernel_follows_the_isa_and_its_switch():
     """The vdpbf16ps decode kernel runs only while the kernels run on a path with native bf16:
-    with the ISA forced below it (PAGEDSERVE_CPU_ISA=avx512, or set_isa and sync_isa) or the
-    switch off, bf16 rows take the float kernel (queries widened, output rounded once), which
-    gives exactly what float32 queries over the same cache give, rounded; the bf16 kernel's
-    rounding of P differs from that in some bits."""
-    from pagedserve.executor.quant import kernels as quant_kernels
-
+    with the path set below it (set_isa, as PAGEDSERVE_CPU_ISA=avx512 at load) or the switch
+    off, bf16 rows take the float kernel (queries widened, output rounded once), which gives
+    exactly what float32 queries over the same cache give, rounded; the bf16 kernel's rounding
+    of P differs from that in some bits. Setting the path back turns it on again."""
     g = torch.Generator().manual_seed(21)
     kc, vc = (torch.randn(40, 16, 3, 64, generator=g).bfloat16() for _ in range(2))
     bt = torch.randperm(40, generator=g).view(5, 8)
     lens = torch.tensor([120, 77, 128, 3, 50])
     q = torch.randn(5, 9, 64, generator=g).bfloat16()
     widened = kernels.paged_decode(q.float(), kc, vc, bt, lens, 0.125).bfloat16()
-    assert not torch.equal(kernels.paged_decode(q, kc, vc, bt, lens, 0.125), widened)
-    prev = quant_kernels.set_isa("avx512")
-    try:
-        cpu_kernels.sync_isa()
-        assert torch.equal(kernels.paged_decode(q, kc, vc, bt, lens, 0.125), widened)
-    finally:
-        quant_kernels.set_isa(prev)
-        cpu_kernels.sync_isa()
-    assert not torch.equal(kernels.paged_decode(q, kc, vc, bt, lens, 0.125), widened)
-    assert kernels.set_decode_bf16(False) is True
-    try:
-        assert torch.equal(kernels.paged_decode(q, kc, vc, bt, lens, 0.125), widened)
-    finally:
-        kernels.set_decode_bf16(True)
+    with _isa("avx512_bf16"):
+        assert not torch.equal(kernels.paged_decode(q, kc, vc, bt, lens, 0.125), widened)
+        with _isa("avx512"):
+            assert torch.equal(kernels.paged_decode(q, kc, vc, bt, lens, 0.125), widened)
+        assert not torch.equal(kernels.paged_decode(q, kc, vc, bt, lens, 0.125), widened)
+        assert kernels.set_decode_bf16(False) is True
+        try:
+            assert torch.equal(kernels.paged_decode(q, kc, vc, bt, lens, 0.125), widened)
+        finally:
+            kernels.set_decode_bf16(True)

@@ -33,14 +33,18 @@ def load():
     except Exception as e:  # noqa: BLE001 (any build failure means: use the fallback)
         logger.warning("pagedserve: C++ CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
+    from pagedserve.executor.quant import kernels as quant_kernels
+
     sync_isa(mod)
+    quant_kernels.on_isa_change(lambda: sync_isa(mod))
     return mod
 
 
 def sync_isa(mod=None) -> None:
     """Let bf16 decode rows take the vdpbf16ps kernel (csrc/decode_bf16.h, where the module has
     it) only while the kernels run on a path with native bf16 (quant.kernels.native_bf16_in_use:
-    PAGEDSERVE_CPU_ISA below it turns it off). Read at load; call again after quant.kernels.set_isa."""
+    PAGEDSERVE_CPU_ISA or set_isa below it turns it off). Runs at load and after every set_isa;
+    `mod.set_decode_bf16` switches the kernel alone (A/B runs)."""
     from pagedserve.executor.quant import kernels as quant_kernels
 
     mod = mod if mod is not None else load()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 
 import torch
 
@@ -30,11 +31,20 @@ _OPS_HEADERS = ("avx512_transpose.h", "isa_target.h")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 4, "amx_bf16": 5, "amx_int8": 6}
 
 
-@functools.cache
+_load_lock = threading.Lock()
+
+
 def load():
     """The compiled module (built once per machine by executor/cpp_build.py: about a
     minute). Raises if it cannot be built: packed weights have no Python fallback fast
-    enough to be worth running (`try_load` says None instead)."""
+    enough to be worth running (`try_load` says None instead). Threads that ask at once
+    (cpp_build.build_all's, the attention module's load) wait for one build."""
+    with _load_lock:
+        return _load()
+
+
+@functools.cache
+def _load():
     mod = load_extension(
         "quant",
         [os.path.join(_DIR, "quant_kernels.cpp")],
@@ -83,6 +93,16 @@ def try_load():
         return None
 
 
+# Called after every set_isa: modules whose own routes follow the path register here (the
+# attention kernels' bf16 decode, attention/cpu_kernels.py, which reads it once at its load).
+_isa_listeners: list = []
+
+
+def on_isa_change(fn) -> None:
+    """Call fn() after every later set_isa."""
+    _isa_listeners.append(fn)
+
+
 def _set(mod, isa: str) -> None:
     if isa not in ISAS:
         raise ValueError(f"PAGEDSERVE_CPU_ISA must be one of {', '.join(ISAS)} (or auto), got {isa!r}")
@@ -101,6 +121,8 @@ def set_isa(isa: str) -> str:
     mod = load()
     prev = current_isa()
     _set(mod, isa)
+    for fn in _isa_listeners:
+        fn()
     return prev
 
 

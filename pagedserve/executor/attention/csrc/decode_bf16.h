@@ -5,10 +5,11 @@
 //
 //   q    [n, h, d] bf16, row stride qs (the query part of fused QKV rows), heads contiguous
 //   out  [n, h, d] bf16, contiguous
-//   k_cache, v_cache [num_blocks, bs, kvh, d] bf16; d a multiple of 64, at most 256
+//   k_cache, v_cache [num_blocks, bs, kvh, d] bf16; d a multiple of 64 (paged_decode routes
+//   d <= 256 here, the prefill kernels' bound)
 //
-// Per query head: S = q . k in float32 (products of bf16 pairs are exact; 32 of them summed a
-// vdpbf16ps, then 16 lanes reduced), the prefill kernel's softmax (softmax_rows: scale folded
+// Per query head: S = q . k in float32 (products of bf16 pairs are exact; 32 products per
+// vdpbf16ps, two per lane, then the 16 lanes reduced), the prefill kernel's softmax (softmax_rows: scale folded
 // into the exponent, P rounded to bf16 as torch's bf16 attention rounds it, its sum in float32),
 // O = P V with V's rows interleaved two by two (vdpbf16ps over pairs of tokens; the
 // accumulators hold the head's dims in unpack order and are put back in order once), divided

@@ -2,7 +2,8 @@
 // the paged cache through the block table (no gathered copy), GQA-aware (each K/V row is
 // read once for all query heads that share it). Parallel over sequences (the AVX2 float32 path
 // below: over sequences and KV heads). bf16 queries over a bf16 cache take the vdpbf16ps kernel
-// where the module has it (decode_bf16.h); other bf16 queries are widened to float32.
+// where the module has it and its switch is on (decode_bf16.h: head_dim a multiple of 64 up to
+// 256, contiguous heads, no soft cap); other bf16 queries are widened to float32.
 //
 //   q        [n, h, d]                  (float32 or bfloat16)
 //   k_cache  [num_blocks, bs, kvh, d]   (q's dtype, or float16 / bfloat16 / float8 e4m3fn /
