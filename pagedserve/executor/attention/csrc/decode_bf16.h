@@ -132,6 +132,10 @@ inline void attend(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, int64
   const uint16_t* const* kr = w.krows.data();
   const uint16_t* const* vr = w.vrows.data();
   const int64_t pf_off = kh0 * d, pfn = (kvh - kh0) * d;  // the first head's pass prefetches the rest of each row
+  // Each pass's first PFD_BF16 rows are prefetched before it (K's) or before the softmax (V's),
+  // which the passes' own prefetches never cover. Alternating, 10 rounds, 30 layers: 64 x 320
+  // 28.3 -> 27.3 / 27.7 -> 26.3 ms, 64 x 128 13.1 -> 11.8, 16 x 320 7.8 -> 7.2; 1 row unchanged.
+  for (int64_t t = 0; t < std::min(PFD_BF16, L); ++t) prefetch_row(kr[t] + pf_off, pfn);
   for (int64_t t0 = 0; t0 < L; t0 += CH) {
     const int64_t n = std::min(CH, L - t0);
     for (int64_t kh = kh0; kh < kh1; ++kh)
@@ -143,6 +147,7 @@ inline void attend(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, int64
         });
       }
   }
+  for (int64_t t = 0; t < std::min(PFD_BF16, L); ++t) prefetch_row(vr[t] + pf_off, pfn);
   for (int64_t x = 0; x < heads; ++x)
     bf16_prefill::softmax_rows<1>(w.sc.data() + x * width, width, &L, scale, w.p.data() + x * width, &w.inv[x]);
   for (int64_t t0 = 0; t0 < L; t0 += CH) {
