@@ -443,6 +443,9 @@ static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV*
                               int64_t g, int64_t d, float* scores, float* out, float softcap) {
   constexpr int64_t CH = 32;
   const int64_t row = kvh * d;
+  // each pass's first PFD rows, which its own prefetches never cover (as decode_bf16.h; Zen 4,
+  // 30 layers, alternating: 16 x 320 bf16 K/V 10.0 -> 9.3 ms, 64 x 320 35.8 -> 35.2, fp8 equal)
+  for (int64_t t = 0; t < std::min<int64_t>(PFD, L); ++t) prefetch_row(krows[t], row);
   for (int64_t t0 = 0; t0 < L; t0 += CH) {
     const int64_t n = std::min(CH, L - t0);
     for (int64_t kh = 0; kh < kvh; ++kh)
@@ -453,6 +456,7 @@ static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV*
         with_heads(gn, [&](auto G) { scores_avx512<decltype(G)::value>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0); });
       }
   }
+  for (int64_t t = 0; t < std::min<int64_t>(PFD, L); ++t) prefetch_row(vrows[t], row);
   for (int64_t x = 0; x < kvh * g; ++x) {
     if (softcap > 0.f) softcap_inplace(scores + x * L, L, softcap);
     softmax16(scores + x * L, L);
