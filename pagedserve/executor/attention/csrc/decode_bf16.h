@@ -168,32 +168,31 @@ inline void attend(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, int64
 }
 
 // decode_avx2's contract for bf16 q, K/V and out (n rows, q row stride qs), no split contexts,
-// no soft-capping (the caller checks both).
+// no soft-capping (the caller checks both). Jobs run through run_jobs (paged_decode.cpp):
+// inline for a small step, else costliest first over the threads.
 inline void decode(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* bt,
                    const int64_t* seq_lens, uint16_t* out, int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs,
                    int64_t max_blocks, float scale, int64_t window) {
   const int64_t g = h / kvh, nthr = at::get_num_threads();
   const bool per_seq = n >= 2 * nthr;  // else one job per (sequence, KV head)
   const int64_t jobs = per_seq ? n : n * kvh;
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += seq_lens[i] - window_start(seq_lens[i], window);
-  const int64_t per_job = std::max<int64_t>(1, total / std::max<int64_t>(jobs, 1)) * (per_seq ? h : g) * d * 2;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / per_job);
-  at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
-    Scratch w;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = per_seq ? job : job / kvh, kh0 = per_seq ? 0 : job % kvh, kh1 = per_seq ? kvh : kh0 + 1;
-      const int64_t Ls = seq_lens[i], lo = window_start(Ls, window), L = Ls - lo, b0 = lo / bs;
-      w.krows.resize(L), w.vrows.resize(L);
-      for (int64_t b = b0, t = 0; t < L; ++b) {
-        const int64_t o0 = b == b0 ? lo - b0 * bs : 0, row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, L - t);
-        for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
-          w.krows[t] = kc + (row0 + o) * kvh * d;
-          w.vrows[t] = vc + (row0 + o) * kvh * d;
-        }
+  std::vector<int64_t> cost(jobs);
+  for (int64_t job = 0; job < jobs; ++job) {
+    const int64_t i = per_seq ? job : job / kvh;
+    cost[job] = (seq_lens[i] - window_start(seq_lens[i], window)) * (per_seq ? h : g) * d * 2;
+  }
+  run_jobs(cost, [] { return Scratch(); }, [&](Scratch& w, int64_t job) {
+    const int64_t i = per_seq ? job : job / kvh, kh0 = per_seq ? 0 : job % kvh, kh1 = per_seq ? kvh : kh0 + 1;
+    const int64_t Ls = seq_lens[i], lo = window_start(Ls, window), L = Ls - lo, b0 = lo / bs;
+    w.krows.resize(L), w.vrows.resize(L);
+    for (int64_t b = b0, t = 0; t < L; ++b) {
+      const int64_t o0 = b == b0 ? lo - b0 * bs : 0, row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, L - t);
+      for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
+        w.krows[t] = kc + (row0 + o) * kvh * d;
+        w.vrows[t] = vc + (row0 + o) * kvh * d;
       }
-      attend(q + i * qs, L, kh0, kh1, kvh, g, d, scale, w, out + i * h * d);
     }
+    attend(q + i * qs, L, kh0, kh1, kvh, g, d, scale, w, out + i * h * d);
   });
 }
 

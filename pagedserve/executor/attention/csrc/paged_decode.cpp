@@ -26,8 +26,35 @@
 #include <type_traits>
 #include <vector>
 
+#include "work_queue.h"  // costliest_first
+
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
+
+// body(state, job) for jobs 0 .. cost.size() - 1 (cost: each job's multiply-adds), each thread
+// making its state once with make(). A step of under ~1M multiply-adds runs inline on the
+// calling thread: waking OpenMP's team for less cost more than it saved (its spinning threads
+// fought the packed GEMMs' pool for the cores). Else costliest first from a shared counter
+// (work_queue.h), so that no thread is left with every long context of a step that mixes
+// short requests and long ones (a split by count could: 12 rows of 2,500 tokens beside 52 of
+// 320, 30 layers, bf16 kernel: 105 -> 74 ms). Which thread runs a job never changes its result.
+template <typename Make, typename Body>
+static void run_jobs(const std::vector<int64_t>& cost, Make make, Body body) {
+  int64_t work = 0;
+  for (int64_t c : cost) work += c;
+  const int64_t n = static_cast<int64_t>(cost.size());
+  if (n <= 1 || at::get_num_threads() == 1 || work < (int64_t(1) << 20)) {
+    auto state = make();
+    for (int64_t j = 0; j < n; ++j) body(state, j);
+    return;
+  }
+  struct Item {
+    int64_t job, cost;
+  };
+  std::vector<Item> items(n);
+  for (int64_t j = 0; j < n; ++j) items[j] = {j, cost[j]};
+  costliest_first(items, make, [&](auto& state, const Item& it) { body(state, it.job); });
+}
 
 // sc[0:L] = exp(sc - max), in place (one query head's scores); *m = the max, returns the sum
 static inline float exp_scores(float* sc, int64_t L, float* m_out) {
@@ -481,28 +508,30 @@ static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV*
 template <typename KV>
 static void decode_seq_avx512(const float* q, int64_t qs, const KV* kc, const KV* vc, const int64_t* bt,
                               const int64_t* seq_lens, float* out, int64_t n, int64_t h, int64_t kvh, int64_t d,
-                              int64_t bs, int64_t max_blocks, float scale, int64_t window, float softcap,
-                              int64_t grain) {
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(h * d), scores;
+                              int64_t bs, int64_t max_blocks, float scale, int64_t window, float softcap) {
+  struct Scratch {
+    std::vector<float> qf, scores;
     std::vector<const KV*> krows, vrows;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t L = seq_lens[i], lo = window_start(L, window), Lp = L - lo, b0 = lo / bs;
-      for (int64_t x = 0; x < h * d; ++x) qf[x] = q[i * qs + x] * (scale * kv_unit<KV>);
-      krows.resize(Lp);
-      vrows.resize(Lp);
-      for (int64_t b = b0, t = 0; t < Lp; ++b) {
-        const int64_t o0 = b == b0 ? lo - b0 * bs : 0;
-        const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, Lp - t);
-        for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
-          krows[t] = kc + (row0 + o) * kvh * d;
-          vrows[t] = vc + (row0 + o) * kvh * d;
-        }
+  };
+  std::vector<int64_t> cost(n);
+  for (int64_t i = 0; i < n; ++i) cost[i] = (seq_lens[i] - window_start(seq_lens[i], window)) * h * d * 2;
+  run_jobs(cost, [] { return Scratch(); }, [&](Scratch& w, int64_t i) {
+    const int64_t L = seq_lens[i], lo = window_start(L, window), Lp = L - lo, b0 = lo / bs;
+    w.qf.resize(h * d);
+    for (int64_t x = 0; x < h * d; ++x) w.qf[x] = q[i * qs + x] * (scale * kv_unit<KV>);
+    w.krows.resize(Lp);
+    w.vrows.resize(Lp);
+    for (int64_t b = b0, t = 0; t < Lp; ++b) {
+      const int64_t o0 = b == b0 ? lo - b0 * bs : 0;
+      const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, Lp - t);
+      for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
+        w.krows[t] = kc + (row0 + o) * kvh * d;
+        w.vrows[t] = vc + (row0 + o) * kvh * d;
       }
-      scores.resize(h * Lp);
-      attend_seq_avx512(qf.data(), krows.data(), vrows.data(), Lp, kvh, h / kvh, d, scores.data(), out + i * h * d,
-                        softcap);
     }
+    w.scores.resize(h * Lp);
+    attend_seq_avx512(w.qf.data(), w.krows.data(), w.vrows.data(), Lp, kvh, h / kvh, d, w.scores.data(),
+                      out + i * h * d, softcap);
   });
 }
 #endif
@@ -530,56 +559,57 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
                         const int64_t* seq_lens, float* out, int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs,
                         int64_t max_blocks, float scale, int64_t window, float softcap, bool split = true) {
   const int64_t g = h / kvh;
-  int64_t total = 0, min_len = std::numeric_limits<int64_t>::max();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t len = seq_lens[i] - window_start(seq_lens[i], window) / bs * bs;  // from the first block read
-    total += len, min_len = std::min(min_len, len);
-  }
+  int64_t min_len = std::numeric_limits<int64_t>::max();
+  for (int64_t i = 0; i < n; ++i)  // from the first block read
+    min_len = std::min(min_len, seq_lens[i] - window_start(seq_lens[i], window) / bs * bs);
   const int64_t nthr = at::get_num_threads();
   int64_t S = 1;
   if (split && nthr > 1 && n * kvh < 2 * nthr) {
     S = (2 * nthr + n * kvh - 1) / (n * kvh);
     S = std::max<int64_t>(1, std::min<int64_t>({S, min_len / (4 * bs), 64}));  // parts of >= 4 blocks
   }
-  const int64_t per_job = std::max<int64_t>(1, total / std::max<int64_t>(n, 1) / S) * g * d * 2;
-  const int64_t grain = S > 1 ? 1 : std::max<int64_t>(1, (int64_t(1) << 20) / per_job);
 #if defined(__AVX512F__)
   if (S == 1 && d % 64 == 0 && n >= 2 * nthr)  // enough sequences for the threads: one job each
-    return decode_seq_avx512(q, qs, kc, vc, bt, seq_lens, out, n, h, kvh, d, bs, max_blocks, scale, window, softcap,
-                             std::max<int64_t>(1, grain / kvh));
+    return decode_seq_avx512(q, qs, kc, vc, bt, seq_lens, out, n, h, kvh, d, bs, max_blocks, scale, window, softcap);
 #endif
   // split parts: unnormalized outputs [n, kvh, S, g, d] and their (max, sum) [n, kvh, S, g]
   std::vector<float> part_o(S > 1 ? n * kvh * S * g * d : 0), part_m(S > 1 ? n * kvh * S * g : 0),
       part_l(part_m.size());
-  at::parallel_for(0, n * kvh * S, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * d), scores;
+  struct Scratch {
+    std::vector<float> qf, scores;
     std::vector<const KV*> krows, vrows;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t s = job % S, i = job / S / kvh, kh = job / S % kvh, L = seq_lens[i];
-      const int64_t lo = window_start(L, window), bfirst = lo / bs, nblk = (L + bs - 1) / bs - bfirst;
-      const int64_t b0 = bfirst + nblk * s / S, b1 = bfirst + nblk * (s + 1) / S;
-      const int64_t t0 = std::max(lo, b0 * bs), t1 = std::min(L, b1 * bs), Lp = std::max<int64_t>(0, t1 - t0);
-      const float* qrow = q + i * qs + kh * g * d;
-      for (int64_t x = 0; x < g * d; ++x) qf[x] = qrow[x] * (scale * kv_unit<KV>);
-      krows.resize(Lp);
-      vrows.resize(Lp);
-      for (int64_t b = b0, t = 0; t < Lp; ++b) {  // block by block: no division per token
-        const int64_t o0 = b == b0 ? t0 - b0 * bs : 0;  // a window may start inside the first block
-        const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, Lp - t);
-        for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
-          const int64_t off = ((row0 + o) * kvh + kh) * d;
-          krows[t] = kc + off;
-          vrows[t] = vc + off;
-        }
+  };
+  std::vector<int64_t> cost(n * kvh * S);
+  for (int64_t job = 0; job < n * kvh * S; ++job) {
+    const int64_t L = seq_lens[job / S / kvh];
+    cost[job] = std::max<int64_t>(1, (L - window_start(L, window)) / S) * g * d * 2;
+  }
+  run_jobs(cost, [] { return Scratch(); }, [&](Scratch& w, int64_t job) {
+    const int64_t s = job % S, i = job / S / kvh, kh = job / S % kvh, L = seq_lens[i];
+    const int64_t lo = window_start(L, window), bfirst = lo / bs, nblk = (L + bs - 1) / bs - bfirst;
+    const int64_t b0 = bfirst + nblk * s / S, b1 = bfirst + nblk * (s + 1) / S;
+    const int64_t t0 = std::max(lo, b0 * bs), t1 = std::min(L, b1 * bs), Lp = std::max<int64_t>(0, t1 - t0);
+    const float* qrow = q + i * qs + kh * g * d;
+    w.qf.resize(g * d);
+    for (int64_t x = 0; x < g * d; ++x) w.qf[x] = qrow[x] * (scale * kv_unit<KV>);
+    w.krows.resize(Lp);
+    w.vrows.resize(Lp);
+    for (int64_t b = b0, t = 0; t < Lp; ++b) {  // block by block: no division per token
+      const int64_t o0 = b == b0 ? t0 - b0 * bs : 0;  // a window may start inside the first block
+      const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, Lp - t);
+      for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
+        const int64_t off = ((row0 + o) * kvh + kh) * d;
+        w.krows[t] = kc + off;
+        w.vrows[t] = vc + off;
       }
-      scores.resize(g * Lp);
-      if (S == 1) {
-        attend_cpu(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), out + (i * h + kh * g) * d, d,
-                   nullptr, nullptr, softcap, (kvh - kh) * d);
-      } else {
-        attend_cpu(qf.data(), krows.data(), vrows.data(), Lp, g, d, scores.data(), &part_o[job * g * d], d,
-                   &part_m[job * g], &part_l[job * g], softcap, (kvh - kh) * d);
-      }
+    }
+    w.scores.resize(g * Lp);
+    if (S == 1) {
+      attend_cpu(w.qf.data(), w.krows.data(), w.vrows.data(), Lp, g, d, w.scores.data(), out + (i * h + kh * g) * d,
+                 d, nullptr, nullptr, softcap, (kvh - kh) * d);
+    } else {
+      attend_cpu(w.qf.data(), w.krows.data(), w.vrows.data(), Lp, g, d, w.scores.data(), &part_o[job * g * d], d,
+                 &part_m[job * g], &part_l[job * g], softcap, (kvh - kh) * d);
     }
   });
   if (S == 1) return;
