@@ -10,7 +10,8 @@ then 52 x 320; (2,500, 100); (2,000, 50, 50)) and uniform ones; outputs are chec
 before timing only with --same-bits. --float: bf16 queries through the float kernel in both
 modules (set_decode_bf16(False)). --engine-model: also a bf16 engine's decode steps with 12
 requests of 2,500 tokens beside 52 of 320, the two modules swapped into its attention backend
-every round. Prints one JSON line per case: median ms, old and new.
+every round. --march: both modules built for that CPU instead of this one (haswell: the AVX2
+path, float32 arithmetic). Prints one JSON line per case: median ms, old and new.
 """
 
 from __future__ import annotations
@@ -32,12 +33,32 @@ CASES = [
     ("2500,100", [2500, 100], 10),
     ("2000,50,50", [2000, 50, 50], 10),
     ("64x320", [320] * 64, 10),
+    ("16x320", [320] * 16, 20),
     ("5x320", [320] * 5, 30),
     ("1x320", [320], 100),
 ]
 
 
-def old_module(rev: str):
+def _cflags(march: str | None) -> tuple:
+    from pagedserve.executor.attention import cpu_kernels
+
+    if not march:
+        return cpu_kernels._CFLAGS
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in cpu_kernels._CFLAGS)
+
+
+def new_module(march: str | None):
+    """The working tree's attention module (built for `march` instead of the machine's CPU)."""
+    from pagedserve.executor.attention import cpu_kernels
+    from pagedserve.executor.cpp_build import load_extension
+
+    if not march:
+        return cpu_kernels.load()
+    return load_extension("attention", [cpu_kernels._SRC], headers=cpu_kernels._HEADERS, cflags=_cflags(march),
+                          ldflags=("-fopenmp",), expected_seconds=40)
+
+
+def old_module(rev: str, march: str | None = None):
     """The attention module of commit `rev`, built from its sources (cpu_kernels' file list now)."""
     from pagedserve.executor.attention import cpu_kernels
     from pagedserve.executor.cpp_build import load_extension
@@ -56,7 +77,7 @@ def old_module(rev: str):
             f.write(out.stdout)
         paths[src] = dst
     headers = [paths[h] for h in cpu_kernels._HEADERS if h in paths]
-    return load_extension("attention", [paths[cpu_kernels._SRC]], headers=headers, cflags=cpu_kernels._CFLAGS,
+    return load_extension("attention", [paths[cpu_kernels._SRC]], headers=headers, cflags=_cflags(march),
                           ldflags=("-fopenmp",), expected_seconds=40)
 
 
@@ -118,17 +139,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--same-bits", action="store_true", help="check the outputs equal before timing")
     ap.add_argument("--engine-model", default=None)
+    ap.add_argument("--march", default=None, help="build both for this -march (e.g. haswell: the AVX2 path)")
     a = ap.parse_args()
-    from pagedserve.executor.attention import cpu_kernels
-
-    mods = {"old": old_module(a.rev), "new": cpu_kernels.load()}
+    mods = {"old": old_module(a.rev, a.march), "new": new_module(a.march)}
     for m in mods.values():
         if hasattr(m, "set_decode_bf16"):
             m.set_decode_bf16(not a.float)
     torch.manual_seed(0)
     for name, lens, iters in CASES:
         res = kernel_case(mods, lens, iters, a.rounds, a.same_bits)
-        print(json.dumps({"case": name, "kernel": "float" if a.float else "auto", "ms_30_layers": res}), flush=True)
+        print(json.dumps({"case": name, "kernel": "float" if a.float else "auto", "march": a.march or "native",
+                          "ms_30_layers": res}), flush=True)
     if a.engine_model:
         res = engine_case(mods, a.engine_model, a.rounds)
         print(json.dumps({"case": "engine 12x2500+52x320 decode step", "ms": res}), flush=True)

@@ -579,12 +579,16 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
     std::vector<float> qf, scores;
     std::vector<const KV*> krows, vrows;
   };
-  std::vector<int64_t> cost(n * kvh * S);
-  for (int64_t job = 0; job < n * kvh * S; ++job) {
-    const int64_t L = seq_lens[job / S / kvh];
-    cost[job] = std::max<int64_t>(1, (L - window_start(L, window)) / S) * g * d * 2;
+  // with many sequences for the threads a sequence's KV heads stay on one thread, in order
+  // (a head's job then finds the rows the one before it read in cache: the AVX2 path); with
+  // few, one item per (sequence, KV head) spreads them more evenly
+  const int64_t per_item = S == 1 && n >= 8 * nthr ? kvh : 1, items = n * kvh * S / per_item;
+  std::vector<int64_t> cost(items);
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t L = seq_lens[it * per_item / S / kvh];
+    cost[it] = std::max<int64_t>(1, (L - window_start(L, window)) / S) * g * d * 2 * per_item;
   }
-  run_jobs(cost, [] { return Scratch(); }, [&](Scratch& w, int64_t job) {
+  auto attend_job = [&](Scratch& w, int64_t job) {
     const int64_t s = job % S, i = job / S / kvh, kh = job / S % kvh, L = seq_lens[i];
     const int64_t lo = window_start(L, window), bfirst = lo / bs, nblk = (L + bs - 1) / bs - bfirst;
     const int64_t b0 = bfirst + nblk * s / S, b1 = bfirst + nblk * (s + 1) / S;
@@ -611,6 +615,9 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
       attend_cpu(w.qf.data(), w.krows.data(), w.vrows.data(), Lp, g, d, w.scores.data(), &part_o[job * g * d], d,
                  &part_m[job * g], &part_l[job * g], softcap, (kvh - kh) * d);
     }
+  };
+  run_jobs(cost, [] { return Scratch(); }, [&](Scratch& w, int64_t it) {
+    for (int64_t job = it * per_item; job < (it + 1) * per_item; ++job) attend_job(w, job);
   });
   if (S == 1) return;
   for (int64_t i = 0; i < n; ++i)  // merge: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
