@@ -1,7 +1,8 @@
 """Decode attention of the working tree against the attention module of another commit, both
 loaded in one process and alternated (BENCHMARKS section 45): a C++ change A/B'd without a second
 checkout (the editable install always imports the working tree). The old sources are taken with
-`git show REV:...` into a scratch folder and built there (~40 s, cached by content).
+`git show REV:...` into a scratch folder and built there (~40 s, cached by content). A REV
+before 2697abb has no bf16 decode kernel: "auto" then compares its float kernel with the bf16 one.
 
     .venv/bin/python benchmarks/attention_rev_ab.py --rev 29336d2 [--float] [--engine-model GGUF]
 
@@ -59,26 +60,26 @@ def new_module(march: str | None):
 
 
 def old_module(rev: str, march: str | None = None):
-    """The attention module of commit `rev`, built from its sources (cpu_kernels' file list now)."""
-    from pagedserve.executor.attention import cpu_kernels
+    """The attention module of commit `rev`, built from that commit's attention and ops csrc
+    folders (every file they held then)."""
     from pagedserve.executor.cpp_build import load_extension
 
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = ["git", "-C", here]
+    root = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
+    git = ["git", "-C", root]  # paths below are the repository's
     tmp = tempfile.mkdtemp(prefix=f"attn_{rev}_")
-    paths = {}
-    for src in (cpu_kernels._SRC, *cpu_kernels._HEADERS):
-        rel = os.path.relpath(os.path.realpath(src), root)
-        out = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True)
-        if out.returncode:
-            continue  # a header that commit did not have
+    files = subprocess.run([*git, "ls-tree", "--name-only", rev, f"{ATTN}/", f"{OPS}/"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
         dst = os.path.join(tmp, rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         with open(dst, "wb") as f:
-            f.write(out.stdout)
-        paths[src] = dst
-    headers = [paths[h] for h in cpu_kernels._HEADERS if h in paths]
-    return load_extension("attention", [paths[cpu_kernels._SRC]], headers=headers, cflags=_cflags(march),
-                          ldflags=("-fopenmp",), expected_seconds=40)
+            f.write(subprocess.run([*git, "show", f"{rev}:{rel}"], cwd=root, capture_output=True, check=True).stdout)
+    src = os.path.join(tmp, ATTN, "paged_decode.cpp")
+    headers = [os.path.join(tmp, r) for r in files if r.endswith(".h")]
+    return load_extension("attention", [src], headers=headers, cflags=_cflags(march), ldflags=("-fopenmp",),
+                          expected_seconds=40)
 
 
 def kernel_case(mods, lens, iters, rounds, same_bits):
@@ -141,10 +142,12 @@ def main() -> None:
     ap.add_argument("--engine-model", default=None)
     ap.add_argument("--march", default=None, help="build both for this -march (e.g. haswell: the AVX2 path)")
     a = ap.parse_args()
+    from pagedserve.executor.quant import kernels as quant_kernels
+
     mods = {"old": old_module(a.rev, a.march), "new": new_module(a.march)}
-    for m in mods.values():
+    for m in mods.values():  # a commit before 2697abb has no bf16 decode kernel: its bf16 rows take the float one
         if hasattr(m, "set_decode_bf16"):
-            m.set_decode_bf16(not a.float)
+            m.set_decode_bf16(not a.float and quant_kernels.native_bf16_in_use())
     torch.manual_seed(0)
     for name, lens, iters in CASES:
         res = kernel_case(mods, lens, iters, a.rounds, a.same_bits)

@@ -109,8 +109,8 @@ def main() -> None:
     ap.add_argument("--ab-float", action="store_true", help="the bf16 kernel against the float one, alternating")
     ap.add_argument("--rounds", type=int, default=6)
     a = ap.parse_args()
-    if a.ab_float and a.engine != "pagedserve":
-        ap.error("--ab-float compares pagedserve's two kernels (--engine pagedserve)")
+    if a.ab_float and (a.engine != "pagedserve" or a.kv_dtype != "bfloat16"):
+        ap.error("--ab-float compares pagedserve's two kernels over a bf16 cache (--engine pagedserve)")
     torch.manual_seed(0)
     bs = a.block_size or (16 if a.engine == "pagedserve" else 128)
     if a.engine == "pagedserve":

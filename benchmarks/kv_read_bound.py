@@ -1,5 +1,5 @@
 """The bound on decode attention's memory reads (BENCHMARKS section 45): every K row, then every V
-row, of each sequence in block-table order (decode_bf16.h's order; 2 threads over sequences,
+row, of each sequence in block-table order (decode_bf16.h's order; torch's threads over sequences,
 AVX-512 loads summed, nothing else), at SmolLM2's shapes (3 KV heads of 64, bf16), 30 layers each
 with its own cache, rows prefetched `pfd` tokens ahead into L2 (T1) or L1 (T0). Builds a small
 extension with torch's load_inline (~30 s the first time); needs AVX-512.
