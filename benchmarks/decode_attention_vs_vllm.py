@@ -81,7 +81,7 @@ def ab_float(run, a) -> None:
     from pagedserve.executor.attention import cpu_kernels
 
     cpp = cpu_kernels.load()
-    if cpp is None or not cpp.has_decode_bf16():
+    if cpp is None or not hasattr(cpp, "set_decode_bf16"):
         sys.exit("this module has no vdpbf16ps decode kernel (a CPU without AVX512-BF16)")
     ms = {"float_kernel": [], "bf16_kernel": []}
     try:

@@ -27,7 +27,7 @@ def main() -> None:
     from pagedserve.executor.attention import cpu_kernels
 
     cpp = cpu_kernels.load()
-    if cpp is None or not cpp.has_decode_bf16():
+    if cpp is None or not hasattr(cpp, "set_decode_bf16"):
         raise SystemExit("this module has no vdpbf16ps decode kernel (a CPU without AVX512-BF16)")
     llm = LLM(a.model, dtype="bfloat16", enable_prefix_caching=False)
     eng = llm.engine

@@ -40,15 +40,15 @@ def load():
     return mod
 
 
-def sync_isa(mod=None) -> None:
-    """Let bf16 decode rows take the vdpbf16ps kernel (csrc/decode_bf16.h, where the module has
-    it) only while the kernels run on a path with native bf16 (quant.kernels.native_bf16_in_use:
-    PAGEDSERVE_CPU_ISA or set_isa below it turns it off). Runs at load and after every set_isa;
-    `mod.set_decode_bf16` switches the kernel alone (A/B runs)."""
+def sync_isa(mod) -> None:
+    """Let bf16 decode rows take the vdpbf16ps kernel (csrc/decode_bf16.h; the module has
+    `set_decode_bf16` where it was built with it) only while the kernels run on a path with
+    native bf16 (quant.kernels.native_bf16_in_use: PAGEDSERVE_CPU_ISA or set_isa below it turns
+    it off). Runs at load and after every set_isa; `mod.set_decode_bf16` switches the kernel
+    alone (A/B runs)."""
     from pagedserve.executor.quant import kernels as quant_kernels
 
-    mod = mod if mod is not None else load()
-    if mod is not None and hasattr(mod, "set_decode_bf16"):
+    if hasattr(mod, "set_decode_bf16"):
         mod.set_decode_bf16(quant_kernels.native_bf16_in_use())
 
 

@@ -23,8 +23,8 @@
 // or among others (a 1-row decode step and a verification step agree).
 //
 // Measured against the float kernel on a Zen 4 (BENCHMARKS section 45). Built where the
-// compiler targets AVX512-BF16; the module's set_decode_bf16 turns it off (the Python side
-// does where the kernels run on a path below avx512_bf16).
+// compiler targets AVX512-BF16 (the module then has set_decode_bf16, which turns it off: the
+// Python side does where the kernels run on a path below avx512_bf16).
 #if defined(PAGEDSERVE_PREFILL_BF16)
 #define PAGEDSERVE_DECODE_BF16 1
 
@@ -183,15 +183,8 @@ inline void decode(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint
   }
   run_jobs(cost, [] { return Scratch(); }, [&](Scratch& w, int64_t job) {
     const int64_t i = per_seq ? job : job / kvh, kh0 = per_seq ? 0 : job % kvh, kh1 = per_seq ? kvh : kh0 + 1;
-    const int64_t Ls = seq_lens[i], lo = window_start(Ls, window), L = Ls - lo, b0 = lo / bs;
-    w.krows.resize(L), w.vrows.resize(L);
-    for (int64_t b = b0, t = 0; t < L; ++b) {
-      const int64_t o0 = b == b0 ? lo - b0 * bs : 0, row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, L - t);
-      for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
-        w.krows[t] = kc + (row0 + o) * kvh * d;
-        w.vrows[t] = vc + (row0 + o) * kvh * d;
-      }
-    }
+    const int64_t Ls = seq_lens[i], lo = window_start(Ls, window), L = Ls - lo;
+    row_pointers(kc, vc, bt + i * max_blocks, bs, kvh * d, 0, lo, L, w.krows, w.vrows);
     attend(q + i * qs, L, kh0, kh1, kvh, g, d, scale, w, out + i * h * d);
   });
 }

@@ -31,6 +31,24 @@
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
+// krows[t] / vrows[t] = kc / vc + (the cache row of position t0 + t) * row + off for t < n: one
+// sequence's positions t0 .. t0 + n - 1 through its block-table row `table`, block by block (no
+// division per token; t0 may fall inside a block, as a window's start does)
+template <typename KV>
+static inline void row_pointers(const KV* kc, const KV* vc, const int64_t* table, int64_t bs, int64_t row,
+                                int64_t off, int64_t t0, int64_t n, std::vector<const KV*>& krows,
+                                std::vector<const KV*>& vrows) {
+  krows.resize(n);
+  vrows.resize(n);
+  for (int64_t b = t0 / bs, t = 0; t < n; ++b) {
+    const int64_t o0 = t == 0 ? t0 - b * bs : 0, row0 = table[b] * bs, nt = std::min(bs - o0, n - t);
+    for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
+      krows[t] = kc + (row0 + o) * row + off;
+      vrows[t] = vc + (row0 + o) * row + off;
+    }
+  }
+}
+
 // body(state, job) for jobs 0 .. cost.size() - 1 (cost: each job's multiply-adds), each thread
 // making its state once with make(). A step of under ~1M multiply-adds runs inline on the
 // calling thread: waking OpenMP's team for less cost more than it saved (its spinning threads
@@ -516,19 +534,10 @@ static void decode_seq_avx512(const float* q, int64_t qs, const KV* kc, const KV
   std::vector<int64_t> cost(n);
   for (int64_t i = 0; i < n; ++i) cost[i] = (seq_lens[i] - window_start(seq_lens[i], window)) * h * d * 2;
   run_jobs(cost, [] { return Scratch(); }, [&](Scratch& w, int64_t i) {
-    const int64_t L = seq_lens[i], lo = window_start(L, window), Lp = L - lo, b0 = lo / bs;
+    const int64_t L = seq_lens[i], lo = window_start(L, window), Lp = L - lo;
     w.qf.resize(h * d);
     for (int64_t x = 0; x < h * d; ++x) w.qf[x] = q[i * qs + x] * (scale * kv_unit<KV>);
-    w.krows.resize(Lp);
-    w.vrows.resize(Lp);
-    for (int64_t b = b0, t = 0; t < Lp; ++b) {
-      const int64_t o0 = b == b0 ? lo - b0 * bs : 0;
-      const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, Lp - t);
-      for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
-        w.krows[t] = kc + (row0 + o) * kvh * d;
-        w.vrows[t] = vc + (row0 + o) * kvh * d;
-      }
-    }
+    row_pointers(kc, vc, bt + i * max_blocks, bs, kvh * d, 0, lo, Lp, w.krows, w.vrows);
     w.scores.resize(h * Lp);
     attend_seq_avx512(w.qf.data(), w.krows.data(), w.vrows.data(), Lp, kvh, h / kvh, d, w.scores.data(),
                       out + i * h * d, softcap);
@@ -596,17 +605,7 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
     const float* qrow = q + i * qs + kh * g * d;
     w.qf.resize(g * d);
     for (int64_t x = 0; x < g * d; ++x) w.qf[x] = qrow[x] * (scale * kv_unit<KV>);
-    w.krows.resize(Lp);
-    w.vrows.resize(Lp);
-    for (int64_t b = b0, t = 0; t < Lp; ++b) {  // block by block: no division per token
-      const int64_t o0 = b == b0 ? t0 - b0 * bs : 0;  // a window may start inside the first block
-      const int64_t row0 = bt[i * max_blocks + b] * bs, nt = std::min(bs - o0, Lp - t);
-      for (int64_t o = o0; o < o0 + nt; ++o, ++t) {
-        const int64_t off = ((row0 + o) * kvh + kh) * d;
-        w.krows[t] = kc + off;
-        w.vrows[t] = vc + off;
-      }
-    }
+    row_pointers(kc, vc, bt + i * max_blocks, bs, kvh * d, kh * d, t0, Lp, w.krows, w.vrows);  // t0 in block b0
     w.scores.resize(g * Lp);
     if (S == 1) {
       attend_cpu(w.qf.data(), w.krows.data(), w.vrows.data(), Lp, g, d, w.scores.data(), out + (i * h + kh * g) * d,
@@ -648,14 +647,17 @@ static void decode_avx2(const float* q, int64_t qs, const KV* kc, const KV* vc, 
 #include "prefill_bf16.h"  // prefill_bf16: prefill chunks in bf16 on vdpbf16ps (where built), and what the tiles share
 #include "decode_bf16.h"   // bf16_decode: decode rows in bf16 on vdpbf16ps (where built)
 
-// Whether bf16 decode rows over a bf16 cache take bf16_decode (where built); the Python side
-// clears it where the kernels run on a path below avx512_bf16 (PAGEDSERVE_CPU_ISA).
+#if defined(PAGEDSERVE_DECODE_BF16)
+// Whether bf16 decode rows over a bf16 cache take bf16_decode; the Python side clears it where
+// the kernels run on a path below avx512_bf16 (PAGEDSERVE_CPU_ISA). The module has
+// set_decode_bf16 only where it was built with the kernel.
 static bool g_decode_bf16 = true;
 static bool set_decode_bf16(bool on) {
   const bool prev = g_decode_bf16;
   g_decode_bf16 = on;
   return prev;
 }
+#endif
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
@@ -765,15 +767,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_qkv", &paged_decode_qkv, "paged decode attention from fused QKV rows (CPU)", py::arg("qkv"),
         py::arg("h"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
-  m.def("set_decode_bf16", &set_decode_bf16, "bf16 decode rows on vdpbf16ps where built (returns the previous setting)",
-        py::arg("on"));
-  m.def("has_decode_bf16", []() {
 #if defined(PAGEDSERVE_DECODE_BF16)
-    return true;
-#else
-    return false;
+  m.def("set_decode_bf16", &set_decode_bf16, "bf16 decode rows on vdpbf16ps (returns the previous setting)",
+        py::arg("on"));
 #endif
-  }, "whether the module was built with the vdpbf16ps decode kernel");
 #if defined(PAGEDSERVE_PREFILL_BF16)
   m.def("prefill_bf16", &prefill_bf16, "causal prefill attention of paged chunks on the AVX512-BF16 dot products",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("out"), py::arg("starts"), py::arg("qlens"),
