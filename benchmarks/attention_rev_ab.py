@@ -21,11 +21,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import tempfile
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rev_sources import sources_at  # noqa: E402
 
 ATTN = "pagedserve/executor/attention/csrc"
 OPS = "pagedserve/executor/ops/csrc"
@@ -64,18 +66,7 @@ def old_module(rev: str, march: str | None = None):
     folders (every file they held then)."""
     from pagedserve.executor.cpp_build import load_extension
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    git = ["git", "-C", here]
-    root = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
-    git = ["git", "-C", root]  # paths below are the repository's
-    tmp = tempfile.mkdtemp(prefix=f"attn_{rev}_")
-    files = subprocess.run([*git, "ls-tree", "--name-only", rev, f"{ATTN}/", f"{OPS}/"], cwd=root,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for rel in files:
-        dst = os.path.join(tmp, rel)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        with open(dst, "wb") as f:
-            f.write(subprocess.run([*git, "show", f"{rev}:{rel}"], cwd=root, capture_output=True, check=True).stdout)
+    tmp, files = sources_at(rev, [ATTN, OPS])
     src = os.path.join(tmp, ATTN, "paged_decode.cpp")
     headers = [os.path.join(tmp, r) for r in files if r.endswith(".h")]
     return load_extension("attention", [src], headers=headers, cflags=_cflags(march), ldflags=("-fopenmp",),

@@ -556,3 +556,33 @@ def test_interleaved_copies_only_where_they_apply():
         assert torch.equal(a, b)
     finally:
         kernels.set_isa(prev)
+
+
+@needs_avx512
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_interleaved_q4_copy_holds_the_documented_layout(qtype):
+    """quant_rows16.h's layout, byte for byte: per (group of 16 rows, block of 32) the rows'
+    d, Q4_1's m, then 4 chunks of 64 bytes whose byte 16 L + 8 h + 2 i + s holds row 4 L + i's
+    elements e = 4 c + 2 h + 16 s (low nibble) and e + 1 (high nibble)."""
+    k, n = 64, 32
+    raw = random_packed(qtype, n, k)
+    wi = kernels.interleave_rows16(torch.from_numpy(raw), int(qtype), k).numpy()
+    hdr, qoff = (64, 4) if qtype == Q.Q4_1 else (32, 2)
+    bb = raw.shape[1] // (k // 32)  # a packed block's bytes
+    bbi = 16 * bb  # an interleaved block's
+    for g in range(n // 16):
+        for blk in range(k // 32):
+            p = wi[(g * (k // 32) + blk) * bbi : (g * (k // 32) + blk + 1) * bbi]
+            for r in range(16):
+                src = raw[g * 16 + r, blk * bb : (blk + 1) * bb]
+                assert bytes(p[2 * r : 2 * r + 2]) == bytes(src[:2])  # d
+                if qtype == Q.Q4_1:
+                    assert bytes(p[32 + 2 * r : 34 + 2 * r]) == bytes(src[2:4])  # m
+                qs = src[qoff:]
+                elem = [qs[e] & 15 if e < 16 else qs[e - 16] >> 4 for e in range(32)]
+                for c in range(4):
+                    for h in range(2):
+                        for s in range(2):
+                            e = 4 * c + 2 * h + 16 * s
+                            byte = p[hdr + 64 * c + 16 * (r // 4) + 8 * h + 2 * (r % 4) + s]
+                            assert (byte & 15, byte >> 4) == (elem[e], elem[e + 1])

@@ -9,16 +9,12 @@
 // vertical: a vector holds one element of 16 rows, multiplied by one broadcast activation, no
 // lane sums, and each block's 16 scales load as one vector. Per (group of 16 rows, block of 32
 // along K), the same bytes as the 16 rows' blocks:
-//   d[16] (fp16) | m[16] (fp16, Q4_1 only) | quants: Q4_0 / Q4_1 16 x 16 bytes, byte [j][r] =
-//   row r's qs[j] (low nibble: element j, high nibble: element j + 16); Q8_0 32 x 16 bytes,
-//   byte [j][r] = row r's qs[j].
-// Numerics, per output row and block: lo = sum_{j < 16} q[j] x[j] and hi = sum_{j < 16} q[j + 16]
-// x[j + 16] (float FMAs in j order), acc += (lo + hi) * d, then acc += m * sum(x of the block)
-// for Q4_1; the quants exactly as the packed kernels take them (Q4_0's minus 8). A row's bits
-// do not depend on the number of rows or groups computed with it (so a k-token verification
-// computes what 1-row decode steps do); they differ from the packed rows' kernel's, which sums
-// in another order.
-
+//   d[16] (fp16) | m[16] (fp16, Q4_1 only) | quants:
+//   Q4_0 / Q4_1: 4 chunks of 64 bytes; chunk c's byte 16 L + 8 h + 2 i + s (L, i < 4; h, s < 2)
+//   holds row 4 L + i's elements e = 4 c + 2 h + 16 s (low nibble) and e + 1 (high nibble), so
+//   that one 64-byte load, its nibbles split and looked up (q4_words), gives the pairs (j, j + 16)
+//   of 16 rows for j = 4 c .. 4 c + 3, a row a dword, without widening a byte at a time;
+//   Q8_0: 32 x 16 bytes, byte [j][r] = row r's qs[j].
 static inline int64_t rows16_block_bytes(int type) {
   switch (type) {
     case T_Q4_0: return 16 * (int64_t)sizeof(bq4_0);
@@ -28,10 +24,13 @@ static inline int64_t rows16_block_bytes(int type) {
   }
 }
 
+// Element e (0 .. 31) of a packed Q4_0 / Q4_1 block's quants qs[16]: its nibble
+static inline uint8_t q4_nibble(const uint8_t* qs, int64_t e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
+
 // packed rows [16 * groups, rb] -> interleaved groups g0 .. g1 (out: the whole copy)
 static void interleave16(int type, const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
   const int64_t nb = K / 32, bb = rb / nb, BB = rows16_block_bytes(type), hdr = type == T_Q4_1 ? 64 : 32;
-  const int64_t nq = type == T_Q8_0 ? 32 : 16, qoff = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : 2;
+  const int64_t qoff = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : 2;
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t i = 0; i < nb; ++i) {
       uint8_t* p = out + (g * nb + i) * BB;
@@ -39,106 +38,146 @@ static void interleave16(int type, const uint8_t* W, int64_t rb, int64_t K, int6
         const uint8_t* blk = W + (g * 16 + r) * rb + i * bb;
         std::memcpy(p + 2 * r, blk, 2);                                // d
         if (type == T_Q4_1) std::memcpy(p + 32 + 2 * r, blk + 2, 2);  // m
-        for (int64_t j = 0; j < nq; ++j) p[hdr + j * 16 + r] = blk[qoff + j];
+        const uint8_t* qs = blk + qoff;
+        if (type == T_Q8_0) {
+          for (int64_t j = 0; j < 32; ++j) p[hdr + j * 16 + r] = qs[j];
+          continue;
+        }
+        for (int64_t c = 0; c < 4; ++c)
+          for (int64_t h = 0; h < 2; ++h)
+            for (int64_t s = 0; s < 2; ++s) {
+              const int64_t e = 4 * c + 2 * h + 16 * s;
+              p[hdr + 64 * c + 16 * (r / 4) + 8 * h + 2 * (r % 4) + s] = q4_nibble(qs, e) | q4_nibble(qs, e + 1) << 4;
+            }
       }
     }
 }
 
-// quants of element pair (j, j + 16) of 16 rows as floats: Q4 from one byte each, Q8_0 two bytes
-template <int TYPE>
-static inline void quants16(const uint8_t* q, int64_t j, __m512& lo, __m512& hi) {
-  if (TYPE == T_Q8_0) {
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16))));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j + 16) * 16))));
-    return;
+// The low and high bytes of the bfloat16 of each nibble value, per 128-bit lane (vpshufb
+// tables): Q4_1's 0 .. 15, Q4_0's 0 - 8 .. 15 - 8
+struct Q4Tables {
+  __m512i lo, hi;
+};
+static inline Q4Tables q4_tables(int type) {
+  alignas(16) uint8_t lo[16], hi[16];
+  for (int q = 0; q < 16; ++q) {
+    const float v = float(type == T_Q4_0 ? q - 8 : q);
+    uint32_t u;
+    std::memcpy(&u, &v, 4);  // small integers: the float's top half is their bfloat16, exactly
+    lo[q] = uint8_t(u >> 16);
+    hi[q] = uint8_t(u >> 24);
   }
-  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16)));
-  __m512i l = _mm512_and_si512(w, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(w, 4);
-  if (TYPE == T_Q4_0) {
-    l = _mm512_sub_epi32(l, _mm512_set1_epi32(8));
-    h = _mm512_sub_epi32(h, _mm512_set1_epi32(8));
-  }
-  lo = _mm512_cvtepi32_ps(l);
-  hi = _mm512_cvtepi32_ps(h);
+  return {_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(lo))),
+          _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(hi)))};
 }
 
-// Blocks ahead whose bytes a tile prefetches (16 x 20 bytes a Q4_1 block: 2.5 KB ahead; past a
-// group's end they are the next group's, which follows in memory). The copy streams from DRAM
-// in a decode step, and the prefetchers alone left it at ~14 GB/s of the ~31 a plain read gets
-// here (2-vCPU Zen 4). Engine steps of the default model (bf16), this copy's bf16 kernel / its
-// float one (PAGEDSERVE_CPU_ISA=avx512), prefetch off -> on, medians of 10 alternations: 1 row 9.44 -> 8.78 / 10.65 -> 10.04 ms, 4 rows 11.24 ->
-// 10.76 / 15.8 -> 16.1, 7 rows 16.95 -> 14.5 / 24.6 -> 23.7 (BENCHMARKS section 44).
+// Chunk c of a Q4 block's interleaved quants (64 bytes, v), its low (high = false) or high
+// nibbles -> w[0], w[1]: for j = 4 c + high and j + 2, lane r = bfloat16 q[j] | bfloat16
+// q[j + 16] << 16 of row r (exact)
+static inline void q4_half(__m512i v, const Q4Tables& t, bool high, __m512i w[2]) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  const __m512i nib = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, m4);
+  const __m512i l = _mm512_shuffle_epi8(t.lo, nib), h = _mm512_shuffle_epi8(t.hi, nib);
+  w[0] = _mm512_unpacklo_epi8(l, h);  // bytes 2 i + s of each lane: h = 0
+  w[1] = _mm512_unpackhi_epi8(l, h);  // bytes 8 + 2 i + s: h = 1
+}
+
+// The whole chunk -> w[jj], jj < 4: j = 4 c + jj
+static inline void q4_words(const uint8_t* chunk, const Q4Tables& t, __m512i w[4]) {
+  const __m512i v = _mm512_loadu_si512(chunk);
+  __m512i a[2], b[2];
+  q4_half(v, t, false, a);
+  q4_half(v, t, true, b);
+  w[0] = a[0], w[1] = b[0], w[2] = a[1], w[3] = b[1];
+}
+
+// Q8_0's quants of element pair (j, j + 16) of 16 rows as floats
+static inline void q8_quants16(const uint8_t* q, int64_t j, __m512& lo, __m512& hi) {
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16))));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j + 16) * 16))));
+}
+
+// A tile reads one group of 16 rows, block after block: one sequential stream, which the
+// hardware prefetchers follow. Two groups a tile (two streams 5.8 KB apart, the layout of
+// sections 39-44) read from memory at half the rate: 1-row products of 120 [1536, 576] Q4_1
+// layers (66 MB), bf16 kernel, 2-vCPU Zen 4, 46.3 -> 29.5 us a layer; one thread 8.8 -> 17.0
+// GB/s, as fast as torch's sum over the same bytes (BENCHMARKS section 46). The prefetch below
+// adds nothing to 1-2 rows' stream, but without it 4-8 rows (more arithmetic a byte) lost
+// 10-25% in L3.
 constexpr int64_t ROWS16_PREFETCH_BLOCKS = 8;
 
-// the cache lines of block i + ROWS16_PREFETCH_BLOCKS of groups g0 .. g0 + G - 1 (a hint: an
-// address past the copy's end does not fault)
-template <int G>
-static inline void prefetch_ahead(const uint8_t* WI, int64_t g0, int64_t nb, int64_t i, int64_t BB) {
-  for (int g = 0; g < G; ++g) {
-    const char* p = reinterpret_cast<const char*>(WI + ((g0 + g) * nb + i + ROWS16_PREFETCH_BLOCKS) * BB);
-    for (int64_t c = 0; c < BB; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
-  }
+// the cache lines of block i + ROWS16_PREFETCH_BLOCKS of group g (a hint: an address past the
+// copy's end does not fault)
+static inline void prefetch_ahead(const uint8_t* WI, int64_t g, int64_t nb, int64_t i, int64_t BB) {
+  const char* p = reinterpret_cast<const char*>(WI + (g * nb + i + ROWS16_PREFETCH_BLOCKS) * BB);
+  for (int64_t c = 0; c < BB; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
 }
 
-// out[m0 + t][16 g .. 16 g + 15] for G groups from g0 and MT activation rows from m0
-template <int TYPE, int G, int MT>
-static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_t m0) {
+// out[m0 + t][16 g .. 16 g + 15] for group g and MT activation rows from m0
+template <int TYPE, int MT>
+static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t m0) {
   const int64_t nb = a.K / 32, BB = rows16_block_bytes(TYPE), hdr = TYPE == T_Q4_1 ? 64 : 32;
-  __m512 acc[G][MT];
-  for (int g = 0; g < G; ++g)
-    for (int t = 0; t < MT; ++t) acc[g][t] = _mm512_setzero_ps();
+  const Q4Tables tb = q4_tables(TYPE);  // (unused for Q8_0)
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
-    prefetch_ahead<G>(WI, g0, nb, i, BB);
-    __m512 lo[G][MT], hi[G][MT];
-    for (int g = 0; g < G; ++g)
-      for (int t = 0; t < MT; ++t) lo[g][t] = hi[g][t] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < 16; ++j)
-      for (int g = 0; g < G; ++g) {
-        __m512 ql, qh;
-        quants16<TYPE>(WI + ((g0 + g) * nb + i) * BB + hdr, j, ql, qh);
-        for (int t = 0; t < MT; ++t) {
-          const float* x = a.X + (m0 + t) * a.K + i * 32;
-          lo[g][t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[j]), lo[g][t]);
-          hi[g][t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[j + 16]), hi[g][t]);
-        }
+    prefetch_ahead(WI, g, nb, i, BB);
+    const uint8_t* p = WI + (g * nb + i) * BB;
+    __m512 lo[MT], hi[MT];
+    for (int t = 0; t < MT; ++t) lo[t] = hi[t] = _mm512_setzero_ps();
+    auto fma_pair = [&](int64_t j, __m512 ql, __m512 qh) {
+      for (int t = 0; t < MT; ++t) {
+        const float* x = a.X + (m0 + t) * a.K + i * 32;
+        lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[j]), lo[t]);
+        hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[j + 16]), hi[t]);
       }
-    for (int g = 0; g < G; ++g) {
-      const uint8_t* p = WI + ((g0 + g) * nb + i) * BB;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      for (int t = 0; t < MT; ++t) acc[g][t] = _mm512_fmadd_ps(_mm512_add_ps(lo[g][t], hi[g][t]), d, acc[g][t]);
-      if (TYPE == T_Q4_1) {
-        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-        for (int t = 0; t < MT; ++t) acc[g][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + i]), acc[g][t]);
+    };
+    if (TYPE == T_Q8_0) {
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 ql, qh;
+        q8_quants16(p + hdr, j, ql, qh);
+        fma_pair(j, ql, qh);
+      }
+    } else {
+      const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+      for (int64_t c = 0; c < 4; ++c) {
+        __m512i w[4];
+        q4_words(p + hdr + 64 * c, tb, w);
+        for (int64_t jj = 0; jj < 4; ++jj)  // j in order, as the sums' order is part of the numerics;
+          fma_pair(4 * c + jj, _mm512_castsi512_ps(_mm512_slli_epi32(w[jj], 16)),  // a bf16 pair's
+                   _mm512_castsi512_ps(_mm512_and_si512(w[jj], top)));               // halves widen exactly
       }
     }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(lo[t], hi[t]), d, acc[t]);
+    if (TYPE == T_Q4_1) {
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+      for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + i]), acc[t]);
+    }
   }
-  for (int g = 0; g < G; ++g)
-    for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + (g0 + g) * 16, acc[g][t]);
+  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
 }
 
-// Every (group, row tile) of groups g0 .. g1 and M activation rows, as tile(G, MT, g, m0) with G
-// and MT std::integral_constants: tiles of up to 8 rows; pairs of groups for 1-2 rows (four
-// multiply chains in flight), one group for 3-8. Both interleaved kernels walk their tiles so
+// Every (group, row tile) of groups g0 .. g1 and M activation rows, as tile(MT, g, m0) with MT a
+// std::integral_constant: tiles of up to 8 rows. Both interleaved kernels walk their tiles so
 // (quant_rows16_bf16.h too).
 template <class Tile>
 static void for_each_tile(int64_t M, int64_t g0, int64_t g1, const Tile& tile) {
   using std::integral_constant;
   for (int64_t m0 = 0; m0 < M;) {
     const int64_t mt = std::min<int64_t>(8, M - m0);
-    auto each = [&](auto G, auto MT) {
-      int64_t g = g0;
-      for (; g + decltype(G)::value <= g1; g += decltype(G)::value) tile(G, MT, g, m0);
-      for (; g < g1; ++g) tile(integral_constant<int, 1>{}, MT, g, m0);
+    auto each = [&](auto MT) {
+      for (int64_t g = g0; g < g1; ++g) tile(MT, g, m0);
     };
     switch (mt) {
-      case 1: each(integral_constant<int, 2>{}, integral_constant<int, 1>{}); break;
-      case 2: each(integral_constant<int, 2>{}, integral_constant<int, 2>{}); break;
-      case 3: each(integral_constant<int, 1>{}, integral_constant<int, 3>{}); break;
-      case 4: each(integral_constant<int, 1>{}, integral_constant<int, 4>{}); break;
-      case 5: each(integral_constant<int, 1>{}, integral_constant<int, 5>{}); break;
-      case 6: each(integral_constant<int, 1>{}, integral_constant<int, 6>{}); break;
-      case 7: each(integral_constant<int, 1>{}, integral_constant<int, 7>{}); break;
-      default: each(integral_constant<int, 1>{}, integral_constant<int, 8>{}); break;
+      case 1: each(integral_constant<int, 1>{}); break;
+      case 2: each(integral_constant<int, 2>{}); break;
+      case 3: each(integral_constant<int, 3>{}); break;
+      case 4: each(integral_constant<int, 4>{}); break;
+      case 5: each(integral_constant<int, 5>{}); break;
+      case 6: each(integral_constant<int, 6>{}); break;
+      case 7: each(integral_constant<int, 7>{}); break;
+      default: each(integral_constant<int, 8>{}); break;
     }
     m0 += mt;
   }
@@ -146,8 +185,8 @@ static void for_each_tile(int64_t M, int64_t g0, int64_t g1, const Tile& tile) {
 
 template <int TYPE>
 static void rows16_groups(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_t g1) {
-  for_each_tile(a.M, g0, g1, [&](auto G, auto MT, int64_t g, int64_t m0) {
-    rows16_tile<TYPE, decltype(G)::value, decltype(MT)::value>(a, WI, g, m0);
+  for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
+    rows16_tile<TYPE, decltype(MT)::value>(a, WI, g, m0);
   });
 }
 

@@ -1,0 +1,147 @@
+"""Few-row products on the row-interleaved copies (quant/csrc/quant_rows16*.h) of the working tree
+against the quant module of another commit, both loaded in one process and alternated: each
+module multiplies through its own copies (built by its own interleave_rows16, so a layout change
+is A/B'd too). The old sources come from `git show REV:...` (rev_sources.py), built apart (~50 s).
+
+    .venv/bin/python benchmarks/quant_rev_ab.py --rev 152a217 [--float] [--same-bits] [--engine-model default]
+
+Kernel cases: Q4_1 [1536, 576] and [576, 1536] (the default model's gate_up and down), 30 layers
+cycling (in L3), and 120 layers of the first (66 MB: from memory), 1-8 activation rows, bf16
+activations on the bf16 kernel (--float: float32 ones on the float kernel). --engine-model: a
+bf16 engine's decode steps at batch 1, 4 and 7 (context ~320), every QuantLinear's op and copies
+swapped each round. Prints one JSON line per case: median us a layer (engine: ms a step), old
+and new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rev_sources import sources_at  # noqa: E402
+
+QUANT, OPS = "pagedserve/executor/quant/csrc", "pagedserve/executor/ops/csrc"
+
+
+def old_module(rev: str):
+    from pagedserve.executor.cpp_build import load_extension
+    from pagedserve.executor.quant import kernels
+
+    tmp, files = sources_at(rev, [QUANT, OPS])
+    headers = [os.path.join(tmp, r) for r in files if r.endswith(".h")]
+    mod = load_extension("quant", [os.path.join(tmp, QUANT, "quant_kernels.cpp")], headers=headers,
+                         cflags=("-O3", "-fopenmp", "-fno-math-errno"), ldflags=("-fopenmp",), expected_seconds=40)
+    mod.set_isa(kernels.ISAS[kernels.current_isa()])
+    return mod
+
+
+def product(mod, x, w, wi, out, use_float):
+    from pagedserve.executor.quant import formats
+
+    if use_float:
+        mod.gemm(x, w, formats.Q4_1, out, 0, False, wi)
+    else:
+        mod.gemm_bf16(x, w, formats.Q4_1, out, 0, False, wi)
+
+
+def kernel_case(mods, n, k, layers, rows, rounds, use_float, same_bits):
+    from pagedserve.executor.quant import formats
+
+    ws = [formats.quantize_q4_1(torch.randn(n, k) * 0.1).data for _ in range(layers)]
+    wis = {name: [m.interleave_rows16(w, formats.Q4_1, k) for w in ws] for name, m in mods.items()}
+    x = torch.randn(rows, k)
+    x = x if use_float else x.bfloat16()
+    outs = {name: torch.zeros(rows, n) for name in mods}
+    if same_bits:
+        for name, m in mods.items():
+            product(m, x, ws[0], wis[name][0], outs[name], use_float)
+        a, b = outs.values()
+        assert torch.equal(a, b), "the two modules' outputs differ"
+    us = {name: [] for name in mods}
+    iters = max(1, 2000 // (layers * rows))
+    for _ in range(rounds):
+        for name, m in mods.items():
+            t = time.perf_counter()
+            for _ in range(iters):
+                for w, wi in zip(ws, wis[name]):
+                    product(m, x, w, wi, outs[name], use_float)
+            us[name].append((time.perf_counter() - t) / (iters * layers) * 1e6)
+    return {name: round(statistics.median(v), 2) for name, v in us.items()}
+
+
+def engine_case(mods, model_path, batches, rounds):
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.executor.quant.layers import QuantLinear
+
+    llm = LLM(model_path, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=16)
+    eng = llm.engine
+    ec = eng.engine_core
+    model = getattr(ec, "engine_core", ec).executor.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m._rows16]
+    copies = {}
+    for name, m in mods.items():
+        copies[name] = [[m.interleave_rows16(d, t, q.in_features) if c.numel() else c
+                         for (t, d, _), c in zip(q.segments, q._rows16)] for q in layers]
+
+    def use(name):
+        for q, cs in zip(layers, copies[name]):
+            q._op, q._rows16[:] = mods[name].qlinear, cs
+
+    vocab, out = eng.model_config.vocab_size, {}
+    for b in batches:
+        for i in range(b):
+            ids = [(i * 131 + j * 17) % (vocab - 100) + 100 for j in range(320)]
+            eng.add_request(f"b{b}-{i}", {"prompt_token_ids": ids},
+                            SamplingParams(max_tokens=rounds * 2 * 6 + 8, ignore_eos=True, temperature=0))
+        sched = ec.scheduler
+        while sched.num_waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
+            eng.step()
+        ms = {name: [] for name in mods}
+        for _ in range(rounds):
+            for name in mods:
+                use(name)
+                eng.step()
+                t = time.perf_counter()
+                for _ in range(5):
+                    eng.step()
+                ms[name].append((time.perf_counter() - t) / 5 * 1e3)
+        for i in range(b):
+            eng.abort_request(f"b{b}-{i}")
+        out[b] = {name: round(statistics.median(v), 2) for name, v in ms.items()}
+    use("new")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rev", required=True)
+    ap.add_argument("--float", action="store_true", help="float32 activations on the float kernel")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--same-bits", action="store_true", help="check the outputs equal before timing")
+    ap.add_argument("--engine-model", default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 7])
+    a = ap.parse_args()
+    from pagedserve.executor.quant import kernels
+
+    mods = {"old": old_module(a.rev), "new": kernels.load()}
+    torch.manual_seed(0)
+    for n, k, layers in ((1536, 576, 30), (576, 1536, 30), (1536, 576, 120)):
+        for rows in a.rows:
+            res = kernel_case(mods, n, k, layers, rows, a.rounds, a.float, a.same_bits)
+            print(json.dumps({"case": f"{n}x{k} x{layers} layers", "rows": rows, "kernel": "float" if a.float else "bf16",
+                              "us_a_layer": res}), flush=True)
+    if a.engine_model:
+        for b, res in engine_case(mods, a.engine_model, a.batches, a.rounds).items():
+            print(json.dumps({"case": "engine decode step", "batch": b, "ms": res}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
