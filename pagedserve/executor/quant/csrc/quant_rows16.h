@@ -58,17 +58,24 @@ static void interleave16(int type, const uint8_t* W, int64_t rb, int64_t K, int6
 struct Q4Tables {
   __m512i lo, hi;
 };
-static inline Q4Tables q4_tables(int type) {
-  alignas(16) uint8_t lo[16], hi[16];
-  for (int q = 0; q < 16; ++q) {
-    const float v = float(type == T_Q4_0 ? q - 8 : q);
-    uint32_t u;
-    std::memcpy(&u, &v, 4);  // small integers: the float's top half is their bfloat16, exactly
-    lo[q] = uint8_t(u >> 16);
-    hi[q] = uint8_t(u >> 24);
+struct Q4Bytes {
+  alignas(16) uint8_t lo[2][16], hi[2][16];  // [Q4_0?][nibble]
+  Q4Bytes() {
+    for (int t = 0; t < 2; ++t)
+      for (int q = 0; q < 16; ++q) {
+        const float v = float(t ? q - 8 : q);
+        uint32_t u;
+        std::memcpy(&u, &v, 4);  // small integers: the float's top half is their bfloat16, exactly
+        lo[t][q] = uint8_t(u >> 16);
+        hi[t][q] = uint8_t(u >> 24);
+      }
   }
-  return {_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(lo))),
-          _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(hi)))};
+};
+static inline Q4Tables q4_tables(int type) {
+  static const Q4Bytes b;
+  const int t = type == T_Q4_0;
+  return {_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(b.lo[t]))),
+          _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(b.hi[t])))};
 }
 
 // Chunk c of a Q4 block's interleaved quants (64 bytes, v), its low (high = false) or high
