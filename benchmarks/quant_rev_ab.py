@@ -7,7 +7,8 @@ is A/B'd too). The old sources come from `git show REV:...` (rev_sources.py), bu
 
 Kernel cases: Q4_1 [1536, 576] and [576, 1536] (the default model's gate_up and down), 30 layers
 cycling (in L3), and 120 layers of the first (66 MB: from memory), 1-8 activation rows, bf16
-activations on the bf16 kernel (--float: float32 ones on the float kernel). --engine-model: a
+activations on the bf16 kernel (--float: float32 ones on the float kernel; --q8: gguf_q8's integer
+products on the packed rows, no copy). --engine-model: a
 bf16 engine's decode steps at batch 1, 4 and 7 (context ~320), every QuantLinear's op and copies
 swapped each round. Prints one JSON line per case: median us a layer (engine: ms a step), old
 and new.
@@ -42,26 +43,28 @@ def old_module(rev: str):
     return mod
 
 
-def product(mod, x, w, wi, out, use_float):
+def product(mod, x, w, wi, out, kind):
     from pagedserve.executor.quant import formats
 
-    if use_float:
+    if kind == "q8":  # gguf_q8's integer products on the packed rows (no copy)
+        mod.gemm(x, w, formats.Q4_1, out, 0, True, None)
+    elif kind:  # float32 activations
         mod.gemm(x, w, formats.Q4_1, out, 0, False, wi)
     else:
         mod.gemm_bf16(x, w, formats.Q4_1, out, 0, False, wi)
 
 
-def kernel_case(mods, n, k, layers, rows, rounds, use_float, same_bits):
+def kernel_case(mods, n, k, layers, rows, rounds, kind, same_bits):
     from pagedserve.executor.quant import formats
 
     ws = [formats.quantize_q4_1(torch.randn(n, k) * 0.1).data for _ in range(layers)]
     wis = {name: [m.interleave_rows16(w, formats.Q4_1, k) for w in ws] for name, m in mods.items()}
     x = torch.randn(rows, k)
-    x = x if use_float else x.bfloat16()
+    x = x if kind else x.bfloat16()
     outs = {name: torch.zeros(rows, n) for name in mods}
     if same_bits:
         for name, m in mods.items():
-            product(m, x, ws[0], wis[name][0], outs[name], use_float)
+            product(m, x, ws[0], wis[name][0], outs[name], kind)
         a, b = outs.values()
         assert torch.equal(a, b), "the two modules' outputs differ"
     us = {name: [] for name in mods}
@@ -71,7 +74,7 @@ def kernel_case(mods, n, k, layers, rows, rounds, use_float, same_bits):
             t = time.perf_counter()
             for _ in range(iters):
                 for w, wi in zip(ws, wis[name]):
-                    product(m, x, w, wi, outs[name], use_float)
+                    product(m, x, w, wi, outs[name], kind)
             us[name].append((time.perf_counter() - t) / (iters * layers) * 1e6)
     return {name: round(statistics.median(v), 2) for name, v in us.items()}
 
@@ -123,6 +126,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", required=True)
     ap.add_argument("--float", action="store_true", help="float32 activations on the float kernel")
+    ap.add_argument("--q8", action="store_true", help="gguf_q8's integer products (act_q8) on the packed rows")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--same-bits", action="store_true", help="check the outputs equal before timing")
@@ -135,8 +139,10 @@ def main() -> None:
     torch.manual_seed(0)
     for n, k, layers in ((1536, 576, 30), (576, 1536, 30), (1536, 576, 120)):
         for rows in a.rows:
-            res = kernel_case(mods, n, k, layers, rows, a.rounds, a.float, a.same_bits)
-            print(json.dumps({"case": f"{n}x{k} x{layers} layers", "rows": rows, "kernel": "float" if a.float else "bf16",
+            kind = "q8" if a.q8 else a.float
+            res = kernel_case(mods, n, k, layers, rows, a.rounds, kind, a.same_bits)
+            print(json.dumps({"case": f"{n}x{k} x{layers} layers", "rows": rows,
+                              "kernel": "gguf_q8" if a.q8 else "float" if a.float else "bf16",
                               "us_a_layer": res}), flush=True)
     if a.engine_model:
         for b, res in engine_case(mods, a.engine_model, a.batches, a.rounds).items():
