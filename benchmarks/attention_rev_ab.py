@@ -4,14 +4,14 @@ checkout (the editable install always imports the working tree). The old sources
 `git show REV:...` into a scratch folder and built there (~40 s, cached by content). A REV
 before 2697abb has no bf16 decode kernel: "auto" then compares its float kernel with the bf16 one.
 
-    .venv/bin/python benchmarks/attention_rev_ab.py --rev 29336d2 [--float] [--engine-model GGUF]
+    .venv/bin/python benchmarks/attention_rev_ab.py --rev 29336d2 [--float] [--engine-model GGUF] [--engine-case 1x4000]
 
 Kernel cases (30 layers, each its own bf16 cache, random block tables): mixed contexts (12 x 2,500
-then 52 x 320; (2,500, 100); (2,000, 50, 50)) and uniform ones; outputs are checked equal to the bit
+then 52 x 320; (2,500, 100); (2,000, 50, 50)), uniform ones and single long rows; outputs are checked equal to the bit
 before timing only with --same-bits. --float: bf16 queries through the float kernel in both
-modules (set_decode_bf16(False)). --engine-model: also a bf16 engine's decode steps with 12
-requests of 2,500 tokens beside 52 of 320, the two modules swapped into its attention backend
-every round. --march: both modules built for that CPU instead of this one (haswell: the AVX2
+modules (set_decode_bf16(False)). --engine-model: also a bf16 engine's decode steps over the
+contexts of --engine-case (default 12 requests of 2,500 tokens beside 52 of 320), the two modules
+swapped into its attention backend every round. --march: both modules built for that CPU instead of this one (haswell: the AVX2
 path, float32 arithmetic). Prints one JSON line per case: median ms, old and new.
 """
 
@@ -39,6 +39,8 @@ CASES = [
     ("16x320", [320] * 16, 20),
     ("5x320", [320] * 5, 30),
     ("1x320", [320], 100),
+    ("1x1000", [1000], 50),
+    ("1x4000", [4000], 20),
 ]
 
 
@@ -97,7 +99,7 @@ def kernel_case(mods, lens, iters, rounds, same_bits):
     return {k: round(statistics.median(v), 3) for k, v in ms.items()}
 
 
-def engine_case(mods, model_path, rounds):
+def engine_case(mods, model_path, rounds, lens):
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(model_path, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=64)
@@ -106,7 +108,7 @@ def engine_case(mods, model_path, rounds):
     model = getattr(ec, "engine_core", ec).executor.runner.model
     backend = model.layers[0].self_attn.backend
     vocab = eng.model_config.vocab_size
-    for i, n in enumerate([2500] * 12 + [320] * 52):
+    for i, n in enumerate(lens):
         ids = [(i * 131 + j * 17) % (vocab - 100) + 100 for j in range(n)]
         eng.add_request(f"r{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=rounds * 8 + 8, ignore_eos=True))
     sched = ec.scheduler
@@ -131,6 +133,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--same-bits", action="store_true", help="check the outputs equal before timing")
     ap.add_argument("--engine-model", default=None)
+    ap.add_argument("--engine-case", default="12x2500+52x320", choices=[c[0] for c in CASES],
+                    help="the engine's requests (a kernel case's contexts)")
     ap.add_argument("--march", default=None, help="build both for this -march (e.g. haswell: the AVX2 path)")
     a = ap.parse_args()
     from pagedserve.executor.quant import kernels as quant_kernels
@@ -145,8 +149,9 @@ def main() -> None:
         print(json.dumps({"case": name, "kernel": "float" if a.float else "auto", "march": a.march or "native",
                           "ms_30_layers": res}), flush=True)
     if a.engine_model:
-        res = engine_case(mods, a.engine_model, a.rounds)
-        print(json.dumps({"case": "engine 12x2500+52x320 decode step", "ms": res}), flush=True)
+        lens = next(c[1] for c in CASES if c[0] == a.engine_case)
+        res = engine_case(mods, a.engine_model, a.rounds, lens)
+        print(json.dumps({"case": f"engine {a.engine_case} decode step", "ms": res}), flush=True)
 
 
 if __name__ == "__main__":

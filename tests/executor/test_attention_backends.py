@@ -496,12 +496,13 @@ def test_amx_route_conditions_and_the_sdpa_fallback(monkeypatch):
 
 @pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_bf16_decode_row_same_bits_alone_or_among_others(kv_dtype):
+@pytest.mark.parametrize("L", [300, 1100])  # 1,100: past the bf16 kernel's PART, in parts
+def test_bf16_decode_row_same_bits_alone_or_among_others(kv_dtype, L):
     """bfloat16 queries: a row's attention is the same bits whether it is a batch-1 step (a
     single row, which float32 splits over the threads) or one of many rows (speculative
     verification, batches): greedy speculation relies on it."""
     g = torch.Generator().manual_seed(11)
-    h, kvh, d, bs, L = 9, 3, 64, 16, 300
+    h, kvh, d, bs = 9, 3, 64, 16
     nb = 5 * (L // bs + 1)
     kc, vc = (torch.randn(nb, bs, kvh, d, generator=g).to(kv_dtype) for _ in range(2))
     bt = torch.randperm(nb, generator=g).view(5, -1)
@@ -562,6 +563,58 @@ def test_bf16_decode_kernel_matches_float64_sdpa(heads, kv_heads, d, bs, threads
     out[starts] = dec
     for c, n, err, bound, ref_max in _errors_against_float64_sdpa(out, q, kc, vc, reqs, starts, bt, blocks):
         assert err <= max(bound * 1.5, ref_max * 2**-8), (c, n, err, bound)
+
+
+@pytest.mark.skipif(not _bf16_decode_kernel(), reason=_NO_BF16)
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 128), (6, 1, 256)])
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_decode_long_contexts_in_parts_match_float64_sdpa(heads, kv_heads, d, bs, threads):
+    """Contexts past csrc/decode_bf16.h's PART (512) are attended in near-equal parts whose
+    softmax sums are merged (513: 2 parts, 1,100: 3, 2,000: 4), beside whole short ones: each
+    row within the bound of test_bf16_decode_kernel_matches_float64_sdpa."""
+    lens = [513, 40, 1100, 700, 2000]
+    g = torch.Generator().manual_seed(heads * d + bs + threads)
+    reqs = [(n - 1, 1) for n in lens]
+    q, kc, vc, starts, bt, blocks, t = _paged_case(reqs, heads, kv_heads, d, bs, torch.bfloat16, g)
+    rows = q[starts]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with _isa("avx512_bf16"):
+            dec = kernels.paged_decode(rows, kc, vc, bt, torch.tensor(lens), d**-0.5)
+    finally:
+        torch.set_num_threads(prev)
+    out = torch.full((t, heads, d), 7.0, dtype=torch.bfloat16)
+    out[starts] = dec
+    for c, n, err, bound, ref_max in _errors_against_float64_sdpa(out, q, kc, vc, reqs, starts, bt, blocks):
+        assert err <= max(bound * 1.5, ref_max * 2**-8), (c, n, err, bound)
+
+
+@pytest.mark.skipif(not _bf16_decode_kernel(), reason=_NO_BF16)
+@pytest.mark.parametrize("window", [600, 1300])  # 600: the window's 600 positions in 2 parts
+def test_bf16_decode_parts_of_a_sliding_window(window):
+    """A window's parts start at the window's first position: blocks wholly before it (NaN
+    here, as a block handed back may hold anything) are never read; against the float64
+    reference with the window's mask."""
+    g = torch.Generator().manual_seed(window)
+    h, kvh, d, bs, nb = 9, 3, 64, 16, 200
+    lens = [1500, 900, 1501]
+    kc = torch.randn(nb, bs, kvh, d, generator=g).bfloat16()
+    vc = torch.randn(nb, bs, kvh, d, generator=g).bfloat16()
+    kc[1], vc[1] = float("nan"), float("nan")
+    bt = torch.stack([torch.randperm(nb - 2, generator=g)[: -(-max(lens) // bs)] + 2 for _ in lens])
+    for i, L in enumerate(lens):
+        bt[i, : max(0, L - window) // bs] = 1
+    q = torch.randn(len(lens), h, d, generator=g).bfloat16()
+    lens_t = torch.tensor(lens)
+    meta = AttentionMetadata(len(lens), len(lens), None, lens_t, bt.masked_fill(bt == 1, 2), None, 1, max(lens),
+                             max(lens), None, None)
+    ref = TorchAttentionBackend._decode(q.double(), kc.double(), vc.double(), meta, d**-0.5, window, None)
+    with _isa("avx512_bf16"):
+        out = kernels.paged_decode(q, kc, vc, bt, lens_t, d**-0.5, window, 0.0)
+    assert torch.isfinite(out.float()).all()
+    assert (out.double() - ref).abs().max().item() < 2e-2
 
 
 @pytest.mark.skipif(not _bf16_decode_kernel(), reason=_NO_BF16)

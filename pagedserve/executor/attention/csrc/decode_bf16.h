@@ -19,8 +19,11 @@
 // Work: one job per sequence (every KV head, tokens in chunks of 32: a block's rows are read
 // once, in order, the first head prefetching whole rows) when there are at least twice as many
 // sequences as threads, else one per (sequence, KV head). A head's arithmetic is the same in
-// both, and a context is never split over threads, so a row's result has the same bits alone
-// or among others (a 1-row decode step and a verification step agree).
+// both. A context longer than PART tokens (from its window's start) is cut into
+// ceil(L / PART) near-equal parts, one job each over every KV head, whose softmax sums are
+// merged (flash decoding); the parts depend on L alone, never on the step's other rows or
+// threads, so a row's result has the same bits alone or among others (a 1-row decode step and
+// a verification step agree).
 //
 // Measured against the float kernel on a Zen 4 (BENCHMARKS section 45). Built where the
 // compiler targets AVX512-BF16 (the module then has set_decode_bf16, which turns it off: the
@@ -35,6 +38,14 @@ constexpr int64_t CH = 32;  // tokens per chunk: even, so P's pairs never stradd
 // less time a token, so it prefetches further; 16 against 8, 10 alternations each (Zen 4, 30
 // layers): 64 rows x 320 31.2 -> 29.7 ms, 12 x 2,500 40.1 -> 39.5, 5 x 320 2.04 -> 1.91.
 constexpr int64_t PFD_BF16 = 16;
+// Longest context attended whole. A batch-1 step had one job per KV head (3 for 2 threads),
+// each reading its head's slice of every row (128 of 384 bytes); longer contexts now take
+// near-equal parts of whole rows. Zen 4, 30 layers, the two builds alternating: 1 row at
+// context 1,000 1.22 -> 0.91 ms, 4,000 5.73 -> 5.02; rows (2,500, 100) 4.64 -> 3.80; a bf16
+// engine's batch-1 decode step at 4,000 12.8 -> 11.3 ms (BENCHMARKS section 47). Contexts up
+// to PART keep their bits.
+constexpr int64_t PART = 512;
+inline int64_t parts_of(int64_t L) { return L <= PART ? 1 : (L + PART - 1) / PART; }
 
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
@@ -119,16 +130,19 @@ struct Scratch {
   std::vector<const uint16_t*> krows, vrows;
   std::vector<float> sc, o;
   std::vector<uint16_t> p;
-  std::vector<float> inv;
+  std::vector<float> inv, mx, sum;
 };
 
-// One sequence's query heads of KV heads kh0 .. kh1 - 1 (g a KV head) over its L positions
-// from lo: krows[t] / vrows[t] point at the whole K / V row ([kvh, d]) of position lo + t.
-// q: the sequence's query row ([h, d]); out: its output row.
-inline void attend(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, int64_t kvh, int64_t g, int64_t d,
-                   float scale, Scratch& w, uint16_t* out) {
+// One sequence's query heads of KV heads kh0 .. kh1 - 1 (g a KV head) over L positions:
+// krows[t] / vrows[t] point at the whole K / V row ([kvh, d]) of the t-th. q: the sequence's
+// query row ([h, d]). Leaves per head x (from kh0's first) the unnormalized output in w.o[x * d]
+// (pv's unpack order), 1 / the sum of its exponentials in w.inv[x], the exponent's offset in
+// w.mx[x] and that sum in w.sum[x].
+inline void attend_sums(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, int64_t kvh, int64_t g, int64_t d,
+                        float scale, Scratch& w) {
   const int64_t width = (L + 15) / 16 * 16, heads = (kh1 - kh0) * g;
   w.sc.resize(heads * width), w.p.resize(heads * width), w.o.resize(heads * d), w.inv.resize(heads);
+  w.mx.resize(heads), w.sum.resize(heads);
   const uint16_t* const* kr = w.krows.data();
   const uint16_t* const* vr = w.vrows.data();
   const int64_t pf_off = kh0 * d, pfn = (kvh - kh0) * d;  // the first head's pass prefetches the rest of each row
@@ -149,7 +163,8 @@ inline void attend(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, int64
   }
   for (int64_t t = 0; t < std::min(PFD_BF16, L); ++t) prefetch_row(vr[t] + pf_off, pfn);
   for (int64_t x = 0; x < heads; ++x)
-    bf16_prefill::softmax_rows<1>(w.sc.data() + x * width, width, &L, scale, w.p.data() + x * width, &w.inv[x]);
+    bf16_prefill::softmax_rows<1>(w.sc.data() + x * width, width, &L, scale, w.p.data() + x * width, &w.inv[x],
+                                  &w.mx[x], &w.sum[x]);
   for (int64_t t0 = 0; t0 < L; t0 += CH) {
     const int64_t n = std::min(CH, L - t0);
     for (int64_t kh = kh0; kh < kh1; ++kh)
@@ -164,29 +179,82 @@ inline void attend(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, int64
         }
       }
   }
-  for (int64_t x = 0; x < heads; ++x) store_row(w.o.data() + x * d, w.inv[x], d, out + (kh0 * g + x) * d);
 }
 
-// decode_avx2's contract for bf16 q, K/V and out (n rows, q row stride qs), no split contexts,
-// no soft-capping (the caller checks both). Jobs run through run_jobs (paged_decode.cpp):
-// inline for a small step, else costliest first over the threads.
+// attend_sums, then the output row's heads kh0 * g .. kh1 * g - 1 (out: the sequence's [h, d])
+inline void attend(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, int64_t kvh, int64_t g, int64_t d,
+                   float scale, Scratch& w, uint16_t* out) {
+  attend_sums(q, L, kh0, kh1, kvh, g, d, scale, w);
+  for (int64_t x = 0; x < (kh1 - kh0) * g; ++x) store_row(w.o.data() + x * d, w.inv[x], d, out + (kh0 * g + x) * d);
+}
+
+// A split context's parts merged, per head x of h: out = sum_s e^(mx_s - M) o_s / sum_s
+// e^(mx_s - M) sum_s (M the parts' largest offset), parts in order. o: [S, h, d] (unpack
+// order), mx, sum: [S, h].
+inline void merge_parts(const float* o, const float* mx, const float* sum, int64_t S, int64_t h, int64_t d,
+                        uint16_t* out, std::vector<float>& acc) {
+  acc.resize(d);
+  for (int64_t x = 0; x < h; ++x) {
+    float M = -std::numeric_limits<float>::infinity(), l = 0.f;
+    for (int64_t s = 0; s < S; ++s) M = std::max(M, mx[s * h + x]);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t s = 0; s < S; ++s) {
+      const float a = std::exp(mx[s * h + x] - M);
+      l += a * sum[s * h + x];
+      const float* os = o + (s * h + x) * d;
+      for (int64_t c = 0; c < d; ++c) acc[c] += a * os[c];
+    }
+    store_row(acc.data(), 1.f / l, d, out + x * d);
+  }
+}
+
+// decode_avx2's contract for bf16 q, K/V and out (n rows, q row stride qs), no soft-capping
+// (the caller checks). Jobs run through run_jobs (paged_decode.cpp): inline for a small step,
+// else costliest first over the threads; split contexts' parts are merged after them.
 inline void decode(const uint16_t* q, int64_t qs, const uint16_t* kc, const uint16_t* vc, const int64_t* bt,
                    const int64_t* seq_lens, uint16_t* out, int64_t n, int64_t h, int64_t kvh, int64_t d, int64_t bs,
                    int64_t max_blocks, float scale, int64_t window) {
   const int64_t g = h / kvh, nthr = at::get_num_threads();
-  const bool per_seq = n >= 2 * nthr;  // else one job per (sequence, KV head)
-  const int64_t jobs = per_seq ? n : n * kvh;
-  std::vector<int64_t> cost(jobs);
-  for (int64_t job = 0; job < jobs; ++job) {
-    const int64_t i = per_seq ? job : job / kvh;
-    cost[job] = (seq_lens[i] - window_start(seq_lens[i], window)) * (per_seq ? h : g) * d * 2;
+  const bool per_seq = n >= 2 * nthr;  // else one job per (sequence, KV head) of a whole context
+  struct Job {
+    int64_t i, kh0, kh1, part;  // part: -1 for a whole context
+  };
+  std::vector<Job> jobs;
+  std::vector<int64_t> cost, first(n + 1, 0);  // first[i]: sequence i's first part's index
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t L = seq_lens[i] - window_start(seq_lens[i], window), S = parts_of(L);
+    first[i + 1] = first[i] + (S > 1 ? S : 0);
+    if (S > 1) {
+      for (int64_t s = 0; s < S; ++s)
+        jobs.push_back({i, 0, kvh, s}), cost.push_back((L * (s + 1) / S - L * s / S) * h * d * 2);
+    } else if (per_seq) {
+      jobs.push_back({i, 0, kvh, -1}), cost.push_back(L * h * d * 2);
+    } else {
+      for (int64_t kh = 0; kh < kvh; ++kh) jobs.push_back({i, kh, kh + 1, -1}), cost.push_back(L * g * d * 2);
+    }
   }
-  run_jobs(cost, [] { return Scratch(); }, [&](Scratch& w, int64_t job) {
-    const int64_t i = per_seq ? job : job / kvh, kh0 = per_seq ? 0 : job % kvh, kh1 = per_seq ? kvh : kh0 + 1;
-    const int64_t Ls = seq_lens[i], lo = window_start(Ls, window), L = Ls - lo;
-    row_pointers(kc, vc, bt + i * max_blocks, bs, kvh * d, 0, lo, L, w.krows, w.vrows);
-    attend(q + i * qs, L, kh0, kh1, kvh, g, d, scale, w, out + i * h * d);
+  const int64_t nparts = first[n];
+  std::vector<float> po(nparts * h * d), pm(nparts * h), pl(nparts * h);  // the parts' sums
+  run_jobs(cost, [] { return Scratch(); }, [&](Scratch& w, int64_t k) {
+    const Job& j = jobs[k];
+    const int64_t Ls = seq_lens[j.i], lo = window_start(Ls, window), L = Ls - lo;
+    if (j.part < 0) {
+      row_pointers(kc, vc, bt + j.i * max_blocks, bs, kvh * d, 0, lo, L, w.krows, w.vrows);
+      attend(q + j.i * qs, L, j.kh0, j.kh1, kvh, g, d, scale, w, out + j.i * h * d);
+      return;
+    }
+    const int64_t S = parts_of(L), t0 = L * j.part / S, t1 = L * (j.part + 1) / S, at = first[j.i] + j.part;
+    row_pointers(kc, vc, bt + j.i * max_blocks, bs, kvh * d, 0, lo + t0, t1 - t0, w.krows, w.vrows);
+    attend_sums(q + j.i * qs, t1 - t0, 0, kvh, kvh, g, d, scale, w);
+    std::copy(w.o.begin(), w.o.begin() + h * d, po.begin() + at * h * d);
+    std::copy(w.mx.begin(), w.mx.begin() + h, pm.begin() + at * h);
+    std::copy(w.sum.begin(), w.sum.begin() + h, pl.begin() + at * h);
   });
+  std::vector<float> acc;
+  for (int64_t i = 0; i < n; ++i)
+    if (first[i + 1] > first[i])
+      merge_parts(&po[first[i] * h * d], &pm[first[i] * h], &pl[first[i] * h], first[i + 1] - first[i], h, d,
+                  out + i * h * d, acc);
 }
 
 }  // namespace bf16_decode

@@ -90,9 +90,11 @@ inline void pack_kv(const Req& r, int64_t g, const uint16_t* kc, const uint16_t*
 // row): P (bf16), zero from n[i] to `width` (a multiple of 16), and 1 / the float32 sum of
 // each row's exponentials in inv. R rows at once: their max / exp / sum chains interleave
 // (rows are short, 32-256 keys in an embedding step, and one row's reductions and
-// exponentials are latency chains).
+// exponentials are latency chains). With mx / sums: each row's scaled maximum (the exponent's
+// offset) and its sum too (a part of a context, merged later: decode_bf16.h).
 template <int R>
-inline void softmax_rows(const float* s, int64_t width, const int64_t* n, float scale, uint16_t* p, float* inv) {
+inline void softmax_rows(const float* s, int64_t width, const int64_t* n, float scale, uint16_t* p, float* inv,
+                         float* mx = nullptr, float* sums = nullptr) {
   __m512 mv[R], vm[R], sum[R];
   for (int i = 0; i < R; ++i) mv[i] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < width; t += 16)
@@ -110,7 +112,11 @@ inline void softmax_rows(const float* s, int64_t width, const int64_t* n, float 
       sum[i] = _mm512_add_ps(sum[i], e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * width + t), (__m256i)_mm512_cvtneps_pbh(e));
     }
-  for (int i = 0; i < R; ++i) inv[i] = n[i] ? 1.f / _mm512_reduce_add_ps(sum[i]) : 0.f;
+  for (int i = 0; i < R; ++i) {
+    const float total = _mm512_reduce_add_ps(sum[i]);
+    inv[i] = n[i] ? 1.f / total : 0.f;
+    if (mx) mx[i] = _mm512_cvtss_f32(vm[i]), sums[i] = total;
+  }
 }
 
 // Scratch of one thread: the query block, scores, probabilities and output sums.
