@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rev_sources import sources_at  # noqa: E402
+from rev_sources import bf16_engine, sources_at  # noqa: E402
 
 ATTN = "pagedserve/executor/attention/csrc"
 OPS = "pagedserve/executor/ops/csrc"
@@ -100,12 +100,9 @@ def kernel_case(mods, lens, iters, rounds, same_bits):
 
 
 def engine_case(mods, model_path, rounds, lens):
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import SamplingParams
 
-    llm = LLM(model_path, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=64)
-    eng = llm.engine
-    ec = eng.engine_core
-    model = getattr(ec, "engine_core", ec).executor.runner.model
+    eng, ec, model = bf16_engine(model_path, 64)
     backend = model.layers[0].self_attn.backend
     vocab = eng.model_config.vocab_size
     for i, n in enumerate(lens):

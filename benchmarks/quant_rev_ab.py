@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rev_sources import sources_at  # noqa: E402
+from rev_sources import bf16_engine, sources_at  # noqa: E402
 
 QUANT, OPS = "pagedserve/executor/quant/csrc", "pagedserve/executor/ops/csrc"
 
@@ -80,13 +80,10 @@ def kernel_case(mods, n, k, layers, rows, rounds, kind, same_bits):
 
 
 def engine_case(mods, model_path, batches, rounds):
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import SamplingParams
     from pagedserve.executor.quant.layers import QuantLinear
 
-    llm = LLM(model_path, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=16)
-    eng = llm.engine
-    ec = eng.engine_core
-    model = getattr(ec, "engine_core", ec).executor.runner.model
+    eng, ec, model = bf16_engine(model_path, 16)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m._rows16]
     copies = {}
     for name, m in mods.items():

@@ -1,6 +1,7 @@
-"""Another commit's C++ sources in a scratch folder, to build its module beside the working
-tree's in one process (attention_rev_ab.py, quant_rev_ab.py): the editable install always
-imports the working tree, so an A/B of a kernel change needs the old sources built apart."""
+"""What the A/B scripts of a kernel change share (attention_rev_ab.py, quant_rev_ab.py): another
+commit's C++ sources in a scratch folder, to build its module beside the working tree's in one
+process (the editable install always imports the working tree), and a bf16 engine to swap the
+modules in."""
 
 from __future__ import annotations
 
@@ -24,3 +25,12 @@ def sources_at(rev: str, folders: list[str]) -> tuple[str, list[str]]:
         with open(dst, "wb") as f:
             f.write(subprocess.run([*git, "show", f"{rev}:{rel}"], capture_output=True, check=True).stdout)
     return tmp, files
+
+
+def bf16_engine(model_path: str, max_num_seqs: int):
+    """(engine, its core, its model) of a bf16 LLM without prefix caching."""
+    from pagedserve import LLM
+
+    eng = LLM(model_path, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=max_num_seqs).engine
+    ec = eng.engine_core
+    return eng, ec, getattr(ec, "engine_core", ec).executor.runner.model
