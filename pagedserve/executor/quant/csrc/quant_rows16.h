@@ -15,6 +15,13 @@
 //   that one 64-byte load, its nibbles split and looked up (q4_words), gives the pairs (j, j + 16)
 //   of 16 rows for j = 4 c .. 4 c + 3, a row a dword, without widening a byte at a time;
 //   Q8_0: 32 x 16 bytes, byte [j][r] = row r's qs[j].
+// Numerics, per output row and block: lo = sum_{j < 16} q[j] x[j] and hi = sum_{j < 16} q[j + 16]
+// x[j + 16] (float FMAs in j order), acc += (lo + hi) * d, then acc += m * sum(x of the block)
+// for Q4_1; the quants exactly as the packed kernels take them (Q4_0's minus 8). A row's bits
+// do not depend on the number of rows or groups computed with it (so a k-token verification
+// computes what 1-row decode steps do); they differ from the packed rows' kernel's, which sums
+// in another order. (The chunk layout of section 46 left these sums and their order as they were.)
+
 static inline int64_t rows16_block_bytes(int type) {
   switch (type) {
     case T_Q4_0: return 16 * (int64_t)sizeof(bq4_0);
