@@ -17,7 +17,7 @@
 // for bf16 made both).
 //
 // Work: one job per sequence (every KV head, tokens in chunks of 32: a block's rows are read
-// once, in order, the first head prefetching whole rows) when there are at least twice as many
+// once, in order, each head prefetching its slice a chunk ahead) when there are at least twice as many
 // sequences as threads, else one per (sequence, KV head). A head's arithmetic is the same in
 // both. A context longer than PART tokens (from its window's start) is cut into
 // ceil(L / PART) near-equal parts, one job each over every KV head, whose softmax sums are
@@ -34,10 +34,14 @@
 namespace bf16_decode {
 
 constexpr int64_t CH = 32;  // tokens per chunk: even, so P's pairs never straddle two chunks
-// Tokens ahead whose rows are prefetched (into L2, as the float kernel's PFD): this kernel takes
-// less time a token, so it prefetches further; 16 against 8, 10 alternations each (Zen 4, 30
-// layers): 64 rows x 320 31.2 -> 29.7 ms, 12 x 2,500 40.1 -> 39.5, 5 x 320 2.04 -> 1.91.
-constexpr int64_t PFD_BF16 = 16;
+// Tokens ahead whose K / V slices are prefetched (into L2). Each KV head's pass prefetches its
+// own slice of the rows PFD_BF16 tokens on (one chunk, so the next chunk's), not the first head's
+// pass whole rows: then two thirds of a chunk's passes issued no loads from memory, and the
+// prefetches of the third came in bursts the core's miss buffers could not take. Zen 4, 30
+// layers, random block tables, builds alternating (8 rounds): 64 rows x 320 25.2 -> 21.1 ms,
+// 16 x 320 6.6 -> 5.4, 12 x 2,500 40.3 -> 30.5, 1 x 1,000 1.02 -> 0.88 (BENCHMARKS section 48;
+// 16 tokens ahead then lost 10-20%, 48-64 nothing more, chunks of 16 or 64 tokens no better).
+constexpr int64_t PFD_BF16 = 32;
 // Longest context attended whole. A batch-1 step had one job per KV head (3 for 2 threads),
 // each reading its head's slice of every row (128 of 384 bytes); longer contexts now take
 // near-equal parts of whole rows. Zen 4, 30 layers, the two builds alternating: 1 row at
@@ -145,7 +149,7 @@ inline void attend_sums(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, 
   w.mx.resize(heads), w.sum.resize(heads);
   const uint16_t* const* kr = w.krows.data();
   const uint16_t* const* vr = w.vrows.data();
-  const int64_t pf_off = kh0 * d, pfn = (kvh - kh0) * d;  // the first head's pass prefetches the rest of each row
+  const int64_t pf_off = kh0 * d, pfn = (kh1 - kh0) * d;  // the job's heads' part of a row
   // Each pass's first PFD_BF16 rows are prefetched before it (K's) or before the softmax (V's),
   // which the passes' own prefetches never cover. Alternating, 10 rounds, 30 layers: 64 x 320
   // 28.3 -> 27.3 / 27.7 -> 26.3 ms, 64 x 128 13.1 -> 11.8, 16 x 320 7.8 -> 7.2; 1 row unchanged.
@@ -154,10 +158,10 @@ inline void attend_sums(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, 
     const int64_t n = std::min(CH, L - t0);
     for (int64_t kh = kh0; kh < kh1; ++kh)
       for (int64_t g0 = 0; g0 < g; g0 += 3) {
-        const int64_t x = (kh - kh0) * g + g0, pf = kh == kh0 && g0 == 0 ? pfn : 0;
+        const int64_t x = (kh - kh0) * g + g0, pf = g0 == 0 ? d : 0;  // a head's first group prefetches its slice
         with_heads(std::min<int64_t>(3, g - g0), [&](auto G) {
           scores<decltype(G)::value>(q + (kh * g + g0) * d, kr + t0, kh * d, n, width, d, w.sc.data() + x * width + t0,
-                                     pf_off, pf, L - t0);
+                                     kh * d, pf, L - t0);
         });
       }
   }
@@ -171,10 +175,10 @@ inline void attend_sums(const uint16_t* q, int64_t L, int64_t kh0, int64_t kh1, 
       for (int64_t g0 = 0; g0 < g; g0 += 3) {
         const int64_t x = (kh - kh0) * g + g0;
         for (int64_t c0 = 0; c0 < d; c0 += 64) {
-          const int64_t pf = kh == kh0 && g0 == 0 && c0 == 0 ? pfn : 0;
+          const int64_t pf = g0 == 0 ? 64 : 0;  // the 64 dims this call reads, of the rows ahead
           with_heads(std::min<int64_t>(3, g - g0), [&](auto G) {
             pv<decltype(G)::value>(w.p.data() + x * width + t0, width, n, vr + t0, kh * d, c0, w.o.data() + x * d, d,
-                                   t0 > 0, pf_off, pf, L - t0);
+                                   t0 > 0, kh * d + c0, pf, L - t0);
           });
         }
       }

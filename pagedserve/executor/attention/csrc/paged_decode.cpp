@@ -390,14 +390,15 @@ static inline void hsum8x16(const __m512* a, float* out) {
 
 // scores[gi * L + t] = q[gi] . k[t] for the G (<= 3) heads of one KV head; d % 16 == 0
 // (krows[t] + off: token t's K slice; scores of head gi at scores[gi * ld + t]; pfn elements
-// of the rows PFD tokens ahead are prefetched, 0: none; avail: rows krows may point at)
+// from the slice of the rows pfd tokens ahead are prefetched, 0: none; avail: rows krows may
+// point at)
 template <int G, typename KV>
 static void scores_avx512(const float* q, const KV* const* krows, int64_t off, int64_t L, int64_t ld, int64_t d,
-                          float* scores, int64_t pfn, int64_t avail) {
+                          float* scores, int64_t pfn, int64_t avail, int64_t pfd = PFD) {
   int64_t t = 0;
   for (; t + 8 <= L; t += 8) {
-    if (pfn && t + PFD + 8 <= avail)
-      for (int j = 0; j < 8; ++j) prefetch_row(krows[t + PFD + j], pfn);
+    if (pfn && t + pfd + 8 <= avail)
+      for (int j = 0; j < 8; ++j) prefetch_row(krows[t + pfd + j] + off, pfn);
     __m512 acc[G][8];
     for (int gi = 0; gi < G; ++gi)
       for (int j = 0; j < 8; ++j) acc[gi][j] = _mm512_setzero_ps();
@@ -422,16 +423,17 @@ static void scores_avx512(const float* q, const KV* const* krows, int64_t off, i
 
 // out[gi][c0 : c0 + 64] (+)= sum_t p[gi][t] v[t][c0 : c0 + 64] for G (<= 3) heads (p of head
 // gi at sc[gi * ld + t], token t's V slice at vrows[t] + off; acc_in: add to out): 4G
-// accumulators, each V slice read once; pfn / avail as in scores_avx512
+// accumulators, each V slice read once; pfn / avail / pfd as in scores_avx512 (from the
+// slice's dims c0 on)
 template <int G, typename KV>
 static void pv_avx512(const float* sc, int64_t ld, int64_t L, const KV* const* vrows, int64_t off, int64_t c0,
-                      float* out, int64_t ostride, int64_t pfn, int64_t avail, bool acc_in) {
+                      float* out, int64_t ostride, int64_t pfn, int64_t avail, bool acc_in, int64_t pfd = PFD) {
   __m512 acc[G][4];
   for (int gi = 0; gi < G; ++gi)
     for (int c = 0; c < 4; ++c)
       acc[gi][c] = acc_in ? _mm512_loadu_ps(out + gi * ostride + c0 + 16 * c) : _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    if (pfn && t + PFD < avail) prefetch_row(vrows[t + PFD] + off + c0, pfn);
+    if (pfn && t + pfd < avail) prefetch_row(vrows[t + pfd] + off + c0, pfn);
     const KV* v = vrows[t] + off + c0;
     const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int gi = 0; gi < G; ++gi) {
@@ -479,29 +481,30 @@ static void attend_avx512(const float* qf, const KV* const* krows, const KV* con
 
 // One sequence, every KV head: krows[t] / vrows[t] point at token t's whole K / V row
 // ([kvh, d]). Tokens go in chunks of 32; within a chunk each KV head in turn, so a block's
-// rows are read from memory once, in order (the first head's pass prefetches whole rows, the
-// others find them in cache); the jobs of one KV head each read every third slice of the
-// same rows. scores [h, L] (workspace), out [h, d]: the normalized result. Dot products,
+// rows are read from memory once, in order, each head's pass prefetching its own slice of the
+// next chunk's rows (decode_bf16.h's scheme: the first head's pass prefetching whole rows left
+// two thirds of the passes with no loads from memory; Zen 4, bf16 K/V, 30 layers: BENCHMARKS
+// section 48). scores [h, L] (workspace), out [h, d]: the normalized result. Dot products,
 // softmax and sums are those of attend_avx512, in the same order per head.
 template <typename KV>
 static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV* const* vrows, int64_t L, int64_t kvh,
                               int64_t g, int64_t d, float* scores, float* out, float softcap) {
   constexpr int64_t CH = 32;
   const int64_t row = kvh * d;
-  // each pass's first PFD rows, which its own prefetches never cover (as decode_bf16.h; Zen 4,
+  // each pass's first CH rows, which its own prefetches never cover (as decode_bf16.h; Zen 4,
   // 30 layers, alternating: 16 x 320 bf16 K/V 10.0 -> 9.3 ms, 64 x 320 35.8 -> 35.2, fp8 equal)
-  for (int64_t t = 0; t < std::min<int64_t>(PFD, L); ++t) prefetch_row(krows[t], row);
+  for (int64_t t = 0; t < std::min<int64_t>(CH, L); ++t) prefetch_row(krows[t], row);
   for (int64_t t0 = 0; t0 < L; t0 += CH) {
     const int64_t n = std::min(CH, L - t0);
     for (int64_t kh = 0; kh < kvh; ++kh)
       for (int64_t g0 = 0; g0 < g; g0 += 3) {
-        const int64_t gn = std::min<int64_t>(3, g - g0), pfn = kh == 0 && g0 == 0 ? row : 0;
+        const int64_t gn = std::min<int64_t>(3, g - g0), pfn = g0 == 0 ? d : 0;
         float* sc = scores + (kh * g + g0) * L + t0;
         const float* qq = qf + (kh * g + g0) * d;
-        with_heads(gn, [&](auto G) { scores_avx512<decltype(G)::value>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0); });
+        with_heads(gn, [&](auto G) { scores_avx512<decltype(G)::value>(qq, krows + t0, kh * d, n, L, d, sc, pfn, L - t0, CH); });
       }
   }
-  for (int64_t t = 0; t < std::min<int64_t>(PFD, L); ++t) prefetch_row(vrows[t], row);
+  for (int64_t t = 0; t < std::min<int64_t>(CH, L); ++t) prefetch_row(vrows[t], row);
   for (int64_t x = 0; x < kvh * g; ++x) {
     if (softcap > 0.f) softcap_inplace(scores + x * L, L, softcap);
     softmax16(scores + x * L, L);
@@ -514,8 +517,8 @@ static void attend_seq_avx512(const float* qf, const KV* const* krows, const KV*
         const float* sc = scores + (kh * g + g0) * L + t0;
         float* o = out + (kh * g + g0) * d;
         for (int64_t c0 = 0; c0 < d; c0 += 64) {
-          const int64_t pfn = kh == 0 && g0 == 0 && c0 == 0 ? row : 0;
-          with_heads(gn, [&](auto G) { pv_avx512<decltype(G)::value>(sc, L, n, vrows + t0, kh * d, c0, o, d, pfn, L - t0, t0 > 0); });
+          const int64_t pfn = g0 == 0 ? 64 : 0;
+          with_heads(gn, [&](auto G) { pv_avx512<decltype(G)::value>(sc, L, n, vrows + t0, kh * d, c0, o, d, pfn, L - t0, t0 > 0, CH); });
         }
       }
   }
