@@ -27,6 +27,7 @@ from dataclasses import replace
 
 import torch
 
+from pagedserve.executor import ops
 from pagedserve.executor.loader import build_model, load_hf_config_dict, resolve_model_path
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.messages import DRAFT_PLACEHOLDER, CachedRequestData, ScheduledRequest, SchedulerOutput
@@ -127,5 +128,5 @@ class DraftModelProposer:
         inp = runner.input_batch.prepare(SchedulerOutput(reqs, sum(len(r.token_ids) for r in reqs)))
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         idx = torch.from_numpy(inp.cu[1:] - 1).to(hidden.device)
-        toks = self.model.compute_logits(hidden[idx]).argmax(dim=-1).tolist()
+        toks = ops.argmax(self.model.compute_logits(hidden[idx])).tolist()
         return {sr.req_id: t for sr, t in zip(inp.order, toks)}

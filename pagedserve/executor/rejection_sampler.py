@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.executor import ops
 from pagedserve.executor.sampler import sample_from_probs
 
 
@@ -37,8 +38,8 @@ def verify(
     draft_probs [k, V] or None (a point mass at each draft token). Returns the accepted
     draft tokens followed by one more token (recovered or bonus): 1 .. k + 1 tokens."""
     k = len(draft_token_ids)
-    if greedy:
-        argmax = target_probs.argmax(dim=-1).tolist()
+    if greedy:  # the plain decode step's argmax (its tie rule), ~6x torch's on [k + 1, 49152] rows
+        argmax = ops.argmax(target_probs).tolist()
         out = []
         for i in range(k):
             if argmax[i] != draft_token_ids[i]:
