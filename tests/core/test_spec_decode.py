@@ -27,6 +27,30 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
         NgramProposer(k=0)
 
 
+def _ngram_by_window_scan(toks, k, min_n, max_n):
+    """The rule spelled out: for n from max_n down, the latest earlier window equal to the
+    last n tokens; what followed it."""
+    for n in range(min(max_n, len(toks) - 1), min_n - 1, -1):
+        suffix = toks[len(toks) - n :]
+        starts = [s for s in range(len(toks) - n) if toks[s : s + n] == suffix]
+        if starts:
+            return toks[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+def test_ngram_matches_the_window_scan_rule():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        n_tok = int(rng.integers(0, 40))
+        vocab = int(rng.integers(1, 6))  # small vocabularies: many overlapping matches
+        toks = rng.integers(0, vocab, n_tok).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 3))
+        k = int(rng.integers(1, 7))
+        got = NgramProposer(k, min_n, max_n).propose(toks)
+        assert got == _ngram_by_window_scan(toks, k, min_n, max_n), (toks, k, min_n, max_n)
+
+
 def test_greedy_verification_accepts_while_argmax_agrees():
     logits = torch.full((4, 10), -5.0)
     for i, t in enumerate([4, 7, 1, 2]):
