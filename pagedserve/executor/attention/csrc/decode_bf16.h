@@ -17,9 +17,9 @@
 // for bf16 made both).
 //
 // Work: one job per sequence (every KV head, tokens in chunks of 32: a block's rows are read
-// once, in order, each head prefetching its slice a chunk ahead) when there are at least twice as many
-// sequences as threads, else one per (sequence, KV head). A head's arithmetic is the same in
-// both. A context longer than PART tokens (from its window's start) is cut into
+// once, in order, each head prefetching its slice a chunk ahead) when there are at least twice
+// as many sequences as threads, else one per (sequence, KV head). A head's arithmetic is the
+// same in both. A context longer than PART tokens (from its window's start) is cut into
 // ceil(L / PART) near-equal parts, one job each over every KV head, whose softmax sums are
 // merged (flash decoding); the parts depend on L alone, never on the step's other rows or
 // threads, so a row's result has the same bits alone or among others (a 1-row decode step and
