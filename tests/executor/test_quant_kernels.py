@@ -415,6 +415,7 @@ def test_amx_refusal_falls_back_with_a_log_line(caplog):
 HAVE_AVX512 = HAVE_KERNELS and "avx512" in kernels.available_isas()
 needs_avx512 = pytest.mark.skipif(not HAVE_AVX512, reason="this CPU lacks avx512 (the interleaved kernel's ISA)")
 ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K]  # Q4_K: the bf16 kernel only
 
 
 # the two few-row kernels on interleaved copies: float activations (quant_rows16.h) and bf16
@@ -440,18 +441,33 @@ def rows16_product(kernel, x, w, qtype, out, col0, wi):
         kernels.set_isa(prev)
 
 
-@pytest.mark.parametrize("kernel", ROWS16_KERNELS)
-@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
+def kernel_types(types):
+    """(kernel, qtype) params: every type for the bf16 kernel, Q4_K not for the float one."""
+    return [
+        pytest.param(kp.values[0], t, marks=kp.marks, id=f"{kp.values[0]}-{t.name}")
+        for kp in ROWS16_KERNELS
+        for t in types
+        if kp.values[0] == "bf16" or t != Q.Q4_K
+    ]
+
+
+def copy_bytes(qtype, w):
+    """An interleaved copy's size: the packed bytes, rearranged (Q4_K's 6-bit scales and mins
+    unpacked to a byte each: 2,368 bytes for 16 rows' super-blocks of 2,304)."""
+    return w.numel() // 144 * 148 if qtype == Q.Q4_K else w.numel()
+
+
+@pytest.mark.parametrize(("kernel", "qtype"), kernel_types(ROWS16_BF16_TYPES))
 @pytest.mark.parametrize("n", [16, 48, 160])  # one group; three (a pair and a single); ten
 def test_interleaved_few_rows_match_the_dequantized_matmul(kernel, qtype, n):
     """Every few-row count (1-11: tiles of 1-8 rows, pairs of groups for 1-2 rows), into its
     output columns only, within float32 summation of the float64 reference (the bf16 kernel:
     of the bf16 activations against the unrounded weights)."""
-    for k in (96, 576):
+    for k in (256, 768) if qtype == Q.Q4_K else (96, 576):
         raw = random_packed(qtype, n, k, seed=n + k)
         w = torch.from_numpy(raw)
         wi = kernels.interleave_rows16(w, int(qtype), k)
-        assert wi is not None and wi.numel() == w.numel()  # the same bytes, rearranged
+        assert wi is not None and wi.numel() == copy_bytes(qtype, w)
         for m in (1, 2, 3, 4, 5, 8, 11):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m))
             if kernel == "bf16":
@@ -464,13 +480,12 @@ def test_interleaved_few_rows_match_the_dequantized_matmul(kernel, qtype, n):
             assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)
 
 
-@pytest.mark.parametrize("kernel", ROWS16_KERNELS)
-@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("kernel", "qtype"), kernel_types(ROWS16_BF16_TYPES))
 def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(kernel, qtype):
     """A k-token verification (k + 1 rows) computes what 1-row decode steps compute: each row's
     sums are the same whatever the row count (tiles of 1-8 rows, one or two groups; up to the
     float kernel's 11 few rows, the bf16 kernel's 16)."""
-    n, k, rows = 48, 576, 16 if kernel == "bf16" else 11
+    n, k, rows = 48, 768 if qtype == Q.Q4_K else 576, 16 if kernel == "bf16" else 11
     w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
     wi = kernels.interleave_rows16(w, int(qtype), k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))

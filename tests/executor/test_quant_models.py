@@ -250,6 +250,39 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
         kernels.set_isa(isa)
 
 
+@needs_native_bf16
+def test_q4_k_copies_in_bf16_engines_only(kquant_checkpoint, tmp_path, monkeypatch):
+    """Q4_K layers get row-interleaved copies (the bf16 few-row kernel's) in a bfloat16 engine
+    on a native-bf16 path, none in float32 or below avx512_bf16. A bf16 engine's decode steps
+    on them give the greedy tokens of the same engine with the bf16 few-row kernel off (the
+    float kernel on the packed blocks), logits within 1% of the largest."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    real = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
+    path = write_gguf(kquant_checkpoint, str(tmp_path / "q4_k.gguf"), Q.Q4_K)
+    converted = resolve_model_path(path)
+    monkeypatch.setenv("PAGEDSERVE_NO_ONEDNN_PACK", "1")  # few-row products alone, every row count below
+
+    def with_copies(dtype):
+        return sum(m.rows16_everywhere for m in quant_layers(converted, dtype))
+
+    isa = kernels.set_isa("avx512_bf16")
+    try:
+        assert with_copies(torch.bfloat16) == 4 * 2  # qkv, o, gate_up, down x 2 layers (the head: 1,001 rows)
+        assert with_copies(torch.float32) == 0
+        kernels.set_isa("avx512")
+        assert with_copies(torch.bfloat16) == 0
+        kernels.set_isa("avx512_bf16")
+        before = kernels.load().bf16_calls()[2]
+        got = run(path, None, "bfloat16")
+        assert kernels.load().bf16_calls()[2] > before
+        assert kernels.set_rows16_bf16(False) is True
+        assert_same(got, run(path, None, "bfloat16"), 1e-2)
+    finally:
+        kernels.set_rows16_bf16(True)
+        kernels.set_isa(isa)
+
+
 def test_packed_tied_embeddings(tmp_path, monkeypatch):
     # tied lm_head shares the packed embedding
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))

@@ -83,7 +83,7 @@ def build_model(
                 if isinstance(mod, QuantLinear):
                     mod.act_q8 = True
         elif device.type == "cpu":
-            rows16_copies(model)  # first: a layer with them gets its bf16 copy from more rows
+            rows16_copies(model, dtype)  # first: a layer with them gets its bf16 copy from more rows
             bf16_copies(model, dtype)
     else:
         model.load_weights(iterate_weights(path))
@@ -99,7 +99,7 @@ def build_model(
         if device.type == "cpu":
             from pagedserve.executor.quant.layers import rows16_copies
 
-            rows16_copies(model)
+            rows16_copies(model, dtype)
     elif quant == "none" and device.type == "cpu":
         _cpu_float_linears(model, dtype)
     return model.eval()

@@ -18,7 +18,8 @@
 //     OpenMP (at::parallel_for) over output rows; on AVX-512 with a row-interleaved copy of
 //     Q4_0 / Q4_1 / Q8_0 rows (interleave_rows16, quant_rows16.h: 16 rows' blocks side by
 //     side) the copy's kernel instead, ~2x, over groups of 16 output rows (a bf16 model's
-//     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps);
+//     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps; Q4_K
+//     copies for it alone);
 //     many rows, AVX2: chunks of output rows are dequantized into an L2-resident float buffer
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
@@ -462,17 +463,23 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
   return out;
 }
 
-// The types quant_rows16.h's kernel reads
+// The types quant_rows16.h's float kernel reads; the bf16 one (quant_rows16_bf16.h) Q4_K too
 static bool rows16_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+static bool rows16_bf16_type(int64_t type) { return rows16_type(type) || type == T_Q4_K; }
 
-// The row-interleaved copy of packed rows w (quant_rows16.h) for the AVX-512 few-row kernel, or
-// an empty tensor where it does not apply (another type, rows not a multiple of 16, no AVX-512)
+// The row-interleaved copy of packed rows w (quant_rows16.h) for the AVX-512 few-row kernels, or
+// an empty tensor where it does not apply (another type, rows not a multiple of 16, no AVX-512;
+// Q4_K, which only the bf16 kernel reads: no AVX512-BF16)
 torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
   check_packed(w, type, K);
   const int64_t N = w.size(0);
-  if (!rows16_type(type) || N % 16 != 0 || N == 0 || !cpu_has(ISA_AVX512))
-    return torch::empty({0}, torch::kUInt8);
-  auto out = torch::empty({N * w.size(1)}, torch::kUInt8);
+  const bool fits = rows16_type(type) ? cpu_has(ISA_AVX512) : rows16_bf16_type(type) && cpu_has(ISA_AVX512_BF16);
+  if (!fits || N % 16 != 0 || N == 0) return torch::empty({0}, torch::kUInt8);
+#if QK_X86
+  auto out = torch::empty({avx512_rows16::rows16_copy_bytes((int)type, N, K)}, torch::kUInt8);
+#else
+  auto out = torch::empty({0}, torch::kUInt8);
+#endif
 #if QK_X86
   const uint8_t* W = w.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -482,9 +489,17 @@ torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
   return out;
 }
 
-static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::Tensor& w, int64_t type) {
-  return QK_X86 && current_isa() >= ISA_AVX512 && rows16_type(type) && wi.has_value() && wi->defined() && wi->numel() == w.numel() &&
+// wi is w's copy and the float kernel (bf16: the bf16 kernel) reads it on the ISA path now set
+static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::Tensor& w, int64_t type, bool bf16 = false) {
+#if QK_X86
+  return (bf16 ? current_isa() >= ISA_AVX512_BF16 && rows16_bf16_type(type) : current_isa() >= ISA_AVX512 && rows16_type(type)) &&
+         wi.has_value() && wi->defined() && w.size(0) % 16 == 0 &&
+         wi->numel() == avx512_rows16::rows16_copy_bytes((int)type, w.size(0), w.size(1) / block_bytes((int)type) * block_elems((int)type)) &&
          wi->scalar_type() == at::kByte && wi->is_contiguous();
+#else
+  (void)wi, (void)w, (void)type, (void)bf16;
+  return false;
+#endif
 }
 
 void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool act_q8,
@@ -617,8 +632,8 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
   thread_local std::vector<float> xs;
   xp.resize(M * K / 2);
   avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data());
-  float* sums = nullptr;  // Q4_1's block sums of the activations
-  if (type == T_Q4_1) {
+  float* sums = nullptr;  // Q4_1's and Q4_K's block sums of the activations
+  if (type == T_Q4_1 || type == T_Q4_K) {
     xs.resize(M * (K / 32));
     sums = xs.data();
     avx512_bf16::group_sums(X, K, 32, 0, M, sums);
@@ -646,8 +661,8 @@ void gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out
   TORCH_CHECK(bf16_type(type), "bf16 products: block types only (Q4_0 ... Q6_K)");
   TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
   const bool interleaved = wi.has_value() && wi->defined();
-  TORCH_CHECK(!interleaved || (rows16_usable(wi, w, type) && N % 16 == 0),
-              "wi: w's interleave_rows16 copy (Q4_0 / Q4_1 / Q8_0, rows a multiple of 16)");
+  TORCH_CHECK(!interleaved || rows16_usable(wi, w, type, true),
+              "wi: w's interleave_rows16 copy (Q4_0 / Q4_1 / Q8_0 / Q4_K, rows a multiple of 16)");
   TORCH_CHECK(!(interleaved && onednn), "wi and onednn exclude each other");
   if (M == 0 || N == 0) return;
   ++g_bf16_calls[interleaved ? 2 : onednn ? 1 : 0];

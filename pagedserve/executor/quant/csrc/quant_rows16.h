@@ -22,20 +22,63 @@
 // computes what 1-row decode steps do); they differ from the packed rows' kernel's, which sums
 // in another order. (The chunk layout of section 46 left these sums and their order as they were.)
 
+// Q4_K (the bf16 kernel only, quant_rows16_bf16.h), per (group of 16 rows, super-block of 256
+// along K): d[16] (fp16) | dmin[16] (fp16) | sc[8][16] | m[8][16] (each sub-block's 6-bit scale
+// and min, a byte each) | 8 sub-blocks of 32 elements, each's quants in Q4_1's 4 chunks of 64
+// bytes. 2,368 bytes against the 16 packed blocks' 2,304: the scales unpacked.
+constexpr int64_t Q4K_HDR = 320, Q4K_SUB = 256;
+
 static inline int64_t rows16_block_bytes(int type) {
   switch (type) {
     case T_Q4_0: return 16 * (int64_t)sizeof(bq4_0);
     case T_Q4_1: return 16 * (int64_t)sizeof(bq4_1);
     case T_Q8_0: return 16 * (int64_t)sizeof(bq8_0);
+    case T_Q4_K: return Q4K_HDR + 8 * Q4K_SUB;  // a super-block
     default: return 0;
   }
+}
+
+// Bytes of the copy of N packed rows of K elements (N a multiple of 16)
+static inline int64_t rows16_copy_bytes(int type, int64_t N, int64_t K) {
+  return N / 16 * (K / (type == T_Q4_K ? 256 : 32)) * rows16_block_bytes(type);
 }
 
 // Element e (0 .. 31) of a packed Q4_0 / Q4_1 block's quants qs[16]: its nibble
 static inline uint8_t q4_nibble(const uint8_t* qs, int64_t e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
 
 // packed rows [16 * groups, rb] -> interleaved groups g0 .. g1 (out: the whole copy)
+static void interleave16_q4k(const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
+  const int64_t ns = K / 256, BB = rows16_block_bytes(T_Q4_K);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t i = 0; i < ns; ++i) {
+      uint8_t* p = out + (g * ns + i) * BB;
+      for (int64_t r = 0; r < 16; ++r) {
+        const bq4_K* blk = reinterpret_cast<const bq4_K*>(W + (g * 16 + r) * rb) + i;
+        std::memcpy(p + 2 * r, &blk->d, 2);
+        std::memcpy(p + 32 + 2 * r, &blk->dmin, 2);
+        for (int sb = 0; sb < 8; ++sb) {
+          int sc, m;
+          avx512::scale_min_k4(sb, blk->scales, &sc, &m);
+          p[64 + 16 * sb + r] = uint8_t(sc);
+          p[192 + 16 * sb + r] = uint8_t(m);
+          // sub-block sb: elements 32 sb .. 32 sb + 31, the low (sb even) or high nibbles of qs[32 (sb / 2) ..]
+          const uint8_t* qs = blk->qs + 32 * (sb / 2);
+          const int sh = 4 * (sb % 2);
+          auto q = [&](int64_t e) { return uint8_t((qs[e] >> sh) & 15); };
+          uint8_t* dst = p + Q4K_HDR + Q4K_SUB * sb;
+          for (int64_t c = 0; c < 4; ++c)
+            for (int64_t h = 0; h < 2; ++h)
+              for (int64_t s = 0; s < 2; ++s) {
+                const int64_t e = 4 * c + 2 * h + 16 * s;
+                dst[64 * c + 16 * (r / 4) + 8 * h + 2 * (r % 4) + s] = q(e) | q(e + 1) << 4;
+              }
+        }
+      }
+    }
+}
+
 static void interleave16(int type, const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
+  if (type == T_Q4_K) return interleave16_q4k(W, rb, K, g0, g1, out);
   const int64_t nb = K / 32, bb = rb / nb, BB = rows16_block_bytes(type), hdr = type == T_Q4_1 ? 64 : 32;
   const int64_t qoff = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : 2;
   for (int64_t g = g0; g < g1; ++g)

@@ -1,8 +1,9 @@
 // AVX512-BF16 few-row products of bfloat16 models (decode at batch 1-8, speculative
-// verification rows) on the row-interleaved copy of Q4_0 / Q4_1 / Q8_0 weights that
-// quant_rows16.h reads (its layout comment holds: per group of 16 rows and block of 32, the 16
+// verification rows) on the row-interleaved copy of Q4_0 / Q4_1 / Q8_0 / Q4_K weights that
+// quant_rows16.h writes (its layout comment holds: per group of 16 rows and block of 32, the 16
 // rows' d, Q4_1's m, then the quants: Q4's in chunks of four element pairs, Q8_0's byte [j][r] =
-// row r's qs[j]). Included once by quant_kernels.cpp inside namespace avx512_bf16_rows16 within
+// row r's qs[j]; Q4_K per super-block of 256: d, dmin, the sub-blocks' scales and mins, then
+// each sub-block's quants as Q4_1's; only this kernel reads Q4_K). Included once by quant_kernels.cpp inside namespace avx512_bf16_rows16 within
 // the AVX512-BF16 target region. No include guard on purpose.
 //
 // quant_rows16.h multiplies float activations by float quants, two FMAs of 16 lanes per row for
@@ -62,6 +63,29 @@ static inline __m512 dp_bcast(__m512 acc, __m512bh w, const uint32_t* x) {
   return acc;
 }
 
+// s[e][t] += pair j of block i's 32 elements in activation row m0 + t, for each chunk of Q4
+// quants at q (quant_rows16.h's chunk layout): the low nibbles' pairs (j = 4 c, 4 c + 2: chain
+// 0), then the high ones' (chain 1), a chain taking its pairs in j order; half the words live at
+// a time, so 8 rows' chains stay in registers
+template <int MT>
+static inline void q4_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, const avx512_rows16::Q4Tables& tb,
+                                  int64_t m0, int64_t i, __m512 (&s)[2][MT]) {
+  auto dot_pair = [&](int64_t j, __m512bh wq, __m512* se) {
+    for (int t = 0; t < MT; ++t) se[t] = dp_bcast(se[t], wq, a.XP + (m0 + t) * (a.K / 2) + i * 16 + j);
+  };
+#pragma GCC unroll 4
+  for (int64_t c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(q + 64 * c);
+    __m512i w[2];
+    avx512_rows16::q4_half(v, tb, false, w);
+    dot_pair(4 * c, (__m512bh)w[0], s[0]);
+    dot_pair(4 * c + 2, (__m512bh)w[1], s[0]);
+    avx512_rows16::q4_half(v, tb, true, w);
+    dot_pair(4 * c + 1, (__m512bh)w[0], s[1]);
+    dot_pair(4 * c + 3, (__m512bh)w[1], s[1]);
+  }
+}
+
 // out[m0 + t][16 g .. 16 g + 15] for group g and MT activation rows from m0 (one stream, as
 // quant_rows16.h's tiles)
 template <int TYPE, int MT>
@@ -76,27 +100,14 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
     __m512 s[2][MT];
     for (int e = 0; e < 2; ++e)
       for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
-    // s[e] += pair j of every row (e = j & 1: a chain takes its pairs in j order)
-    auto dot_pair = [&](int64_t j, __m512bh wq, __m512* se) {
-      for (int t = 0; t < MT; ++t) se[t] = dp_bcast(se[t], wq, a.XP + (m0 + t) * (a.K / 2) + i * 16 + j);
-    };
     if (TYPE == T_Q8_0) {
 #pragma GCC unroll 16
-      for (int64_t j = 0; j < 16; ++j) dot_pair(j, q8_pair_quants(p + hdr, j), s[j & 1]);
-    } else {
-      // the low nibbles' pairs (j = 4 c, 4 c + 2: chain 0), then the high ones' (chain 1): half
-      // the words live at a time, so 8 rows' chains stay in registers
-#pragma GCC unroll 4
-      for (int64_t c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(p + hdr + 64 * c);
-        __m512i w[2];
-        avx512_rows16::q4_half(v, tb, false, w);
-        dot_pair(4 * c, (__m512bh)w[0], s[0]);
-        dot_pair(4 * c + 2, (__m512bh)w[1], s[0]);
-        avx512_rows16::q4_half(v, tb, true, w);
-        dot_pair(4 * c + 1, (__m512bh)w[0], s[1]);
-        dot_pair(4 * c + 3, (__m512bh)w[1], s[1]);
+      for (int64_t j = 0; j < 16; ++j) {
+        const __m512bh wq = q8_pair_quants(p + hdr, j);
+        for (int t = 0; t < MT; ++t) s[j & 1][t] = dp_bcast(s[j & 1][t], wq, a.XP + (m0 + t) * (a.K / 2) + i * 16 + j);
       }
+    } else {
+      q4_block_pairs<MT>(a, p + hdr, tb, m0, i, s);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), d, acc[t]);
@@ -108,11 +119,51 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
 }
 
+// Q4_K's tile (quant_rows16.h's Q4_K layout): per super-block d and dmin, then per sub-block of
+// 32 Q4_1's arithmetic with d = d * sc and m = -dmin * m, both exact in float32 (11 x 6 bits):
+// acc += (s_even + s_odd) * (d * sc), then acc -= (dmin * m) * (sum of the sub-block's
+// activations), the packed kernels' w = d sc q - dmin m. Prefetch: a fixed distance ahead in the
+// group's stream, five lines a sub-block (its 296 bytes of the super-block's 2,368).
+template <int MT>
+static void tile_q4k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
+  const int64_t nb = a.K / 32, ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(T_Q4_K);
+  const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(T_Q4_1);  // unsigned nibbles
+  constexpr int64_t AHEAD = 8 * 320;  // bytes: about the other types' 8 blocks
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < ns; ++i) {
+    const uint8_t* p = WI + (g * ns + i) * BB;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    for (int64_t sb = 0; sb < 8; ++sb) {
+      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / 8) + AHEAD);
+      for (int64_t c = 0; c < 320; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+      const int64_t b = i * 8 + sb;  // the block of 32 along K
+      auto bytes16 = [&](int64_t off) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off))));
+      };
+      const __m512 scale = _mm512_mul_ps(d, bytes16(64 + 16 * sb)), mn = _mm512_mul_ps(dmin, bytes16(192 + 16 * sb));
+      __m512 s[2][MT];
+      for (int e = 0; e < 2; ++e)
+        for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
+      q4_block_pairs<MT>(a, p + avx512_rows16::Q4K_HDR + avx512_rows16::Q4K_SUB * sb, tb, m0, b, s);
+      for (int t = 0; t < MT; ++t) {
+        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
+        acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
+}
+
 // Groups g0 .. g1 of every activation row, in the float kernel's tiles
 template <int TYPE>
 static void groups(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
   avx512_rows16::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
-    tile<TYPE, decltype(MT)::value>(a, WI, g, m0);
+    if constexpr (TYPE == T_Q4_K)
+      tile_q4k<decltype(MT)::value>(a, WI, g, m0);
+    else
+      tile<TYPE, decltype(MT)::value>(a, WI, g, m0);
   });
 }
 
@@ -120,6 +171,7 @@ static void gemm_rows16_bf16(const Rows16Bf16Args& a, const uint8_t* WI, int64_t
   switch (a.type) {
     case T_Q4_0: return groups<T_Q4_0>(a, WI, g0, g1);
     case T_Q4_1: return groups<T_Q4_1>(a, WI, g0, g1);
+    case T_Q4_K: return groups<T_Q4_K>(a, WI, g0, g1);
     default: return groups<T_Q8_0>(a, WI, g0, g1);
   }
 }

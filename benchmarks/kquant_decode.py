@@ -1,0 +1,103 @@
+"""Batch-1 decode of a K-quant GGUF (BENCHMARKS section 49): a synthetic Llama of about 0.8 B
+weights (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 5632, SmolLM2's tokenizer and
+vocabulary) whose every matrix is random Q4_K blocks with small scales (gguf cannot quantize
+K-quants; speed does not depend on the values), written once to --out. Then a bfloat16 engine
+decodes --tokens tokens at batch 1, the bf16 few-row kernel on the Q4_K copies on and off in
+turns (off: the float kernel on the packed blocks, as before the copies). The same file runs
+under llama.cpp's llama-bench for the anchor (`llama-bench -m FILE -p 0 -n 128 -t 2`).
+
+    .venv/bin/python benchmarks/kquant_decode.py [--out /tmp/q4k.gguf] [--tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import gguf
+import numpy as np
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, MLP = 2048, 16, 32, 8, 5632
+
+
+def random_q4_k(rows: int, cols: int, rng) -> np.ndarray:
+    """[rows, cols / 256 * 144] bytes of Q4_K blocks: random quants and 6-bit scales, d and dmin small."""
+    raw = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = rng.uniform(0, 2e-3, size=(rows, cols // 256, 2)).astype(np.float16).view(np.uint8).reshape(rows, cols // 256, 4)
+    return raw.reshape(rows, -1)
+
+
+def write_model(out: str) -> None:
+    from pagedserve.model_files import default_model_path
+
+    src = gguf.GGUFReader(default_model_path())  # its tokenizer and vocabulary
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(4096)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(MLP)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    for key, field in src.fields.items():  # the tokenizer, as the default model has it
+        if key.startswith("tokenizer."):
+            vt = field.types[0]
+            val = field.contents()
+            if vt == gguf.GGUFValueType.ARRAY:
+                w.add_array(key, val)
+            else:
+                w.add_key_value(key, val, vt)
+    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(0)
+    q4k = gguf.GGMLQuantizationType.Q4_K
+    w.add_tensor("token_embd.weight", random_q4_k(vocab, HIDDEN, rng), raw_dtype=q4k)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    kv = KV_HEADS * HIDDEN // HEADS
+    for i in range(LAYERS):
+        for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", kv, HIDDEN), ("attn_v", kv, HIDDEN),
+                                 ("attn_output", HIDDEN, HIDDEN), ("ffn_gate", MLP, HIDDEN), ("ffn_up", MLP, HIDDEN),
+                                 ("ffn_down", HIDDEN, MLP)):
+            w.add_tensor(f"blk.{i}.{name}.weight", random_q4_k(rows, cols, rng), raw_dtype=q4k)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="/tmp/pagedserve-q4k-0.8b.gguf")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    if not os.path.exists(a.out):
+        write_model(a.out)
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.executor.quant import kernels
+
+    llm = LLM(a.out, dtype="bfloat16", max_model_len=1024)
+    prompt = {"prompt_token_ids": [100 + 7 * i for i in range(32)]}
+    sp = SamplingParams(max_tokens=a.tokens, ignore_eos=True, temperature=0)
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    tok_s = {"on": [], "off": []}
+    for _ in range(a.rounds):
+        for mode in ("on", "off"):
+            kernels.set_rows16_bf16(mode == "on")
+            t = time.perf_counter()
+            llm.generate([prompt], sp, use_tqdm=False)
+            tok_s[mode].append(a.tokens / (time.perf_counter() - t))
+    kernels.set_rows16_bf16(True)
+    med = {k: round(statistics.median(v), 2) for k, v in tok_s.items()}
+    print(json.dumps({"bench": "kquant_decode", "model": a.out, "isa": kernels.current_isa(), "batch1_tok_s": med,
+                      "ratio": round(med["on"] / med["off"], 2)}))
+
+
+if __name__ == "__main__":
+    main()
