@@ -1,7 +1,8 @@
-"""Batch-1 decode of a K-quant GGUF (BENCHMARKS section 49): a synthetic Llama of about 0.8 B
+"""Batch-1 decode of a K-quant GGUF (BENCHMARKS section 49): a synthetic Llama of about 0.9 B
 weights (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 5632, SmolLM2's tokenizer and
-vocabulary) whose every matrix is random Q4_K blocks with small scales (gguf cannot quantize
-K-quants; speed does not depend on the values), written once to --out. Then a bfloat16 engine
+vocabulary) in llama.cpp's Q4_K_M mix: Q4_K matrices, Q6_K for the output and for attn_v and
+ffn_down in llama.cpp's "more bits" layers; random blocks with small scales (gguf cannot
+quantize K-quants; speed does not depend on the values), written once to --out. Then a bfloat16 engine
 decodes --tokens tokens at batch 1, the bf16 few-row kernel on the Q4_K copies on and off in
 turns (off: the float kernel on the packed blocks, as before the copies). The same file runs
 under llama.cpp's llama-bench for the anchor (`llama-bench -m FILE -p 0 -n 128 -t 2`).
@@ -30,6 +31,19 @@ def random_q4_k(rows: int, cols: int, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def random_q6_k(rows: int, cols: int, rng) -> np.ndarray:
+    """[rows, cols / 256 * 210] bytes of Q6_K blocks: random quants, small int8 scales and d."""
+    raw = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+    raw[..., 192:208] = rng.integers(-8, 8, size=(rows, cols // 256, 16), dtype=np.int8).view(np.uint8)
+    raw[..., 208:210] = rng.uniform(0, 2e-3, size=(rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def more_bits(layer: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down Q4_K_M keeps in Q6_K."""
+    return layer < LAYERS // 8 or layer >= 7 * LAYERS // 8 or (layer - LAYERS // 8) % 3 == 2
+
+
 def write_model(out: str) -> None:
     from pagedserve.model_files import default_model_path
 
@@ -54,15 +68,18 @@ def write_model(out: str) -> None:
                 w.add_key_value(key, val, vt)
     vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(0)
-    q4k = gguf.GGMLQuantizationType.Q4_K
+    q4k, q6k = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
     w.add_tensor("token_embd.weight", random_q4_k(vocab, HIDDEN, rng), raw_dtype=q4k)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    w.add_tensor("output.weight", random_q6_k(vocab, HIDDEN, rng), raw_dtype=q6k)
     kv = KV_HEADS * HIDDEN // HEADS
     for i in range(LAYERS):
         for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", kv, HIDDEN), ("attn_v", kv, HIDDEN),
                                  ("attn_output", HIDDEN, HIDDEN), ("ffn_gate", MLP, HIDDEN), ("ffn_up", MLP, HIDDEN),
                                  ("ffn_down", HIDDEN, MLP)):
-            w.add_tensor(f"blk.{i}.{name}.weight", random_q4_k(rows, cols, rng), raw_dtype=q4k)
+            six = name in ("attn_v", "ffn_down") and more_bits(i)
+            data = random_q6_k(rows, cols, rng) if six else random_q4_k(rows, cols, rng)
+            w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=q6k if six else q4k)
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
     w.write_header_to_file()
@@ -73,7 +90,7 @@ def write_model(out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="/tmp/pagedserve-q4k-0.8b.gguf")
+    ap.add_argument("--out", default="/tmp/pagedserve-q4_k_m-0.9b.gguf")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()

@@ -415,7 +415,8 @@ def test_amx_refusal_falls_back_with_a_log_line(caplog):
 HAVE_AVX512 = HAVE_KERNELS and "avx512" in kernels.available_isas()
 needs_avx512 = pytest.mark.skipif(not HAVE_AVX512, reason="this CPU lacks avx512 (the interleaved kernel's ISA)")
 ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
-ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K]  # Q4_K: the bf16 kernel only
+ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K, Q.Q6_K]  # the K-quants: the bf16 kernel only
+K_QUANT_COPIES = {Q.Q4_K: (144, 148), Q.Q6_K: (210, 274)}  # a packed row's super-block -> its copy's bytes
 
 
 # the two few-row kernels on interleaved copies: float activations (quant_rows16.h) and bf16
@@ -442,19 +443,23 @@ def rows16_product(kernel, x, w, qtype, out, col0, wi):
 
 
 def kernel_types(types):
-    """(kernel, qtype) params: every type for the bf16 kernel, Q4_K not for the float one."""
+    """(kernel, qtype) params: every type for the bf16 kernel, the K-quants not for the float one."""
     return [
         pytest.param(kp.values[0], t, marks=kp.marks, id=f"{kp.values[0]}-{t.name}")
         for kp in ROWS16_KERNELS
         for t in types
-        if kp.values[0] == "bf16" or t != Q.Q4_K
+        if kp.values[0] == "bf16" or t not in K_QUANT_COPIES
     ]
 
 
 def copy_bytes(qtype, w):
     """An interleaved copy's size: the packed bytes, rearranged (Q4_K's 6-bit scales and mins
-    unpacked to a byte each: 2,368 bytes for 16 rows' super-blocks of 2,304)."""
-    return w.numel() // 144 * 148 if qtype == Q.Q4_K else w.numel()
+    unpacked to a byte each: 2,368 bytes for 16 rows' super-blocks of 2,304; Q6_K's 6-bit
+    quants a byte each: 4,384 for 3,360)."""
+    if qtype in K_QUANT_COPIES:
+        packed, copy = K_QUANT_COPIES[qtype]
+        return w.numel() // packed * copy
+    return w.numel()
 
 
 @pytest.mark.parametrize(("kernel", "qtype"), kernel_types(ROWS16_BF16_TYPES))
@@ -463,7 +468,7 @@ def test_interleaved_few_rows_match_the_dequantized_matmul(kernel, qtype, n):
     """Every few-row count (1-11: tiles of 1-8 rows, pairs of groups for 1-2 rows), into its
     output columns only, within float32 summation of the float64 reference (the bf16 kernel:
     of the bf16 activations against the unrounded weights)."""
-    for k in (256, 768) if qtype == Q.Q4_K else (96, 576):
+    for k in (256, 768) if qtype in K_QUANT_COPIES else (96, 576):
         raw = random_packed(qtype, n, k, seed=n + k)
         w = torch.from_numpy(raw)
         wi = kernels.interleave_rows16(w, int(qtype), k)
@@ -485,7 +490,7 @@ def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(kernel, qtype)
     """A k-token verification (k + 1 rows) computes what 1-row decode steps compute: each row's
     sums are the same whatever the row count (tiles of 1-8 rows, one or two groups; up to the
     float kernel's 11 few rows, the bf16 kernel's 16)."""
-    n, k, rows = 48, 768 if qtype == Q.Q4_K else 576, 16 if kernel == "bf16" else 11
+    n, k, rows = 48, 768 if qtype in K_QUANT_COPIES else 576, 16 if kernel == "bf16" else 11
     w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
     wi = kernels.interleave_rows16(w, int(qtype), k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))

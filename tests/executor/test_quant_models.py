@@ -251,15 +251,16 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
 
 
 @needs_native_bf16
-def test_q4_k_copies_in_bf16_engines_only(kquant_checkpoint, tmp_path, monkeypatch):
-    """Q4_K layers get row-interleaved copies (the bf16 few-row kernel's) in a bfloat16 engine
-    on a native-bf16 path, none in float32 or below avx512_bf16. A bf16 engine's decode steps
-    on them give the greedy tokens of the same engine with the bf16 few-row kernel off (the
-    float kernel on the packed blocks), logits within 1% of the largest."""
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_k_quant_copies_in_bf16_engines_only(kquant_checkpoint, tmp_path, monkeypatch, qtype):
+    """Q4_K / Q6_K layers get row-interleaved copies (the bf16 few-row kernel's) in a bfloat16
+    engine on a native-bf16 path, none in float32 or below avx512_bf16. A bf16 engine's decode
+    steps on them give the greedy tokens of the same engine with the bf16 few-row kernel off
+    (the float kernel on the packed blocks), logits within 1% of the largest."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     real = gguf.quants.quantize
     monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
-    path = write_gguf(kquant_checkpoint, str(tmp_path / "q4_k.gguf"), Q.Q4_K)
+    path = write_gguf(kquant_checkpoint, str(tmp_path / f"{qtype.name}.gguf"), qtype)
     converted = resolve_model_path(path)
     monkeypatch.setenv("PAGEDSERVE_NO_ONEDNN_PACK", "1")  # few-row products alone, every row count below
 

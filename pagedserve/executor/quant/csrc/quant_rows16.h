@@ -27,6 +27,11 @@
 // and min, a byte each) | 8 sub-blocks of 32 elements, each's quants in Q4_1's 4 chunks of 64
 // bytes. 2,368 bytes against the 16 packed blocks' 2,304: the scales unpacked.
 constexpr int64_t Q4K_HDR = 320, Q4K_SUB = 256;
+// Q6_K (the bf16 kernel only), per (group of 16 rows, super-block of 256): d[16] (fp16) |
+// sc[16][16] (each sub-block of 16's int8 scale, [sub-block][row]) | 16 sub-blocks of 16
+// elements, each's quants minus 32 as int8, byte [e][r] = row r's element e (Q8_0's order).
+// 4,384 bytes against the 16 packed blocks' 3,360: the 6-bit quants a byte each (+30%).
+constexpr int64_t Q6K_HDR = 288, Q6K_SUB = 256;
 
 static inline int64_t rows16_block_bytes(int type) {
   switch (type) {
@@ -34,13 +39,14 @@ static inline int64_t rows16_block_bytes(int type) {
     case T_Q4_1: return 16 * (int64_t)sizeof(bq4_1);
     case T_Q8_0: return 16 * (int64_t)sizeof(bq8_0);
     case T_Q4_K: return Q4K_HDR + 8 * Q4K_SUB;  // a super-block
+    case T_Q6_K: return Q6K_HDR + 16 * Q6K_SUB;
     default: return 0;
   }
 }
 
 // Bytes of the copy of N packed rows of K elements (N a multiple of 16)
 static inline int64_t rows16_copy_bytes(int type, int64_t N, int64_t K) {
-  return N / 16 * (K / (type == T_Q4_K ? 256 : 32)) * rows16_block_bytes(type);
+  return N / 16 * (K / (type == T_Q4_K || type == T_Q6_K ? 256 : 32)) * rows16_block_bytes(type);
 }
 
 // Element e (0 .. 31) of a packed Q4_0 / Q4_1 block's quants qs[16]: its nibble
@@ -77,8 +83,32 @@ static void interleave16_q4k(const uint8_t* W, int64_t rb, int64_t K, int64_t g0
     }
 }
 
+// Q6_K's element e (0 .. 255) of a block, minus 32 (ggml's order: halves of 128, in each four
+// runs of 32 from ql's low / high nibbles and qh's bit pairs)
+static inline int8_t q6k_quant(const bq6_K& b, int e) {
+  const int n = e / 128, k = (e % 128) / 32, l = e % 32;
+  const uint8_t* ql = b.ql + 64 * n + (k & 1) * 32;
+  const int lo = k < 2 ? ql[l] & 15 : ql[l] >> 4;
+  return int8_t((lo | ((b.qh[32 * n + l] >> (2 * k)) & 3) << 4) - 32);
+}
+
+static void interleave16_q6k(const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
+  const int64_t ns = K / 256, BB = rows16_block_bytes(T_Q6_K);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t i = 0; i < ns; ++i) {
+      uint8_t* p = out + (g * ns + i) * BB;
+      for (int64_t r = 0; r < 16; ++r) {
+        const bq6_K& blk = reinterpret_cast<const bq6_K*>(W + (g * 16 + r) * rb)[i];
+        std::memcpy(p + 2 * r, &blk.d, 2);
+        for (int sb = 0; sb < 16; ++sb) p[32 + 16 * sb + r] = uint8_t(blk.scales[sb]);
+        for (int e = 0; e < 256; ++e) p[Q6K_HDR + Q6K_SUB * (e / 16) + 16 * (e % 16) + r] = uint8_t(q6k_quant(blk, e));
+      }
+    }
+}
+
 static void interleave16(int type, const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
   if (type == T_Q4_K) return interleave16_q4k(W, rb, K, g0, g1, out);
+  if (type == T_Q6_K) return interleave16_q6k(W, rb, K, g0, g1, out);
   const int64_t nb = K / 32, bb = rb / nb, BB = rows16_block_bytes(type), hdr = type == T_Q4_1 ? 64 : 32;
   const int64_t qoff = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : 2;
   for (int64_t g = g0; g < g1; ++g)

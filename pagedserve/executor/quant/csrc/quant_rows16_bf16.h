@@ -1,9 +1,10 @@
 // AVX512-BF16 few-row products of bfloat16 models (decode at batch 1-8, speculative
-// verification rows) on the row-interleaved copy of Q4_0 / Q4_1 / Q8_0 / Q4_K weights that
+// verification rows) on the row-interleaved copy of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights that
 // quant_rows16.h writes (its layout comment holds: per group of 16 rows and block of 32, the 16
 // rows' d, Q4_1's m, then the quants: Q4's in chunks of four element pairs, Q8_0's byte [j][r] =
 // row r's qs[j]; Q4_K per super-block of 256: d, dmin, the sub-blocks' scales and mins, then
-// each sub-block's quants as Q4_1's; only this kernel reads Q4_K). Included once by quant_kernels.cpp inside namespace avx512_bf16_rows16 within
+// each sub-block's quants as Q4_1's; Q6_K's int8 quants per sub-block of 16; only this kernel
+// reads the K-quants). Included once by quant_kernels.cpp inside namespace avx512_bf16_rows16 within
 // the AVX512-BF16 target region. No include guard on purpose.
 //
 // quant_rows16.h multiplies float activations by float quants, two FMAs of 16 lanes per row for
@@ -26,8 +27,9 @@
 struct Rows16Bf16Args {
   int type;
   int64_t K, M, ldo;
-  const uint32_t* XP;  // [M, K / 2] activation pairs (pair_activations)
-  const float* xsum;   // [M, K / 32] block sums of the activations (Q4_1 only)
+  const uint32_t* XP;  // [M, K / 2] activation pairs (pair_activations; not for Q6_K)
+  const uint32_t* X2;  // [M, K / 2] the activations as they are: pairs x[2 p], x[2 p + 1] (Q6_K)
+  const float* xsum;   // [M, K / 32] block sums of the activations (Q4_1 and Q4_K)
   float* out;          // already offset by col0
 };
 
@@ -44,14 +46,17 @@ static void pair_activations(const uint16_t* X, int64_t K, int64_t r0, int64_t r
     }
 }
 
-// Q8_0's quants of element pair (j, j + 16) of 16 rows: lane r = bf16 q[j] | bf16 q[j + 16] << 16
-static inline __m512bh q8_pair_quants(const uint8_t* q, int64_t j) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j + 16) * 16))));
+// Two int8 elements of 16 rows (16 bytes each, row r at byte r): lane r = bf16 lo[r] | bf16 hi[r] << 16
+static inline __m512bh i8_pair_quants(const uint8_t* lo8, const uint8_t* hi8) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo8))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi8))));
   // small integers: their float's top half is their bf16, exactly
   return (__m512bh)_mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
                                    _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(int(0xFFFF0000u))));
 }
+
+// Q8_0's quants of element pair (j, j + 16) of 16 rows: lane r = bf16 q[j] | bf16 q[j + 16] << 16
+static inline __m512bh q8_pair_quants(const uint8_t* q, int64_t j) { return i8_pair_quants(q + j * 16, q + (j + 16) * 16); }
 
 // acc += the pairs of w times the pair *x in every lane: vdpbf16ps with an embedded broadcast
 // (one instruction; the intrinsics' _mm512_set1_epi32 from memory compiles to a vpbroadcastd
@@ -156,12 +161,48 @@ static void tile_q4k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int6
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
 }
 
+// Q6_K's tile (quant_rows16.h's Q6_K layout): per sub-block of 16 elements, the pairs (2 p,
+// 2 p + 1) of its int8 quants (q - 32, exact in bf16) against the activations' own pairs, two
+// chains (p even / odd), then acc += (s_even + s_odd) * (d * sc), d * sc exact in float32 (11 x
+// 8 bits): the packed kernels' w = d sc (q - 32).
+template <int MT>
+static void tile_q6k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
+  const int64_t ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(T_Q6_K);
+  constexpr int64_t AHEAD = 8 * 320;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < ns; ++i) {
+    const uint8_t* p = WI + (g * ns + i) * BB;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    for (int64_t sb = 0; sb < 16; ++sb) {
+      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / 16) + AHEAD);
+      for (int64_t c = 0; c < 320; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+      const __m512 scale = _mm512_mul_ps(
+          d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * sb)))));
+      const uint8_t* q = p + avx512_rows16::Q6K_HDR + avx512_rows16::Q6K_SUB * sb;
+      const int64_t x0 = (i * 256 + sb * 16) / 2;  // the sub-block's first activation pair
+      __m512 s[2][MT];
+      for (int e = 0; e < 2; ++e)
+        for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int64_t pr = 0; pr < 8; ++pr) {
+        const __m512bh wq = i8_pair_quants(q + 32 * pr, q + 32 * pr + 16);
+        for (int t = 0; t < MT; ++t) s[pr & 1][t] = dp_bcast(s[pr & 1][t], wq, a.X2 + (m0 + t) * (a.K / 2) + x0 + pr);
+      }
+      for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
+}
+
 // Groups g0 .. g1 of every activation row, in the float kernel's tiles
 template <int TYPE>
 static void groups(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
   avx512_rows16::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
     if constexpr (TYPE == T_Q4_K)
       tile_q4k<decltype(MT)::value>(a, WI, g, m0);
+    else if constexpr (TYPE == T_Q6_K)
+      tile_q6k<decltype(MT)::value>(a, WI, g, m0);
     else
       tile<TYPE, decltype(MT)::value>(a, WI, g, m0);
   });
@@ -172,6 +213,7 @@ static void gemm_rows16_bf16(const Rows16Bf16Args& a, const uint8_t* WI, int64_t
     case T_Q4_0: return groups<T_Q4_0>(a, WI, g0, g1);
     case T_Q4_1: return groups<T_Q4_1>(a, WI, g0, g1);
     case T_Q4_K: return groups<T_Q4_K>(a, WI, g0, g1);
+    case T_Q6_K: return groups<T_Q6_K>(a, WI, g0, g1);
     default: return groups<T_Q8_0>(a, WI, g0, g1);
   }
 }
