@@ -251,9 +251,9 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
 
 
 @needs_native_bf16
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 def test_k_quant_copies_in_bf16_engines_only(kquant_checkpoint, tmp_path, monkeypatch, qtype):
-    """Q4_K / Q6_K layers get row-interleaved copies (the bf16 few-row kernel's) in a bfloat16
+    """Q4_K / Q5_K / Q6_K layers get row-interleaved copies (the bf16 few-row kernel's) in a bfloat16
     engine on a native-bf16 path, none in float32 or below avx512_bf16. A bf16 engine's decode
     steps on them give the greedy tokens of the same engine with the bf16 few-row kernel off
     (the float kernel on the packed blocks), logits within 1% of the largest."""

@@ -15,7 +15,7 @@ from torch import nn
 from pagedserve import envs
 from pagedserve.executor import onednn_linear
 from pagedserve.executor.quant import kernels
-from pagedserve.executor.quant.formats import F32, NAMES, Q4_K, Q6_K, QUANTIZERS, PackedWeight
+from pagedserve.executor.quant.formats import F32, NAMES, Q4_K, Q5_K, Q6_K, QUANTIZERS, PackedWeight
 
 
 class QuantLinear(nn.Module):
@@ -87,14 +87,14 @@ class QuantLinear(nn.Module):
 
     def attach_rows16(self, bf16: bool = False) -> bool:
         """Keep beside each Q4_0 / Q4_1 / Q8_0 segment (and with `bf16`, a bfloat16 model's,
-        each Q4_K / Q6_K one, which only the bf16 kernel reads) its row-interleaved copy, which
-        the AVX-512 few-row products (decode at batch 1-11 in float32, 1-8 in bf16; verification
-        rows) read at ~2x the packed rows' kernel (BENCHMARKS sections 39, 44; the K-quants
-        3.5-6x, section 49). Costs the segments' packed bytes again (Q4_K +2.8%, its scales
-        unpacked; Q6_K +30%, its quants a byte each). False (nothing kept) where no segment
-        takes it."""
+        each Q4_K / Q5_K / Q6_K one, which only the bf16 kernel reads) its row-interleaved copy,
+        which the AVX-512 few-row products (decode at batch 1-11 in float32, 1-8 in bf16;
+        verification rows) read at ~2x the packed rows' kernel (BENCHMARKS sections 39, 44; the
+        K-quants 3-6x, section 49). Costs the segments' packed bytes again (Q4_K +2.8%, its
+        scales unpacked; Q5_K +57% and Q6_K +30%, their quants a byte each). False (nothing kept)
+        where no segment takes it."""
         copies = [
-            None if t in (Q4_K, Q6_K) and not bf16 else kernels.interleave_rows16(d, t, self.in_features)
+            None if t in (Q4_K, Q5_K, Q6_K) and not bf16 else kernels.interleave_rows16(d, t, self.in_features)
             for t, d, _ in self.segments
         ]
         if all(c is None for c in copies):
@@ -247,8 +247,8 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
 def rows16_copies(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
     """The packed layers (not `gguf_q8`'s act_q8 ones, whose few-row products are integer)
     get their row-interleaved copies for the AVX-512 few-row kernel (`attach_rows16`) where
-    the kernels run on AVX-512 or above (PAGEDSERVE_CPU_ISA=avx2 and below: none); Q4_K /
-    Q6_K segments only in a bfloat16 model on a native-bf16 path (their kernel's). Returns how
+    the kernels run on AVX-512 or above (PAGEDSERVE_CPU_ISA=avx2 and below: none); K-quant
+    segments only in a bfloat16 model on a native-bf16 path (their kernel's). Returns how
     many layers."""
     if kernels.current_isa() in ("scalar", "avx2"):
         return 0

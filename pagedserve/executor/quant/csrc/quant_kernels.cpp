@@ -18,8 +18,8 @@
 //     OpenMP (at::parallel_for) over output rows; on AVX-512 with a row-interleaved copy of
 //     Q4_0 / Q4_1 / Q8_0 rows (interleave_rows16, quant_rows16.h: 16 rows' blocks side by
 //     side) the copy's kernel instead, ~2x, over groups of 16 output rows (a bf16 model's
-//     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps; Q4_K
-//     and Q6_K copies for it alone);
+//     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps; the
+//     K-quants' copies (Q4_K, Q5_K, Q6_K) for it alone);
 //     many rows, AVX2: chunks of output rows are dequantized into an L2-resident float buffer
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
@@ -465,7 +465,9 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
 
 // The types quant_rows16.h's float kernel reads; the bf16 one (quant_rows16_bf16.h) Q4_K too
 static bool rows16_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
-static bool rows16_bf16_type(int64_t type) { return rows16_type(type) || type == T_Q4_K || type == T_Q6_K; }
+static bool rows16_bf16_type(int64_t type) {
+  return rows16_type(type) || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+}
 
 // The row-interleaved copy of packed rows w (quant_rows16.h) for the AVX-512 few-row kernels, or
 // an empty tensor where it does not apply (another type, rows not a multiple of 16, no AVX-512;
@@ -630,12 +632,12 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
 #if QK_X86
   thread_local std::vector<uint32_t> xp;
   thread_local std::vector<float> xs;
-  if (type != T_Q6_K) {  // Q6_K reads the activations' own pairs
+  if (type != T_Q5_K && type != T_Q6_K) {  // these read the activations' own pairs
     xp.resize(M * K / 2);
     avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data());
   }
-  float* sums = nullptr;  // Q4_1's and Q4_K's block sums of the activations
-  if (type == T_Q4_1 || type == T_Q4_K) {
+  float* sums = nullptr;  // Q4_1's, Q4_K's and Q5_K's block sums of the activations
+  if (type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K) {
     xs.resize(M * (K / 32));
     sums = xs.data();
     avx512_bf16::group_sums(X, K, 32, 0, M, sums);
@@ -664,7 +666,7 @@ void gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out
   TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
   const bool interleaved = wi.has_value() && wi->defined();
   TORCH_CHECK(!interleaved || rows16_usable(wi, w, type, true),
-              "wi: w's interleave_rows16 copy (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, rows a multiple of 16)");
+              "wi: w's interleave_rows16 copy (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K, rows a multiple of 16)");
   TORCH_CHECK(!(interleaved && onednn), "wi and onednn exclude each other");
   if (M == 0 || N == 0) return;
   ++g_bf16_calls[interleaved ? 2 : onednn ? 1 : 0];

@@ -32,6 +32,11 @@ constexpr int64_t Q4K_HDR = 320, Q4K_SUB = 256;
 // elements, each's quants minus 32 as int8, byte [e][r] = row r's element e (Q8_0's order).
 // 4,384 bytes against the 16 packed blocks' 3,360: the 6-bit quants a byte each (+30%).
 constexpr int64_t Q6K_HDR = 288, Q6K_SUB = 256;
+// Q5_K (the bf16 kernel only), per (group of 16 rows, super-block of 256): Q4_K's header (d,
+// dmin, the sub-blocks' scales and mins a byte each: 320 bytes), then 8 sub-blocks of 32, each's
+// 5-bit quants as bytes in Q8_0's [element][row] order. 4,416 bytes against the 16 packed blocks'
+// 2,816 (+57%: a byte a quant).
+constexpr int64_t Q5K_SUB = 512;
 
 static inline int64_t rows16_block_bytes(int type) {
   switch (type) {
@@ -40,13 +45,14 @@ static inline int64_t rows16_block_bytes(int type) {
     case T_Q8_0: return 16 * (int64_t)sizeof(bq8_0);
     case T_Q4_K: return Q4K_HDR + 8 * Q4K_SUB;  // a super-block
     case T_Q6_K: return Q6K_HDR + 16 * Q6K_SUB;
+    case T_Q5_K: return Q4K_HDR + 8 * Q5K_SUB;
     default: return 0;
   }
 }
 
 // Bytes of the copy of N packed rows of K elements (N a multiple of 16)
 static inline int64_t rows16_copy_bytes(int type, int64_t N, int64_t K) {
-  return N / 16 * (K / (type == T_Q4_K || type == T_Q6_K ? 256 : 32)) * rows16_block_bytes(type);
+  return N / 16 * (K / (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? 256 : 32)) * rows16_block_bytes(type);
 }
 
 // Element e (0 .. 31) of a packed Q4_0 / Q4_1 block's quants qs[16]: its nibble
@@ -106,8 +112,33 @@ static void interleave16_q6k(const uint8_t* W, int64_t rb, int64_t K, int64_t g0
     }
 }
 
+static void interleave16_q5k(const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
+  const int64_t ns = K / 256, BB = rows16_block_bytes(T_Q5_K);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t i = 0; i < ns; ++i) {
+      uint8_t* p = out + (g * ns + i) * BB;
+      for (int64_t r = 0; r < 16; ++r) {
+        const bq5_K& blk = reinterpret_cast<const bq5_K*>(W + (g * 16 + r) * rb)[i];
+        std::memcpy(p + 2 * r, &blk.d, 2);
+        std::memcpy(p + 32 + 2 * r, &blk.dmin, 2);
+        for (int sb = 0; sb < 8; ++sb) {
+          int sc, m;
+          avx512::scale_min_k4(sb, blk.scales, &sc, &m);
+          p[64 + 16 * sb + r] = uint8_t(sc);
+          p[192 + 16 * sb + r] = uint8_t(m);
+          // sub-block sb: qs[32 (sb / 2) + l]'s low (sb even) or high nibble, plus 16 where bit sb of qh[l] is set
+          for (int l = 0; l < 32; ++l) {
+            const int q = ((blk.qs[32 * (sb / 2) + l] >> (4 * (sb % 2))) & 15) | ((blk.qh[l] >> sb) & 1) << 4;
+            p[Q4K_HDR + Q5K_SUB * sb + 16 * l + r] = uint8_t(q);
+          }
+        }
+      }
+    }
+}
+
 static void interleave16(int type, const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
   if (type == T_Q4_K) return interleave16_q4k(W, rb, K, g0, g1, out);
+  if (type == T_Q5_K) return interleave16_q5k(W, rb, K, g0, g1, out);
   if (type == T_Q6_K) return interleave16_q6k(W, rb, K, g0, g1, out);
   const int64_t nb = K / 32, bb = rb / nb, BB = rows16_block_bytes(type), hdr = type == T_Q4_1 ? 64 : 32;
   const int64_t qoff = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : 2;

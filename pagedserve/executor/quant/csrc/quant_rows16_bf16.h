@@ -1,10 +1,10 @@
 // AVX512-BF16 few-row products of bfloat16 models (decode at batch 1-8, speculative
-// verification rows) on the row-interleaved copy of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights that
+// verification rows) on the row-interleaved copy of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights that
 // quant_rows16.h writes (its layout comment holds: per group of 16 rows and block of 32, the 16
 // rows' d, Q4_1's m, then the quants: Q4's in chunks of four element pairs, Q8_0's byte [j][r] =
 // row r's qs[j]; Q4_K per super-block of 256: d, dmin, the sub-blocks' scales and mins, then
-// each sub-block's quants as Q4_1's; Q6_K's int8 quants per sub-block of 16; only this kernel
-// reads the K-quants). Included once by quant_kernels.cpp inside namespace avx512_bf16_rows16 within
+// each sub-block's quants as Q4_1's; Q5_K's and Q6_K's quants a byte each per sub-block of 32 /
+// 16; only this kernel reads the K-quants). Included once by quant_kernels.cpp inside namespace avx512_bf16_rows16 within
 // the AVX512-BF16 target region. No include guard on purpose.
 //
 // quant_rows16.h multiplies float activations by float quants, two FMAs of 16 lanes per row for
@@ -27,9 +27,9 @@
 struct Rows16Bf16Args {
   int type;
   int64_t K, M, ldo;
-  const uint32_t* XP;  // [M, K / 2] activation pairs (pair_activations; not for Q6_K)
-  const uint32_t* X2;  // [M, K / 2] the activations as they are: pairs x[2 p], x[2 p + 1] (Q6_K)
-  const float* xsum;   // [M, K / 32] block sums of the activations (Q4_1 and Q4_K)
+  const uint32_t* XP;  // [M, K / 2] activation pairs (pair_activations; not for Q5_K / Q6_K)
+  const uint32_t* X2;  // [M, K / 2] the activations as they are: pairs x[2 p], x[2 p + 1] (Q5_K / Q6_K)
+  const float* xsum;   // [M, K / 32] block sums of the activations (Q4_1, Q4_K, Q5_K)
   float* out;          // already offset by col0
 };
 
@@ -161,10 +161,54 @@ static void tile_q4k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int6
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
 }
 
-// Q6_K's tile (quant_rows16.h's Q6_K layout): per sub-block of 16 elements, the pairs (2 p,
-// 2 p + 1) of its int8 quants (q - 32, exact in bf16) against the activations' own pairs, two
-// chains (p even / odd), then acc += (s_even + s_odd) * (d * sc), d * sc exact in float32 (11 x
-// 8 bits): the packed kernels' w = d sc (q - 32).
+// s[p & 1][t] += the pairs (2 p, 2 p + 1), p < NP, of the int8 quants at q ([element][row],
+// exact in bf16) against activation row m0 + t's own pairs from pair x0: two chains (p even / odd)
+template <int MT, int NP>
+static inline void i8_pairs(const Rows16Bf16Args& a, const uint8_t* q, int64_t m0, int64_t x0, __m512 (&s)[2][MT]) {
+#pragma GCC unroll 16
+  for (int64_t pr = 0; pr < NP; ++pr) {
+    const __m512bh wq = i8_pair_quants(q + 32 * pr, q + 32 * pr + 16);
+    for (int t = 0; t < MT; ++t) s[pr & 1][t] = dp_bcast(s[pr & 1][t], wq, a.X2 + (m0 + t) * (a.K / 2) + x0 + pr);
+  }
+}
+
+// Q5_K's tile (quant_rows16.h's Q5_K layout): per sub-block of 32, i8_pairs over its quants
+// (0 .. 31), then Q4_K's scale and min: acc += (s_even + s_odd) * (d sc), acc -= (dmin m) * (the
+// sub-block's activation sum): the packed kernels' w = d sc q - dmin m.
+template <int MT>
+static void tile_q5k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
+  const int64_t nb = a.K / 32, ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(T_Q5_K);
+  constexpr int64_t AHEAD = 8 * 320;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < ns; ++i) {
+    const uint8_t* p = WI + (g * ns + i) * BB;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    for (int64_t sb = 0; sb < 8; ++sb) {
+      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / 8) + AHEAD);
+      for (int64_t c = 0; c < BB / 8 + 64; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+      auto bytes16 = [&](int64_t off) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off))));
+      };
+      const __m512 scale = _mm512_mul_ps(d, bytes16(64 + 16 * sb)), mn = _mm512_mul_ps(dmin, bytes16(192 + 16 * sb));
+      __m512 s[2][MT];
+      for (int e = 0; e < 2; ++e)
+        for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
+      i8_pairs<MT, 16>(a, p + avx512_rows16::Q4K_HDR + avx512_rows16::Q5K_SUB * sb, m0, (i * 256 + sb * 32) / 2, s);
+      const int64_t b = i * 8 + sb;
+      for (int t = 0; t < MT; ++t) {
+        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
+        acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
+}
+
+// Q6_K's tile (quant_rows16.h's Q6_K layout): per sub-block of 16 elements, i8_pairs over its
+// quants (q - 32), then acc += (s_even + s_odd) * (d * sc), d * sc exact in float32 (11 x 8
+// bits): the packed kernels' w = d sc (q - 32).
 template <int MT>
 static void tile_q6k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
   const int64_t ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(T_Q6_K);
@@ -179,16 +223,10 @@ static void tile_q6k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int6
       for (int64_t c = 0; c < 320; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
       const __m512 scale = _mm512_mul_ps(
           d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * sb)))));
-      const uint8_t* q = p + avx512_rows16::Q6K_HDR + avx512_rows16::Q6K_SUB * sb;
-      const int64_t x0 = (i * 256 + sb * 16) / 2;  // the sub-block's first activation pair
       __m512 s[2][MT];
       for (int e = 0; e < 2; ++e)
         for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-      for (int64_t pr = 0; pr < 8; ++pr) {
-        const __m512bh wq = i8_pair_quants(q + 32 * pr, q + 32 * pr + 16);
-        for (int t = 0; t < MT; ++t) s[pr & 1][t] = dp_bcast(s[pr & 1][t], wq, a.X2 + (m0 + t) * (a.K / 2) + x0 + pr);
-      }
+      i8_pairs<MT, 8>(a, p + avx512_rows16::Q6K_HDR + avx512_rows16::Q6K_SUB * sb, m0, (i * 256 + sb * 16) / 2, s);
       for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
     }
   }
@@ -201,6 +239,8 @@ static void groups(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64
   avx512_rows16::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
     if constexpr (TYPE == T_Q4_K)
       tile_q4k<decltype(MT)::value>(a, WI, g, m0);
+    else if constexpr (TYPE == T_Q5_K)
+      tile_q5k<decltype(MT)::value>(a, WI, g, m0);
     else if constexpr (TYPE == T_Q6_K)
       tile_q6k<decltype(MT)::value>(a, WI, g, m0);
     else
@@ -213,6 +253,7 @@ static void gemm_rows16_bf16(const Rows16Bf16Args& a, const uint8_t* WI, int64_t
     case T_Q4_0: return groups<T_Q4_0>(a, WI, g0, g1);
     case T_Q4_1: return groups<T_Q4_1>(a, WI, g0, g1);
     case T_Q4_K: return groups<T_Q4_K>(a, WI, g0, g1);
+    case T_Q5_K: return groups<T_Q5_K>(a, WI, g0, g1);
     case T_Q6_K: return groups<T_Q6_K>(a, WI, g0, g1);
     default: return groups<T_Q8_0>(a, WI, g0, g1);
   }
