@@ -59,25 +59,34 @@ static inline int64_t rows16_copy_bytes(int type, int64_t N, int64_t K) {
 static inline uint8_t q4_nibble(const uint8_t* qs, int64_t e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
 
 // packed rows [16 * groups, rb] -> interleaved groups g0 .. g1 (out: the whole copy)
-static void interleave16_q4k(const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
-  const int64_t ns = K / 256, BB = rows16_block_bytes(T_Q4_K);
+// Q4_K's and Q5_K's copies (their blocks share d, dmin, scales[12] at the front and qs[128]
+// at the end): the header of row r, then each sub-block's quants (element l of sub-block sb:
+// qs[32 (sb / 2) + l]'s low (sb even) or high nibble, plus Q5_K's bit sb of qh[l] as 16)
+template <class B>
+static void interleave16_k_min(int type, const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
+  const int64_t ns = K / 256, BB = rows16_block_bytes(type);
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t i = 0; i < ns; ++i) {
       uint8_t* p = out + (g * ns + i) * BB;
       for (int64_t r = 0; r < 16; ++r) {
-        const bq4_K* blk = reinterpret_cast<const bq4_K*>(W + (g * 16 + r) * rb) + i;
-        std::memcpy(p + 2 * r, &blk->d, 2);
-        std::memcpy(p + 32 + 2 * r, &blk->dmin, 2);
+        const B& blk = reinterpret_cast<const B*>(W + (g * 16 + r) * rb)[i];
+        std::memcpy(p + 2 * r, &blk.d, 2);
+        std::memcpy(p + 32 + 2 * r, &blk.dmin, 2);
         for (int sb = 0; sb < 8; ++sb) {
           int sc, m;
-          avx512::scale_min_k4(sb, blk->scales, &sc, &m);
+          avx512::scale_min_k4(sb, blk.scales, &sc, &m);
           p[64 + 16 * sb + r] = uint8_t(sc);
           p[192 + 16 * sb + r] = uint8_t(m);
-          // sub-block sb: elements 32 sb .. 32 sb + 31, the low (sb even) or high nibbles of qs[32 (sb / 2) ..]
-          const uint8_t* qs = blk->qs + 32 * (sb / 2);
-          const int sh = 4 * (sb % 2);
-          auto q = [&](int64_t e) { return uint8_t((qs[e] >> sh) & 15); };
-          uint8_t* dst = p + Q4K_HDR + Q4K_SUB * sb;
+          auto q = [&](int64_t l) {
+            int v = (blk.qs[32 * (sb / 2) + l] >> (4 * (sb % 2))) & 15;
+            if constexpr (std::is_same_v<B, bq5_K>) v |= ((blk.qh[l] >> sb) & 1) << 4;
+            return uint8_t(v);
+          };
+          if (type == T_Q5_K) {  // bytes, [element][row]
+            for (int l = 0; l < 32; ++l) p[Q4K_HDR + Q5K_SUB * sb + 16 * l + r] = q(l);
+            continue;
+          }
+          uint8_t* dst = p + Q4K_HDR + Q4K_SUB * sb;  // Q4_1's chunks
           for (int64_t c = 0; c < 4; ++c)
             for (int64_t h = 0; h < 2; ++h)
               for (int64_t s = 0; s < 2; ++s) {
@@ -112,33 +121,9 @@ static void interleave16_q6k(const uint8_t* W, int64_t rb, int64_t K, int64_t g0
     }
 }
 
-static void interleave16_q5k(const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
-  const int64_t ns = K / 256, BB = rows16_block_bytes(T_Q5_K);
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t i = 0; i < ns; ++i) {
-      uint8_t* p = out + (g * ns + i) * BB;
-      for (int64_t r = 0; r < 16; ++r) {
-        const bq5_K& blk = reinterpret_cast<const bq5_K*>(W + (g * 16 + r) * rb)[i];
-        std::memcpy(p + 2 * r, &blk.d, 2);
-        std::memcpy(p + 32 + 2 * r, &blk.dmin, 2);
-        for (int sb = 0; sb < 8; ++sb) {
-          int sc, m;
-          avx512::scale_min_k4(sb, blk.scales, &sc, &m);
-          p[64 + 16 * sb + r] = uint8_t(sc);
-          p[192 + 16 * sb + r] = uint8_t(m);
-          // sub-block sb: qs[32 (sb / 2) + l]'s low (sb even) or high nibble, plus 16 where bit sb of qh[l] is set
-          for (int l = 0; l < 32; ++l) {
-            const int q = ((blk.qs[32 * (sb / 2) + l] >> (4 * (sb % 2))) & 15) | ((blk.qh[l] >> sb) & 1) << 4;
-            p[Q4K_HDR + Q5K_SUB * sb + 16 * l + r] = uint8_t(q);
-          }
-        }
-      }
-    }
-}
-
 static void interleave16(int type, const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
-  if (type == T_Q4_K) return interleave16_q4k(W, rb, K, g0, g1, out);
-  if (type == T_Q5_K) return interleave16_q5k(W, rb, K, g0, g1, out);
+  if (type == T_Q4_K) return interleave16_k_min<bq4_K>(type, W, rb, K, g0, g1, out);
+  if (type == T_Q5_K) return interleave16_k_min<bq5_K>(type, W, rb, K, g0, g1, out);
   if (type == T_Q6_K) return interleave16_q6k(W, rb, K, g0, g1, out);
   const int64_t nb = K / 32, bb = rb / nb, BB = rows16_block_bytes(type), hdr = type == T_Q4_1 ? 64 : 32;
   const int64_t qoff = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : 2;

@@ -124,43 +124,6 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
 }
 
-// Q4_K's tile (quant_rows16.h's Q4_K layout): per super-block d and dmin, then per sub-block of
-// 32 Q4_1's arithmetic with d = d * sc and m = -dmin * m, both exact in float32 (11 x 6 bits):
-// acc += (s_even + s_odd) * (d * sc), then acc -= (dmin * m) * (sum of the sub-block's
-// activations), the packed kernels' w = d sc q - dmin m. Prefetch: a fixed distance ahead in the
-// group's stream, five lines a sub-block (its 296 bytes of the super-block's 2,368).
-template <int MT>
-static void tile_q4k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
-  const int64_t nb = a.K / 32, ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(T_Q4_K);
-  const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(T_Q4_1);  // unsigned nibbles
-  constexpr int64_t AHEAD = 8 * 320;  // bytes: about the other types' 8 blocks
-  __m512 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < ns; ++i) {
-    const uint8_t* p = WI + (g * ns + i) * BB;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-    for (int64_t sb = 0; sb < 8; ++sb) {
-      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / 8) + AHEAD);
-      for (int64_t c = 0; c < 320; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
-      const int64_t b = i * 8 + sb;  // the block of 32 along K
-      auto bytes16 = [&](int64_t off) {
-        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off))));
-      };
-      const __m512 scale = _mm512_mul_ps(d, bytes16(64 + 16 * sb)), mn = _mm512_mul_ps(dmin, bytes16(192 + 16 * sb));
-      __m512 s[2][MT];
-      for (int e = 0; e < 2; ++e)
-        for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
-      q4_block_pairs<MT>(a, p + avx512_rows16::Q4K_HDR + avx512_rows16::Q4K_SUB * sb, tb, m0, b, s);
-      for (int t = 0; t < MT; ++t) {
-        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
-        acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
-      }
-    }
-  }
-  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
-}
-
 // s[p & 1][t] += the pairs (2 p, 2 p + 1), p < NP, of the int8 quants at q ([element][row],
 // exact in bf16) against activation row m0 + t's own pairs from pair x0: two chains (p even / odd)
 template <int MT, int NP>
@@ -172,13 +135,18 @@ static inline void i8_pairs(const Rows16Bf16Args& a, const uint8_t* q, int64_t m
   }
 }
 
-// Q5_K's tile (quant_rows16.h's Q5_K layout): per sub-block of 32, i8_pairs over its quants
-// (0 .. 31), then Q4_K's scale and min: acc += (s_even + s_odd) * (d sc), acc -= (dmin m) * (the
-// sub-block's activation sum): the packed kernels' w = d sc q - dmin m.
-template <int MT>
-static void tile_q5k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
-  const int64_t nb = a.K / 32, ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(T_Q5_K);
-  constexpr int64_t AHEAD = 8 * 320;
+// Q4_K's and Q5_K's tile (quant_rows16.h's layouts): per super-block d and dmin, then per
+// sub-block of 32 its pairs' sums (Q4_K: Q4_1's chunk loop on its nibbles; Q5_K: i8_pairs on its
+// byte quants 0 .. 31) and Q4_1's arithmetic with d = d * sc and m = -dmin * m, both exact in
+// float32 (11 x 6 bits): acc += (s_even + s_odd) * (d sc), then acc -= (dmin m) * (the sub-block's
+// activation sum), the packed kernels' w = d sc q - dmin m. Prefetch: a fixed distance ahead in
+// the group's stream, the lines of an eighth of a super-block each sub-block.
+template <int TYPE, int MT>
+static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
+  const int64_t nb = a.K / 32, ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(TYPE);
+  const int64_t sub = TYPE == T_Q4_K ? avx512_rows16::Q4K_SUB : avx512_rows16::Q5K_SUB;
+  const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(T_Q4_1);  // unsigned nibbles (Q4_K)
+  constexpr int64_t AHEAD = 8 * 320;  // bytes: about the other types' 8 blocks
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < ns; ++i) {
@@ -188,6 +156,7 @@ static void tile_q5k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int6
     for (int64_t sb = 0; sb < 8; ++sb) {
       const char* pf = reinterpret_cast<const char*>(p + sb * (BB / 8) + AHEAD);
       for (int64_t c = 0; c < BB / 8 + 64; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+      const int64_t b = i * 8 + sb;  // the block of 32 along K
       auto bytes16 = [&](int64_t off) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off))));
       };
@@ -195,8 +164,11 @@ static void tile_q5k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int6
       __m512 s[2][MT];
       for (int e = 0; e < 2; ++e)
         for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
-      i8_pairs<MT, 16>(a, p + avx512_rows16::Q4K_HDR + avx512_rows16::Q5K_SUB * sb, m0, (i * 256 + sb * 32) / 2, s);
-      const int64_t b = i * 8 + sb;
+      const uint8_t* q = p + avx512_rows16::Q4K_HDR + sub * sb;
+      if constexpr (TYPE == T_Q4_K)
+        q4_block_pairs<MT>(a, q, tb, m0, b, s);
+      else
+        i8_pairs<MT, 16>(a, q, m0, b * 16, s);
       for (int t = 0; t < MT; ++t) {
         acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
         acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
@@ -237,10 +209,8 @@ static void tile_q6k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int6
 template <int TYPE>
 static void groups(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
   avx512_rows16::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
-    if constexpr (TYPE == T_Q4_K)
-      tile_q4k<decltype(MT)::value>(a, WI, g, m0);
-    else if constexpr (TYPE == T_Q5_K)
-      tile_q5k<decltype(MT)::value>(a, WI, g, m0);
+    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K)
+      tile_k_min<TYPE, decltype(MT)::value>(a, WI, g, m0);
     else if constexpr (TYPE == T_Q6_K)
       tile_q6k<decltype(MT)::value>(a, WI, g, m0);
     else
