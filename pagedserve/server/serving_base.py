@@ -65,6 +65,7 @@ class ServingContext:
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.trackers: set[RequestTracker] = set()
         self.draining = False
+        self.drain_fault: str | None = None  # engine_dead / engine_stalled: why the server drains, if a fault
         # Cheap pre-check before tokenizing: no token is longer than this many UTF-8 bytes,
         # so a text of more than max_model_len * this many bytes can never fit.
         self.max_prompt_bytes = self.max_model_len * _max_token_bytes(self.tokenizer)
@@ -92,6 +93,8 @@ class ServingContext:
         `timeout`: the request's own deadline in seconds (the server's --request-timeout
         caps it); past it the request is aborted with a 504. `lora`: the adapter its
         engine requests run with (check_model's answer)."""
+        if self.draining and self.drain_fault is not None:  # an exit for an engine fault: say which
+            raise APIError(503, _ABORT_MESSAGES[self.drain_fault], "server_error", code=self.drain_fault)
         if self.draining:
             self.metrics.rejected("shutting_down")
             raise APIError(
@@ -135,6 +138,7 @@ class ServingContext:
         then end the rest (streams get a final chunk and [DONE], others an error body;
         `error`: its (type, code, status) instead of a shutdown's, RequestTracker.abort)."""
         self.draining = True
+        self.drain_fault = error[1] if error is not None and error[1] in _ABORT_MESSAGES else None
         deadline = time.monotonic() + timeout
         while self.trackers and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

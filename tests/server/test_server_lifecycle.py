@@ -430,3 +430,23 @@ def test_a_shutdown_for_an_engine_fault_tells_open_streams_its_code(checkpoint):
         assert any(c.get("choices") and c["choices"][0]["finish_reason"] == "abort" for c in chunks)
     finally:
         s.stop()
+
+
+def test_a_request_during_a_fault_drain_gets_the_fault_code(checkpoint):
+    """A request admitted while the server drains for an engine fault is refused with the
+    fault's code (engine_dead / engine_stalled), not a plain shutdown's: the client is told
+    why, whichever of the fault and the drain it meets first (a race a CI run once hit:
+    'shutting_down' right after the core was killed). A plain drain still says shutting_down."""
+    from pagedserve.server.http_errors import APIError
+
+    s = Server(checkpoint("llama"), exit_on_engine_death=True)
+    serving = s.server.serving
+    try:
+        for error, code in ((("server_error", "engine_dead", 503), "engine_dead"), (None, "shutting_down")):
+            asyncio.run(serving.drain(0.0, error=error))  # no request open: returns at once
+            with pytest.raises(APIError) as e:
+                serving.admit(1, {})
+            assert e.value.status == 503 and e.value.code == code
+    finally:
+        serving.draining, serving.drain_fault = False, None
+        s.stop()
