@@ -93,7 +93,7 @@ class ServingContext:
         `timeout`: the request's own deadline in seconds (the server's --request-timeout
         caps it); past it the request is aborted with a 504. `lora`: the adapter its
         engine requests run with (check_model's answer)."""
-        if self.draining and self.drain_fault is not None:  # an exit for an engine fault: say which
+        if self.drain_fault is not None:  # draining for an engine fault: say which
             raise APIError(503, _ABORT_MESSAGES[self.drain_fault], "server_error", code=self.drain_fault)
         if self.draining:
             self.metrics.rejected("shutting_down")

@@ -469,6 +469,16 @@ static bool rows16_bf16_type(int64_t type) {
   return rows16_type(type) || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 
+// Bytes of the row-interleaved copy of packed rows w (N a multiple of 16): per 16 rows and block
+static int64_t rows16_copy_bytes(const torch::Tensor& w, int64_t type) {
+#if QK_X86
+  return w.size(0) / 16 * (w.size(1) / block_bytes((int)type)) * avx512_rows16::rows16_block_bytes((int)type);
+#else
+  (void)w, (void)type;
+  return 0;
+#endif
+}
+
 // The row-interleaved copy of packed rows w (quant_rows16.h) for the AVX-512 few-row kernels, or
 // an empty tensor where it does not apply (another type, rows not a multiple of 16, no AVX-512;
 // Q4_K, which only the bf16 kernel reads: no AVX512-BF16)
@@ -477,11 +487,7 @@ torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
   const int64_t N = w.size(0);
   const bool fits = rows16_type(type) ? cpu_has(ISA_AVX512) : rows16_bf16_type(type) && cpu_has(ISA_AVX512_BF16);
   if (!fits || N % 16 != 0 || N == 0) return torch::empty({0}, torch::kUInt8);
-#if QK_X86
-  auto out = torch::empty({avx512_rows16::rows16_copy_bytes((int)type, N, K)}, torch::kUInt8);
-#else
-  auto out = torch::empty({0}, torch::kUInt8);
-#endif
+  auto out = torch::empty({rows16_copy_bytes(w, type)}, torch::kUInt8);
 #if QK_X86
   const uint8_t* W = w.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -496,7 +502,7 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 #if QK_X86
   return (bf16 ? current_isa() >= ISA_AVX512_BF16 && rows16_bf16_type(type) : current_isa() >= ISA_AVX512 && rows16_type(type)) &&
          wi.has_value() && wi->defined() && w.size(0) % 16 == 0 &&
-         wi->numel() == avx512_rows16::rows16_copy_bytes((int)type, w.size(0), w.size(1) / block_bytes((int)type) * block_elems((int)type)) &&
+         wi->numel() == rows16_copy_bytes(w, type) &&
          wi->scalar_type() == at::kByte && wi->is_contiguous();
 #else
   (void)wi, (void)w, (void)type, (void)bf16;

@@ -38,6 +38,7 @@ constexpr int64_t Q6K_HDR = 288, Q6K_SUB = 256;
 // 2,816 (+57%: a byte a quant).
 constexpr int64_t Q5K_SUB = 512;
 
+// Bytes of the copy for 16 rows' packed blocks of one type's block (32 elements; the K-quants' 256)
 static inline int64_t rows16_block_bytes(int type) {
   switch (type) {
     case T_Q4_0: return 16 * (int64_t)sizeof(bq4_0);
@@ -48,11 +49,6 @@ static inline int64_t rows16_block_bytes(int type) {
     case T_Q5_K: return Q4K_HDR + 8 * Q5K_SUB;
     default: return 0;
   }
-}
-
-// Bytes of the copy of N packed rows of K elements (N a multiple of 16)
-static inline int64_t rows16_copy_bytes(int type, int64_t N, int64_t K) {
-  return N / 16 * (K / (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? 256 : 32)) * rows16_block_bytes(type);
 }
 
 // Element e (0 .. 31) of a packed Q4_0 / Q4_1 block's quants qs[16]: its nibble

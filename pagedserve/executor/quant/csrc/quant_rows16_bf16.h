@@ -55,9 +55,6 @@ static inline __m512bh i8_pair_quants(const uint8_t* lo8, const uint8_t* hi8) {
                                    _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(int(0xFFFF0000u))));
 }
 
-// Q8_0's quants of element pair (j, j + 16) of 16 rows: lane r = bf16 q[j] | bf16 q[j + 16] << 16
-static inline __m512bh q8_pair_quants(const uint8_t* q, int64_t j) { return i8_pair_quants(q + j * 16, q + (j + 16) * 16); }
-
 // acc += the pairs of w times the pair *x in every lane: vdpbf16ps with an embedded broadcast
 // (one instruction; the intrinsics' _mm512_set1_epi32 from memory compiles to a vpbroadcastd
 // before it). The same products in the same order. Zen 4, Q4_1 [1536, 576] and [576, 1536],
@@ -91,6 +88,20 @@ static inline void q4_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, con
   }
 }
 
+// s[p & 1][t] += pair p < NP of 16 rows' int8 quants at q ([element][row], exact in bf16: pair
+// p's elements at q + STEP p and HI bytes further) against activation row m0 + t's dword p from x
+// (rows K / 2 dwords apart): two chains, p even / odd. Q8_0: its (j, j + 16) pairs against
+// pair_activations' dwords; Q5_K / Q6_K: their (2 p, 2 p + 1) pairs against the activations' own.
+template <int MT, int NP, int STEP, int HI>
+static inline void i8_pairs(const Rows16Bf16Args& a, const uint8_t* q, const uint32_t* x, int64_t m0,
+                            __m512 (&s)[2][MT]) {
+#pragma GCC unroll 16
+  for (int64_t pr = 0; pr < NP; ++pr) {
+    const __m512bh wq = i8_pair_quants(q + STEP * pr, q + STEP * pr + HI);
+    for (int t = 0; t < MT; ++t) s[pr & 1][t] = dp_bcast(s[pr & 1][t], wq, x + (m0 + t) * (a.K / 2) + pr);
+  }
+}
+
 // out[m0 + t][16 g .. 16 g + 15] for group g and MT activation rows from m0 (one stream, as
 // quant_rows16.h's tiles)
 template <int TYPE, int MT>
@@ -106,11 +117,7 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
     for (int e = 0; e < 2; ++e)
       for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
     if (TYPE == T_Q8_0) {
-#pragma GCC unroll 16
-      for (int64_t j = 0; j < 16; ++j) {
-        const __m512bh wq = q8_pair_quants(p + hdr, j);
-        for (int t = 0; t < MT; ++t) s[j & 1][t] = dp_bcast(s[j & 1][t], wq, a.XP + (m0 + t) * (a.K / 2) + i * 16 + j);
-      }
+      i8_pairs<MT, 16, 16, 256>(a, p + hdr, a.XP + i * 16, m0, s);
     } else {
       q4_block_pairs<MT>(a, p + hdr, tb, m0, i, s);
     }
@@ -122,17 +129,6 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
     }
   }
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
-}
-
-// s[p & 1][t] += the pairs (2 p, 2 p + 1), p < NP, of the int8 quants at q ([element][row],
-// exact in bf16) against activation row m0 + t's own pairs from pair x0: two chains (p even / odd)
-template <int MT, int NP>
-static inline void i8_pairs(const Rows16Bf16Args& a, const uint8_t* q, int64_t m0, int64_t x0, __m512 (&s)[2][MT]) {
-#pragma GCC unroll 16
-  for (int64_t pr = 0; pr < NP; ++pr) {
-    const __m512bh wq = i8_pair_quants(q + 32 * pr, q + 32 * pr + 16);
-    for (int t = 0; t < MT; ++t) s[pr & 1][t] = dp_bcast(s[pr & 1][t], wq, a.X2 + (m0 + t) * (a.K / 2) + x0 + pr);
-  }
 }
 
 // Q4_K's and Q5_K's tile (quant_rows16.h's layouts): per super-block d and dmin, then per
@@ -168,7 +164,7 @@ static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, in
       if constexpr (TYPE == T_Q4_K)
         q4_block_pairs<MT>(a, q, tb, m0, b, s);
       else
-        i8_pairs<MT, 16>(a, q, m0, b * 16, s);
+        i8_pairs<MT, 16, 32, 16>(a, q, a.X2 + b * 16, m0, s);
       for (int t = 0; t < MT; ++t) {
         acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
         acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
@@ -198,7 +194,7 @@ static void tile_q6k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int6
       __m512 s[2][MT];
       for (int e = 0; e < 2; ++e)
         for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
-      i8_pairs<MT, 8>(a, p + avx512_rows16::Q6K_HDR + avx512_rows16::Q6K_SUB * sb, m0, (i * 256 + sb * 16) / 2, s);
+      i8_pairs<MT, 8, 32, 16>(a, p + avx512_rows16::Q6K_HDR + avx512_rows16::Q6K_SUB * sb, a.X2 + (i * 256 + sb * 16) / 2, m0, s);
       for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
     }
   }
