@@ -265,6 +265,7 @@ RUNNERS = ("generate", "pooling")
 QUANTIZATION_METHODS = (None, "none", "gguf", "gguf_q8", "int8", "int4")
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
 DP_ROUTINGS = ("prefix", "round_robin", "length")
+WEIGHT_COPY_POLICIES = ("auto", "all", "none")
 
 
 @dataclass
@@ -287,6 +288,14 @@ class ModelLoadConfig:
         "to int8 blocks for integer products (as llama.cpp; not float-exact; the fastest under load); "
         "int8 | int4 weight-only; none: dequantize",
         choices=QUANTIZATION_METHODS,
+    )
+    # CPU, packed weights: executor/quant/copy_budget.py
+    weight_copies: str = setting(
+        "auto",
+        "CPU, packed (GGUF) weights: faster layouts kept beside the packed blocks (row-interleaved for "
+        "batch-1 decode; in a bf16 engine, bf16 for prefill and batched decode at 2 bytes a weight): "
+        "auto (as many as fit in free memory after the KV cache) | all | none",
+        choices=WEIGHT_COPY_POLICIES,
     )
     enforce_eager: bool = setting(False, "no CUDA graphs (GPU); no kernel warm-up at start (CPU)")
     runner: str = setting(

@@ -78,6 +78,7 @@ class EngineArgs:
     seed: int = _from("model")
     load_format: str = _from("model")
     quantization: str | None = _from("model")
+    weight_copies: str = _from("model")
     enforce_eager: bool = _from("model")
     runner: str = _from("model")
     pooling_type: str | None = _from("model")

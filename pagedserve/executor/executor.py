@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 
 from pagedserve.config import EngineConfig
 from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.quant.copy_budget import CopyPolicy
 from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
 
 
@@ -112,6 +113,7 @@ class UniProcExecutor(Executor):
             drafter_factory=draft_model_factory(config.speculative),
             pooler=pooler,
             lora=config.lora,
+            weight_copies=CopyPolicy.of_engine(config, model_config),
         )
         self.dtype_name = str(self.runner.dtype).removeprefix("torch.")
         self.device = str(self.runner.device)

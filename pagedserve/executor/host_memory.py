@@ -1,4 +1,5 @@
-"""The C allocator's settings for a CPU engine's steps (glibc malloc; elsewhere nothing).
+"""The host's memory for a CPU engine: the C allocator's settings for its steps (glibc malloc;
+elsewhere nothing), and how much memory is left to take (`available_bytes`, cgroup-aware).
 
 A step allocates its activations afresh (a 2,048-token step of SmolLM2 makes ~12 MB
 tensors). glibc serves blocks over its mmap threshold (128 KB at first, raised on the fly
@@ -66,3 +67,61 @@ def release_free_memory() -> None:
     settings above would otherwise keep resident for the life of the process."""
     if keep_freed_memory():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def available_bytes(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> int:
+    """Memory this process may still take without swapping or being killed: the kernel's
+    MemAvailable (free memory plus the page cache it can drop), bounded by the memory cgroup's
+    limit less its working set (usage less inactive file pages, as `docker stats` and the
+    kubelet count it) in a container: cgroup v2 at every level from the process's group up,
+    v1 through the group's hierarchical limit."""
+    avail = _meminfo_kib(f"{proc}/meminfo").get("MemAvailable", 0) * 1024
+    for limit, used in _cgroup_limits(proc, cgroup_fs):
+        avail = min(avail, max(limit - used, 0))
+    return avail
+
+
+def _meminfo_kib(path: str) -> dict[str, int]:
+    with open(path) as f:
+        return {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if v.strip()}
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _stat(path: str) -> dict[str, int]:
+    text = _read(path) or ""
+    return {k: int(v) for k, v in (line.split() for line in text.splitlines() if len(line.split()) == 2)}
+
+
+def _cgroup_limits(proc: str, cgroup_fs: str) -> list[tuple[int, int]]:
+    """(limit, working set) of each memory cgroup level that has a limit."""
+    text = _read(f"{proc}/self/cgroup") or ""
+    out = []
+    for line in text.splitlines():
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: every level from the group up to the root
+            d = f"{cgroup_fs}/{path.strip('/')}".rstrip("/")
+            while d.startswith(cgroup_fs):
+                limit = _read(f"{d}/memory.max")
+                current = _read(f"{d}/memory.current")
+                if limit and limit != "max" and current:
+                    out.append((int(limit), int(current) - _stat(f"{d}/memory.stat").get("inactive_file", 0)))
+                d = d.rpartition("/")[0]
+        elif "memory" in controllers.split(","):  # v1: the group, or the root where it is mounted so
+            for d in (f"{cgroup_fs}/memory/{path.strip('/')}".rstrip("/"), f"{cgroup_fs}/memory"):
+                stat = _stat(f"{d}/memory.stat")
+                usage = _read(f"{d}/memory.usage_in_bytes")
+                if usage is not None and "hierarchical_memory_limit" in stat:
+                    limit = stat["hierarchical_memory_limit"]
+                    if limit < 1 << 60:  # v1 says "no limit" with a page-rounded 2^63
+                        out.append((limit, int(usage) - stat.get("total_inactive_file", 0)))
+                    break
+    return out

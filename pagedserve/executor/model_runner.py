@@ -29,6 +29,7 @@ from pagedserve.executor.logprobs import collect_prompt_logprobs, collect_sample
 from pagedserve.executor.lora import LoRAManager
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.executor.pooling import Pooler, PoolerConfig
+from pagedserve.executor.quant.copy_budget import CopyPolicy
 from pagedserve.executor.sampler import Sampler, make_sampling_batch
 from pagedserve.executor.spec_verify import verify_drafts
 from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
@@ -56,10 +57,12 @@ class ModelRunner:
         drafter_factory=None,
         pooler: PoolerConfig | None = None,
         lora: LoRAConfig | None = None,
+        weight_copies: CopyPolicy | None = None,
     ) -> None:
         """`drafter_factory(model_config, dtype, device, backend)`: the draft model of
         speculative method "draft_model" (it shares this runner's block tables). `lora`
-        with enable_lora: the projections carry adapter slots (executor/lora.py)."""
+        with enable_lora: the projections carry adapter slots (executor/lora.py). `weight_copies`:
+        what a packed model may keep beside its blocks (None: the default policy)."""
         self.device = torch.device(device)
         self.model_config = model_config
         self.dtype = resolve_dtype(dtype, model_config, self.device)
@@ -71,7 +74,9 @@ class ModelRunner:
         torch.manual_seed(seed)
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()
-        self.model = build_model(model_path, model_config, self.dtype, self.device, self.backend, load_format, quantization)
+        self.model = build_model(
+            model_path, model_config, self.dtype, self.device, self.backend, load_format, quantization, weight_copies
+        )
         if self.device.type == "cpu":
             host_memory.release_free_memory()  # loading's temporaries, kept by the settings above
         self.enforce_eager = enforce_eager

@@ -75,3 +75,59 @@ def test_the_variable_turns_it_off(monkeypatch):
         assert host_memory.keep_freed_memory() is False
     finally:
         host_memory.keep_freed_memory.cache_clear()
+
+
+def _fake_host(tmp_path, cgroup_line: str, files: dict[str, str], mem_available_kib: int = 8 << 20):
+    """A /proc and a cgroup file system with the given files (path under the cgroup root: text)."""
+    proc, fs = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal:       {2 * mem_available_kib} kB\nMemAvailable:   {mem_available_kib} kB\n")
+    (proc / "self" / "cgroup").write_text(cgroup_line + "\n")
+    for rel, text in files.items():
+        (fs / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fs / rel).write_text(text)
+    return str(proc), str(fs)
+
+
+def test_available_bytes_is_mem_available_without_a_cgroup_limit(tmp_path):
+    proc, fs = _fake_host(tmp_path, "0::/", {"memory.current": "123\n"})
+    assert host_memory.available_bytes(proc, fs) == (8 << 30)
+    v1 = {"memory/memory.usage_in_bytes": "5", "memory/memory.stat": "hierarchical_memory_limit 9223372036854771712\n"}
+    proc, fs = _fake_host(tmp_path / "v1", "4:memory:/", v1)
+    assert host_memory.available_bytes(proc, fs) == (8 << 30)
+
+
+def test_available_bytes_under_a_cgroup_v2_limit_at_any_level(tmp_path):
+    """The tightest level counts, its working set being usage less inactive file pages."""
+    gib = 1 << 30
+    files = {
+        "kubepods/memory.max": str(6 * gib),  # the parent: 6 GiB, 2 GiB in use + 1 GiB cache
+        "kubepods/memory.current": str(3 * gib),
+        "kubepods/memory.stat": f"anon 1\ninactive_file {gib}\n",
+        "kubepods/pod1/memory.max": "max",
+        "kubepods/pod1/memory.current": str(3 * gib),
+    }
+    proc, fs = _fake_host(tmp_path, "0::/kubepods/pod1", files)
+    assert host_memory.available_bytes(proc, fs) == 4 * gib
+    files["kubepods/pod1/memory.max"] = str(3 * gib + gib // 2)  # the group's own, tighter
+    proc, fs = _fake_host(tmp_path / "b", "0::/kubepods/pod1", files)
+    assert host_memory.available_bytes(proc, fs) == gib // 2
+    proc, fs = _fake_host(tmp_path / "c", "0::/kubepods/pod1", files, mem_available_kib=1 << 18)
+    assert host_memory.available_bytes(proc, fs) == gib // 4  # the host's own is less
+
+
+def test_available_bytes_under_a_cgroup_v1_limit(tmp_path):
+    gib = 1 << 30
+    stat = f"hierarchical_memory_limit {4 * gib}\ntotal_inactive_file {gib}\n"
+    files = {"memory/docker/abc/memory.usage_in_bytes": str(2 * gib), "memory/docker/abc/memory.stat": stat}
+    proc, fs = _fake_host(tmp_path, "12:memory:/docker/abc", files)
+    assert host_memory.available_bytes(proc, fs) == 3 * gib
+    # the group's path not mounted in the container: its root is the group
+    files = {"memory/memory.usage_in_bytes": str(2 * gib), "memory/memory.stat": stat}
+    proc, fs = _fake_host(tmp_path / "b", "12:memory:/docker/abc", files)
+    assert host_memory.available_bytes(proc, fs) == 3 * gib
+
+
+def test_available_bytes_here_is_positive_and_at_most_the_total():
+    total = host_memory._meminfo_kib("/proc/meminfo")["MemTotal"] * 1024
+    assert 0 < host_memory.available_bytes() <= total

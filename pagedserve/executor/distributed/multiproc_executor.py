@@ -40,6 +40,7 @@ from pagedserve.executor.distributed.shm_ring import ShmRing
 from pagedserve.executor.distributed.worker import SHUTDOWN, WorkerSpec, run_local_worker
 from pagedserve.executor.executor import Executor
 from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.quant.copy_budget import CopyPolicy
 from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class MultiprocExecutor(Executor):
                 kv_cache_dtype=config.cache.kv_cache_dtype,
                 kv_cache_prefault=config.cache.kv_cache_prefault,
                 block_size=config.cache.block_size,
+                weight_copies=CopyPolicy.of_engine(config, model_config, self.num_local),
             ),
             num_threads=max(1, cores // self.num_local),
             check_tokens=envs.PAGEDSERVE_TP_CHECK_TOKENS,

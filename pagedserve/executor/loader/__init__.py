@@ -10,6 +10,7 @@ from torch import nn
 
 from pagedserve.executor.attention.backend import AttentionBackend
 from pagedserve.executor.model_config import ModelConfig
+from pagedserve.executor.quant.copy_budget import CopyPolicy
 from pagedserve.model_files import default_model_path, is_gguf
 
 
@@ -48,9 +49,12 @@ def build_model(
     backend: AttentionBackend,
     load_format: str = "auto",
     quantization: str | None = None,
+    weight_copies: CopyPolicy | None = None,
 ):
     """Construct the model without initialising weights, then load the checkpoint into it.
-    load_format="dummy": random weights made on the device (benchmarks of large shapes)."""
+    load_format="dummy": random weights made on the device (benchmarks of large shapes).
+    A packed model on a CPU keeps the weight copies `weight_copies` allows (None: the
+    default policy, "auto" with the CPU's default KV cache: executor/quant/copy_budget.py)."""
     from pagedserve.executor.models import get_model_class
     from pagedserve.executor.quant import resolve_quantization
 
@@ -83,8 +87,10 @@ def build_model(
                 if isinstance(mod, QuantLinear):
                     mod.act_q8 = True
         elif device.type == "cpu":
-            rows16_copies(model, dtype)  # first: a layer with them gets its bf16 copy from more rows
-            bf16_copies(model, dtype)
+            budget = _copy_policy(weight_copies).budget()
+            rows16_copies(model, dtype, budget)  # first: a layer with them gets its bf16 copy from more rows
+            bf16_copies(model, dtype, budget)
+            budget.log()
     else:
         model.load_weights(iterate_weights(path))
     if quant in ("int8", "int4"):
@@ -99,10 +105,18 @@ def build_model(
         if device.type == "cpu":
             from pagedserve.executor.quant.layers import rows16_copies
 
-            rows16_copies(model, dtype)
+            budget = _copy_policy(weight_copies).budget()
+            rows16_copies(model, dtype, budget)
+            budget.log()
     elif quant == "none" and device.type == "cpu":
         _cpu_float_linears(model, dtype)
     return model.eval()
+
+
+def _copy_policy(policy: CopyPolicy | None) -> CopyPolicy:
+    from pagedserve.executor.kv_cache import DEFAULT_CPU_KV_BYTES
+
+    return policy or CopyPolicy(reserve_bytes=DEFAULT_CPU_KV_BYTES)
 
 
 def _cpu_float_linears(model: nn.Module, dtype: torch.dtype) -> None:

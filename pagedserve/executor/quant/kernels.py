@@ -212,5 +212,10 @@ def interleave_rows16(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor | Non
     return out if out.numel() else None
 
 
+def rows16_copy_size(w: torch.Tensor, qtype: int, k: int) -> int:
+    """Bytes `interleave_rows16` would return (0: no copy applies)."""
+    return int(load().rows16_copy_size(w, int(qtype), int(k)))
+
+
 def dequant(w: torch.Tensor, qtype: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     return load().dequant(w, int(qtype), int(k), rows)

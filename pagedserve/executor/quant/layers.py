@@ -15,6 +15,7 @@ from torch import nn
 from pagedserve import envs
 from pagedserve.executor import onednn_linear
 from pagedserve.executor.quant import kernels
+from pagedserve.executor.quant.copy_budget import CopyBudget
 from pagedserve.executor.quant.formats import F32, NAMES, Q4_K, Q5_K, Q6_K, QUANTIZERS, PackedWeight
 
 
@@ -76,31 +77,44 @@ class QuantLinear(nn.Module):
         layer.set_part(0, w)
         return layer
 
-    def attach_bf16_copy(self, min_rows: int) -> None:
+    def attach_bf16_copy(self, min_rows: int, budget: CopyBudget | None = None) -> bool:
         """Keep beside the packed blocks the dequantized weight rounded once to bfloat16, in
         oneDNN's packed layout: bf16 products of at least `min_rows` rows run on it (oneDNN's
         AMX brgemm), fewer rows stay on the packed blocks (a quarter of the bytes to stream).
-        Costs 2 bytes a weight of memory."""
-        w = torch.cat([kernels.dequant(d, t, self.in_features) for t, d, _ in self.segments])
-        self._dense = onednn_linear.pack_weight(w.to(torch.bfloat16), rows_hint=max(8, min_rows))
-        self._dense_min = max(1, min_rows) * self.in_features
+        Costs 2 bytes a weight of memory, and as much again while it is made (the plain bf16
+        weight; the float32 dequantization goes in slices of DEQUANT_SLICE values). False
+        (nothing kept) where `budget` has no room for it."""
+        n, k = self.out_features, self.in_features
+        if budget is not None and not budget.take("bf16", 2 * n * k, transient=2 * n * k):
+            return False
+        w = torch.empty(n, k, dtype=torch.bfloat16)
+        step = max(1, DEQUANT_SLICE // k)
+        for t, d, col in self.segments:
+            for r in range(0, d.shape[0], step):
+                rows = d[r : r + step]
+                w[col + r : col + r + rows.shape[0]] = kernels.dequant(rows, t, k)
+        self._dense = onednn_linear.pack_weight(w, rows_hint=max(8, min_rows))
+        self._dense_min = max(1, min_rows) * k
+        return True
 
-    def attach_rows16(self, bf16: bool = False) -> bool:
+    def attach_rows16(self, bf16: bool = False, budget: CopyBudget | None = None) -> bool:
         """Keep beside each Q4_0 / Q4_1 / Q8_0 segment (and with `bf16`, a bfloat16 model's,
         each Q4_K / Q5_K / Q6_K one, which only the bf16 kernel reads) its row-interleaved copy,
         which the AVX-512 few-row products (decode at batch 1-11 in float32, 1-8 in bf16;
         verification rows) read at ~2x the packed rows' kernel (BENCHMARKS sections 39, 44; the
         K-quants 3-6x, section 49). Costs the segments' packed bytes again (Q4_K +2.8%, its
         scales unpacked; Q5_K +57% and Q6_K +30%, their quants a byte each). False (nothing kept)
-        where no segment takes it."""
-        copies = [
-            None if t in (Q4_K, Q5_K, Q6_K) and not bf16 else kernels.interleave_rows16(d, t, self.in_features)
+        where no segment takes it or `budget` has no room for the layer's copies."""
+        k = self.in_features
+        sizes = [
+            0 if t in (Q4_K, Q5_K, Q6_K) and not bf16 else kernels.rows16_copy_size(d, t, k)
             for t, d, _ in self.segments
         ]
-        if all(c is None for c in copies):
+        if not any(sizes) or (budget is not None and not budget.take("row-interleaved", sum(sizes))):
             return False
         empty = torch.empty(0, dtype=torch.uint8)
-        self._rows16[:] = [empty if c is None else c for c in copies]  # the list _args holds
+        copies = [kernels.interleave_rows16(d, t, k) if size else empty for (t, d, _), size in zip(self.segments, sizes)]
+        self._rows16[:] = copies  # the list _args holds
         return True
 
     def packed_products(self) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
@@ -212,6 +226,7 @@ def use_float_kernels(model: nn.Module) -> int:
     return n
 
 
+DEQUANT_SLICE = 1 << 22  # values a bf16 copy's float32 dequantization takes at a time (16 MiB)
 # bf16 rows from which a packed layer's product runs on its bf16 copy where one is kept.
 # Measured on an AMX Xeon, default model's decode steps: 1 row 17 ms on the copy vs 10.5-11.5
 # on the packed blocks (a quarter of the bytes); 4 rows 19-19.5 vs 21-25; 8 rows 22.6-23 vs 34-35.
@@ -224,39 +239,39 @@ BF16_COPY_MIN_ROWS = 6
 ROWS16_COPY_MIN_ROWS = 9
 
 
-def bf16_copies(model: nn.Module, dtype: torch.dtype) -> int:
+def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None = None) -> int:
     """A bfloat16 model's packed layers get a oneDNN-packed bf16 copy of their weights
     (`QuantLinear.attach_bf16_copy`) where the kernels run on a native-bf16 path
     (kernels.native_bf16_in_use: avx512_bf16 and the AMX ones, so PAGEDSERVE_CPU_ISA=avx512_vnni
     and below keep the packed kernels alone) and oneDNN packs bf16 here
-    (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off). oneDNN's tiles run these products 2-10x faster
-    than any of the packed kernels on AMX (BENCHMARKS section 33), its vdpbf16ps products
-    1.3-1.8x from 16 rows on a Zen 4 (section 41). Not with `gguf_q8` (act_q8 layers keep its
-    integer numerics). Returns how many layers."""
+    (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off), as far as `budget` allows (None: no bound).
+    oneDNN's tiles run these products 2-10x faster than any of the packed kernels on AMX
+    (BENCHMARKS section 33), its vdpbf16ps products 1.3-1.8x from 16 rows on a Zen 4 (section
+    41). Not with `gguf_q8` (act_q8 layers keep its integer numerics). Returns how many layers."""
     if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16) or not kernels.native_bf16_in_use():
         return 0
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
             # rows16_copies came first
-            mod.attach_bf16_copy(ROWS16_COPY_MIN_ROWS if mod.rows16_everywhere else BF16_COPY_MIN_ROWS)
-            n += 1
+            min_rows = ROWS16_COPY_MIN_ROWS if mod.rows16_everywhere else BF16_COPY_MIN_ROWS
+            n += mod.attach_bf16_copy(min_rows, budget)
     return n
 
 
-def rows16_copies(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+def rows16_copies(model: nn.Module, dtype: torch.dtype = torch.float32, budget: CopyBudget | None = None) -> int:
     """The packed layers (not `gguf_q8`'s act_q8 ones, whose few-row products are integer)
     get their row-interleaved copies for the AVX-512 few-row kernel (`attach_rows16`) where
-    the kernels run on AVX-512 or above (PAGEDSERVE_CPU_ISA=avx2 and below: none); K-quant
-    segments only in a bfloat16 model on a native-bf16 path (their kernel's). Returns how
-    many layers."""
+    the kernels run on AVX-512 or above (PAGEDSERVE_CPU_ISA=avx2 and below: none), as far as
+    `budget` allows (None: no bound); K-quant segments only in a bfloat16 model on a
+    native-bf16 path (their kernel's). Returns how many layers."""
     if kernels.current_isa() in ("scalar", "avx2"):
         return 0
     bf16 = dtype == torch.bfloat16 and kernels.native_bf16_in_use()
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
-            n += mod.attach_rows16(bf16)
+            n += mod.attach_rows16(bf16, budget)
     return n
 
 

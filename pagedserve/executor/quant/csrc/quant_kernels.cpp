@@ -479,15 +479,23 @@ static int64_t rows16_copy_bytes(const torch::Tensor& w, int64_t type) {
 #endif
 }
 
-// The row-interleaved copy of packed rows w (quant_rows16.h) for the AVX-512 few-row kernels, or
-// an empty tensor where it does not apply (another type, rows not a multiple of 16, no AVX-512;
-// Q4_K, which only the bf16 kernel reads: no AVX512-BF16)
-torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
+// Bytes of interleave_rows16's copy of packed rows w, 0 where it does not apply (another type,
+// rows not a multiple of 16, no AVX-512; the K-quants, which only the bf16 kernel reads: no
+// AVX512-BF16)
+int64_t rows16_copy_size(torch::Tensor w, int64_t type, int64_t K) {
   check_packed(w, type, K);
   const int64_t N = w.size(0);
   const bool fits = rows16_type(type) ? cpu_has(ISA_AVX512) : rows16_bf16_type(type) && cpu_has(ISA_AVX512_BF16);
-  if (!fits || N % 16 != 0 || N == 0) return torch::empty({0}, torch::kUInt8);
-  auto out = torch::empty({rows16_copy_bytes(w, type)}, torch::kUInt8);
+  return fits && N % 16 == 0 && N > 0 ? rows16_copy_bytes(w, type) : 0;
+}
+
+// The row-interleaved copy of packed rows w (quant_rows16.h) for the AVX-512 few-row kernels, or
+// an empty tensor where it does not apply (rows16_copy_size 0)
+torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
+  const int64_t size = rows16_copy_size(w, type, K);
+  if (size == 0) return torch::empty({0}, torch::kUInt8);
+  const int64_t N = w.size(0);
+  auto out = torch::empty({size}, torch::kUInt8);
 #if QK_X86
   const uint8_t* W = w.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -793,6 +801,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("wis") = std::vector<torch::Tensor>());
   m.def("gemm", &gemm, "out[:, col0:col0+N] = x @ dequant(w).T (packed weights)", py::arg("x"), py::arg("w"),
         py::arg("type"), py::arg("out"), py::arg("col0"), py::arg("act_q8") = false, py::arg("wi") = py::none());
+  m.def("rows16_copy_size", &rows16_copy_size, "bytes of interleave_rows16's copy (0: none)", py::arg("w"),
+        py::arg("type"), py::arg("K"));
   m.def("interleave_rows16", &interleave_rows16, "packed rows -> the row-interleaved copy of the AVX-512 few-row kernel",
         py::arg("w"), py::arg("type"), py::arg("K"));
   m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
