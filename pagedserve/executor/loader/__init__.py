@@ -36,9 +36,12 @@ def load_hf_config_dict(path: str) -> dict:
 
 
 def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Float weights of a model directory: its safetensors, or for a converted GGUF the file's
+    tensors dequantized one at a time."""
+    from pagedserve.executor.loader.gguf_loader import gguf_source, iterate_float_model
     from pagedserve.executor.loader.safetensors_loader import iterate_safetensors
 
-    return iterate_safetensors(path)
+    return iterate_float_model(path) if gguf_source(path) is not None else iterate_safetensors(path)
 
 
 def build_model(

@@ -8,14 +8,15 @@ are split per expert, Gemma's norms (stored as 1 + w) go back to HF's w. The tok
 GGUF support.
 
 Parsing a GGUF's metadata is slow in Python (seconds for a 49k-token vocabulary), so a
-file is converted once into a Hugging Face directory (config.json, tokenizer files,
-float32 safetensors) under the cache dir ($PAGEDSERVE_CACHE_DIR, default
-~/.cache/pagedserve), keyed by the file's path, size and mtime; later loads mmap it.
-
-By default (quantization=None on a CPU) the float32 copy is not what runs: the block-quantized
-tensors are read packed from the GGUF itself (`iterate_gguf_packed`, through a tensor index
-kept beside the conversion) and run by pagedserve.executor.quant's kernels; the float32
-conversion serves quantization="none".
+file's metadata is converted once into a Hugging Face directory (config.json, tokenizer files,
+and an index of its tensors: name, type, shape, offset) under the cache dir
+($PAGEDSERVE_CACHE_DIR, default ~/.cache/pagedserve), keyed by the file's path, size and mtime;
+a newer conversion of the same path removes the older ones. The weights always come from the
+GGUF itself, memory-mapped through the index, one tensor at a time: packed
+(`iterate_gguf_packed`, by default on a CPU: pagedserve.executor.quant's kernels run the blocks)
+or dequantized to float32 (`iterate_gguf_float`, quantization="none" and the GPU). Nothing of
+4 bytes a weight is written to disk or held whole in memory: an 8 B model's float32 conversion
+would be 32 GB of each.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from pagedserve import envs
 
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4  # 4: no float32 safetensors in the conversion
 
 # llama.cpp's architecture names -> HF architectures ("llama" with experts: Mixtral)
 ARCHITECTURES = {
@@ -264,15 +265,37 @@ def _heads(r) -> tuple[str, int, int]:
 
 
 def iterate_gguf(path: str, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-
+    """(HF name, float32 tensor) of every weight of the GGUF file at `path` (see iterate_gguf_float)."""
     r = reader or _reader(path)
     arch, heads, kv_heads = _heads(r)
-    for t in r.tensors:
-        w = gguf.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        shape = tuple(int(x) for x in reversed(t.shape))  # ggml lists dims fastest first
-        for name, a in convert_tensor(t.name, w.reshape(shape), arch, heads, kv_heads):
-            yield name, torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
+    config = {"pagedserve_gguf_arch": arch, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    return iterate_gguf_float(path, tensor_index(r), config)
+
+
+def dequantize_raw(raw: np.ndarray, info: dict) -> np.ndarray:
+    """One tensor's bytes (of the tensor index's `info`) -> float32 in HF shape (gguf's numpy
+    dequantization, any type it knows)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(info["type"])
+    w = gguf.quants.dequantize(raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]), qtype)
+    return np.asarray(w, dtype=np.float32).reshape(tuple(reversed(info["shape"])))
+
+
+def iterate_gguf_float(source: str, index: dict, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) of every weight of a GGUF, read from the memory-mapped file and
+    dequantized one tensor at a time: Q/K rows un-permuted (llama), stacked experts split,
+    Gemma's norms back to HF's (convert_tensor)."""
+    arch = config.get("pagedserve_gguf_arch", "llama")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    mm = np.memmap(source, dtype=np.uint8, mode="r")
+    try:
+        for gname, info in index.items():
+            w = dequantize_raw(mm[info["offset"] : info["offset"] + info["nbytes"]], info)
+            for name, a in convert_tensor(gname, w, arch, heads, kv_heads):
+                yield name, torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
+    finally:
+        del mm
 
 
 def cache_dir() -> str:
@@ -287,8 +310,6 @@ def converted_dir(path: str) -> str:
     out = os.path.join(cache_dir(), "gguf", f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     if os.path.exists(os.path.join(out, "pagedserve_gguf.json")):
         return out
-    from safetensors.torch import save_file
-
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out))
     try:
@@ -296,7 +317,6 @@ def converted_dir(path: str) -> str:
         cfg = gguf_to_hf_config(path, reader)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
-        save_file(dict(iterate_gguf(path, reader)), os.path.join(tmp, "model.safetensors"))
         with open(os.path.join(tmp, PACKED_INDEX), "w") as f:
             json.dump(tensor_index(reader), f)
         del reader
@@ -313,7 +333,26 @@ def converted_dir(path: str) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _remove_stale_conversions(out, os.path.abspath(path))
     return out
+
+
+def _remove_stale_conversions(current: str, source: str) -> None:
+    """Delete the other conversions of the same path (the file changed since, or an older
+    converter made them; v3 and before held a float32 copy of every weight)."""
+    parent = os.path.dirname(current)
+    prefix = os.path.basename(current).rsplit("-", 1)[0] + "-"
+    for name in os.listdir(parent):
+        d = os.path.join(parent, name)
+        if not name.startswith(prefix) or d == current:
+            continue
+        try:
+            with open(os.path.join(d, "pagedserve_gguf.json")) as f:
+                stale = json.load(f).get("source") == source
+        except (OSError, ValueError):
+            continue
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 # -- packed (quantized) tensors, read from the GGUF itself ------------------------------------------
@@ -360,7 +399,6 @@ def iterate_gguf_packed(source: str, index: dict, config: dict) -> Iterator[tupl
     """(HF name, tensor) with every 2-D tensor of a block-quantized type kept packed (a
     PackedWeight copied once out of the file, Q/K rows un-permuted), stacked experts as one
     PackedWeight per expert, the rest as float32 (the routers among them)."""
-    import gguf
 
     from pagedserve.executor.quant.formats import F32, PACKED_TYPES, PackedWeight
 
@@ -405,9 +443,7 @@ def iterate_gguf_packed(source: str, index: dict, config: dict) -> Iterator[tupl
                 data = torch.from_numpy(np.array(rows, order="C"))  # one copy, the file is closed after
                 yield name, PackedWeight(qtype, data, shape)
                 continue
-            bsize = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)][1]
-            w = gguf.quants.dequantize(raw.reshape(-1, bsize), gguf.GGMLQuantizationType(qtype))
-            w = np.asarray(w, dtype=np.float32).reshape(shape)
+            w = dequantize_raw(raw, info)
             for hf, a in convert_tensor(gname, w, arch, heads, kv_heads):
                 t = torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
                 if group(gname) in packed_groups and t.dim() == 2:
@@ -420,9 +456,19 @@ def iterate_gguf_packed(source: str, index: dict, config: dict) -> Iterator[tupl
 
 def iterate_packed_model(model_dir: str) -> Iterator[tuple[str, object]]:
     """The packed weights of the GGUF behind a converted directory."""
+    source, config = _source_and_config(model_dir)
+    return iterate_gguf_packed(source, packed_tensor_index(model_dir, source), config)
+
+
+def iterate_float_model(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The float32 weights of the GGUF behind a converted directory."""
+    source, config = _source_and_config(model_dir)
+    return iterate_gguf_float(source, packed_tensor_index(model_dir, source), config)
+
+
+def _source_and_config(model_dir: str) -> tuple[str, dict]:
     source = gguf_source(model_dir)
     if source is None or not os.path.exists(source):
         raise FileNotFoundError(f"{model_dir}: its source GGUF file is gone ({source})")
     with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    return iterate_gguf_packed(source, packed_tensor_index(model_dir, source), config)
+        return source, json.load(f)
