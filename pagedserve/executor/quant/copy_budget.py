@@ -107,11 +107,11 @@ class CopyBudget:
         if not self.kept and not self.refused:
             return
         gib = 2**30
-        kept = ", ".join(f"{k} {n} layers {b / 2**20:.1f} MiB" for k, (n, b) in self.kept.items()) or "none"
+        kept = ", ".join(f"{k} {n} layers {_size(b)}" for k, (n, b) in self.kept.items()) or "none"
         if not self.refused:
             logger.info("weight copies kept beside the packed blocks: %s", kept)
             return
-        refused = ", ".join(f"{k} {n} layers {b / 2**20:.1f} MiB" for k, (n, b) in self.refused.items())
+        refused = ", ".join(f"{k} {n} layers {_size(b)}" for k, (n, b) in self.refused.items())
         if self.free is None:  # weight_copies="none"
             logger.info("weight copies: none kept (weight_copies='none'; these would apply: %s)", refused)
             return
@@ -125,6 +125,10 @@ class CopyBudget:
             self.reserve / gib,
             HEADROOM_BYTES / gib,
         )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _count(table: dict[str, list[int]], kind: str, nbytes: int) -> None:
