@@ -4,6 +4,7 @@ module multiplies through its own copies (built by its own interleave_rows16, so
 is A/B'd too). The old sources come from `git show REV:...` (rev_sources.py), built apart (~50 s).
 
     .venv/bin/python benchmarks/quant_rev_ab.py --rev 152a217 [--float] [--same-bits] [--engine-model default]
+        [--type Q4_K]  (PAGEDSERVE_CPU_ISA=avx2 forces both modules' path)
 
 Kernel cases: Q4_1 [1536, 576] and [576, 1536] (the default model's gate_up and down), 30 layers
 cycling (in L3), and 120 layers of the first (66 MB: from memory), 1-8 activation rows, bf16
@@ -43,28 +44,36 @@ def old_module(rev: str):
     return mod
 
 
-def product(mod, x, w, wi, out, kind):
-    from pagedserve.executor.quant import formats
-
+def product(mod, x, w, wi, out, kind, qtype):
     if kind == "q8":  # gguf_q8's integer products on the packed rows (no copy)
-        mod.gemm(x, w, formats.Q4_1, out, 0, True, None)
+        mod.gemm(x, w, qtype, out, 0, True, None)
     elif kind:  # float32 activations
-        mod.gemm(x, w, formats.Q4_1, out, 0, False, wi)
+        mod.gemm(x, w, qtype, out, 0, False, wi)
     else:
-        mod.gemm_bf16(x, w, formats.Q4_1, out, 0, False, wi)
+        mod.gemm_bf16(x, w, qtype, out, 0, False, wi)
 
 
-def kernel_case(mods, n, k, layers, rows, rounds, kind, same_bits):
+def weights(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
+    """Q4_1 from random floats; other types: random blocks with moderate scales (the tests')."""
     from pagedserve.executor.quant import formats
 
-    ws = [formats.quantize_q4_1(torch.randn(n, k) * 0.1).data for _ in range(layers)]
-    wis = {name: [m.interleave_rows16(w, formats.Q4_1, k) for w in ws] for name, m in mods.items()}
+    if qtype == formats.Q4_1:
+        return formats.quantize_q4_1(torch.randn(n, k) * 0.1).data
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+    from tests.executor.test_quant_kernels import random_packed
+
+    return torch.from_numpy(random_packed(qtype, n, k, seed=seed))
+
+
+def kernel_case(mods, n, k, layers, rows, rounds, kind, same_bits, qtype):
+    ws = [weights(qtype, n, k, i) for i in range(layers)]
+    wis = {name: [m.interleave_rows16(w, qtype, k) for w in ws] for name, m in mods.items()}
     x = torch.randn(rows, k)
     x = x if kind else x.bfloat16()
     outs = {name: torch.zeros(rows, n) for name in mods}
     if same_bits:
         for name, m in mods.items():
-            product(m, x, ws[0], wis[name][0], outs[name], kind)
+            product(m, x, ws[0], wis[name][0], outs[name], kind, qtype)
         a, b = outs.values()
         assert torch.equal(a, b), "the two modules' outputs differ"
     us = {name: [] for name in mods}
@@ -74,7 +83,7 @@ def kernel_case(mods, n, k, layers, rows, rounds, kind, same_bits):
             t = time.perf_counter()
             for _ in range(iters):
                 for w, wi in zip(ws, wis[name]):
-                    product(m, x, w, wi, outs[name], kind)
+                    product(m, x, w, wi, outs[name], kind, qtype)
             us[name].append((time.perf_counter() - t) / (iters * layers) * 1e6)
     return {name: round(statistics.median(v), 2) for name, v in us.items()}
 
@@ -129,16 +138,21 @@ def main() -> None:
     ap.add_argument("--same-bits", action="store_true", help="check the outputs equal before timing")
     ap.add_argument("--engine-model", default=None)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 7])
+    ap.add_argument("--type", default="Q4_1", choices=("Q4_1", "Q4_K", "Q5_K", "Q6_K"),
+                    help="the weights' type (K-quants: random blocks, [5632, 2048] and [2048, 5632] x 12 layers)")
     a = ap.parse_args()
-    from pagedserve.executor.quant import kernels
+    from pagedserve.executor.quant import formats, kernels
+
+    qtype = getattr(formats, a.type)
+    shapes = ((1536, 576, 30), (576, 1536, 30), (1536, 576, 120)) if a.type == "Q4_1" else ((5632, 2048, 12), (2048, 5632, 12))
 
     mods = {"old": old_module(a.rev), "new": kernels.load()}
     torch.manual_seed(0)
-    for n, k, layers in ((1536, 576, 30), (576, 1536, 30), (1536, 576, 120)):
+    for n, k, layers in shapes:
         for rows in a.rows:
             kind = "q8" if a.q8 else a.float
-            res = kernel_case(mods, n, k, layers, rows, a.rounds, kind, a.same_bits)
-            print(json.dumps({"case": f"{n}x{k} x{layers} layers", "rows": rows,
+            res = kernel_case(mods, n, k, layers, rows, a.rounds, kind, a.same_bits, qtype)
+            print(json.dumps({"case": f"{a.type} {n}x{k} x{layers} layers", "rows": rows,
                               "kernel": "gguf_q8" if a.q8 else "float" if a.float else "bf16",
                               "us_a_layer": res}), flush=True)
     if a.engine_model:

@@ -22,11 +22,9 @@ from pagedserve import envs
 from pagedserve.executor.cpp_build import load_extension
 
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
-# included by quant_kernels.cpp (one file per ISA, and what they share); part of the build key
-_HEADERS = (
-    "quant_dequant.h", "quant_loops.h", "quant_scalar.h", "quant_avx2_q8.h", "quant_avx2.h", "quant_avx512.h",
-    "quant_rows16.h", "quant_vnni.h", "quant_bf16.h", "quant_rows16_bf16.h",
-)
+# included by quant_kernels.cpp (one file per ISA, and what they share): every header of csrc/,
+# part of the build key
+_HEADERS = tuple(sorted(f for f in os.listdir(_DIR) if f.endswith(".h")))
 _OPS_HEADERS = ("avx512_transpose.h", "isa_target.h")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 4, "amx_bf16": 5, "amx_int8": 6}
 

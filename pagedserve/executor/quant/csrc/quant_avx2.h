@@ -157,6 +157,7 @@ static void deq_fast(const uint8_t* src, float* y, int64_t K) {
   }
 }
 
+#include "quant_kquant_avx2.h"
 #include "quant_loops.h"
 
 // ---- many rows (AVX2): dequantize a chunk of weight rows into an L2-resident float buffer,

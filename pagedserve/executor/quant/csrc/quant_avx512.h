@@ -96,4 +96,5 @@ static void deq_fast(const uint8_t* src, float* y, int64_t K) {
   }
 }
 
+#include "quant_kquant_avx2.h"
 #include "quant_loops.h"
