@@ -86,7 +86,8 @@ class TwoOfAShape(nn.Module):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_warm_up_runs_each_shape_at_each_bucket_once(dtype, monkeypatch):
     """warm_up: every row count rows_bucket can produce up to the budget, once per distinct
-    weight shape (not per layer), the LM head only up to its own bound."""
+    weight shape (not per layer), the LM head only up to its own bound; each shape's largest
+    first (ascending outputs never fit the hole the last one left: the heap grew by their sum)."""
     m = TwoOfAShape().to(dtype)
     assert od.pack_linears(m) == 3
     assert od.bucket_sizes(1, 40) == [*range(1, 17), 18, 20, 22, 24, 26, 28, 30, 32, 36, 40]
@@ -94,8 +95,8 @@ def test_warm_up_runs_each_shape_at_each_bucket_once(dtype, monkeypatch):
     real = od.packed_linear
     monkeypatch.setattr(od, "packed_linear", lambda x, p, b: calls.append((x.shape[0], p.shape)) or real(x, p, b))
     assert od.warm_up(m, 40, 6) == len(calls) == 26 + 6
-    assert sorted(r for r, s in calls if s[0] == 512) == od.bucket_sizes(1, 40)
-    assert sorted(r for r, s in calls if s[0] == 1024) == list(range(1, 7))
+    assert [r for r, s in calls if s[0] == 512] == od.bucket_sizes(1, 40)[::-1]
+    assert [r for r, s in calls if s[0] == 1024] == list(range(6, 0, -1))
 
 
 def test_the_variable_turns_it_off(monkeypatch):

@@ -36,7 +36,7 @@ from pagedserve.executor.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-HEADROOM_BYTES = 1 << 30  # activations of the largest step, the runtime's own growth
+HEADROOM_BYTES = 2 << 30  # activations of the largest step, oneDNN primitives, the runtime's growth
 
 
 @dataclass(frozen=True)
