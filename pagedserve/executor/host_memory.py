@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 
 from pagedserve import envs
 
@@ -74,8 +75,11 @@ def available_bytes(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> i
     MemAvailable (free memory plus the page cache it can drop), bounded by the memory cgroup's
     limit less its working set (usage less inactive file pages, as `docker stats` and the
     kubelet count it) in a container: cgroup v2 at every level from the process's group up,
-    v1 through the group's hierarchical limit."""
-    avail = _meminfo_kib(f"{proc}/meminfo").get("MemAvailable", 0) * 1024
+    v1 through the group's hierarchical limit. Without /proc/meminfo: the physical memory."""
+    try:
+        avail = _meminfo_kib(f"{proc}/meminfo")["MemAvailable"] * 1024
+    except (OSError, KeyError, ValueError):  # not Linux (or before 3.14): the physical memory
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for limit, used in _cgroup_limits(proc, cgroup_fs):
         avail = min(avail, max(limit - used, 0))
     return avail

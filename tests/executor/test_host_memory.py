@@ -128,6 +128,12 @@ def test_available_bytes_under_a_cgroup_v1_limit(tmp_path):
     assert host_memory.available_bytes(proc, fs) == 3 * gib
 
 
+def test_available_bytes_without_meminfo_is_the_physical_memory(tmp_path):
+    (tmp_path / "self").mkdir()
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert host_memory.available_bytes(str(tmp_path), str(tmp_path / "none")) == physical
+
+
 def test_available_bytes_here_is_positive_and_at_most_the_total():
     total = host_memory._meminfo_kib("/proc/meminfo")["MemTotal"] * 1024
     assert 0 < host_memory.available_bytes() <= total
