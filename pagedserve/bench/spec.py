@@ -69,10 +69,9 @@ def truncated_draft(model: str, layers: int) -> str:
     import shutil
     import tempfile
 
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
+    from pagedserve.executor.loader import iterate_weights, load_hf_config_dict, resolve_model_path
 
     src = resolve_model_path(model)
     out = tempfile.mkdtemp(prefix=f"pagedserve-draft{layers}-")
@@ -86,13 +85,11 @@ def truncated_draft(model: str, layers: int) -> str:
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f)
     weights = {}
-    for fn in (n for n in os.listdir(src) if n.endswith(".safetensors")):
-        with safe_open(os.path.join(src, fn), "pt") as f:
-            for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-                parts = key.split(".")
-                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
-                    continue
-                weights[key] = f.get_tensor(key).float().contiguous()
+    for key, t in iterate_weights(src):  # safetensors, or a GGUF's tensors dequantized
+        parts = key.split(".")
+        if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+            continue
+        weights[key] = t.float().contiguous()
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return out
 

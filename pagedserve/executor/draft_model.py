@@ -45,7 +45,14 @@ def has_placeholder_drafts(sr: ScheduledRequest) -> bool:
 
 class DraftModelProposer:
     def __init__(
-        self, model: str, target: ModelConfig, dtype: torch.dtype, device: torch.device, backend, quantization=None
+        self,
+        model: str,
+        target: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend,
+        quantization=None,
+        weight_copies=None,
     ) -> None:
         path = resolve_model_path(model)
         self.model_config = ModelConfig.from_hf_dict(load_hf_config_dict(path))
@@ -55,7 +62,7 @@ class DraftModelProposer:
                 f"differs from the target's ({target.vocab_size}); a draft model must share the tokenizer."
             )
         self.dtype = dtype
-        self.model = build_model(path, self.model_config, dtype, device, backend, quantization=quantization)
+        self.model = build_model(path, self.model_config, dtype, device, backend, "auto", quantization, weight_copies)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.computed: dict[str, int] = {}
 

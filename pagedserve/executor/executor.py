@@ -98,6 +98,7 @@ class UniProcExecutor(Executor):
             "quantization": mc.quantization,
             "tp_rank": 0,
         }
+        copies = CopyPolicy.of_engine(config, model_config)
         self.runner = ModelRunner(
             model_path,
             model_config,
@@ -110,10 +111,10 @@ class UniProcExecutor(Executor):
             kv_cache_dtype=config.cache.kv_cache_dtype,
             kv_cache_prefault=config.cache.kv_cache_prefault,
             block_size=config.cache.block_size,
-            drafter_factory=draft_model_factory(config.speculative),
+            drafter_factory=draft_model_factory(config.speculative, copies),
             pooler=pooler,
             lora=config.lora,
-            weight_copies=CopyPolicy.of_engine(config, model_config),
+            weight_copies=copies,
         )
         self.dtype_name = str(self.runner.dtype).removeprefix("torch.")
         self.device = str(self.runner.device)
@@ -163,12 +164,14 @@ class UniProcExecutor(Executor):
             self.runner.lora.wait_loading(timeout)
 
 
-def draft_model_factory(spec):
-    """The ModelRunner's drafter_factory for speculative method "draft_model" (else None)."""
+def draft_model_factory(spec, weight_copies: CopyPolicy | None = None):
+    """The ModelRunner's drafter_factory for speculative method "draft_model" (else None); a
+    packed draft keeps the weight copies `weight_copies` allows (the engine's policy: it loads
+    after the target's copies, before the KV cache that policy reserves for)."""
     if spec is None or spec.method != "draft_model":
         return None
     from pagedserve.executor.draft_model import DraftModelProposer
 
     return lambda target, dtype, device, backend: DraftModelProposer(
-        spec.model, target, dtype, device, backend, spec.quantization
+        spec.model, target, dtype, device, backend, spec.quantization, weight_copies
     )

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from pagedserve.bench import forward, kv, prefix, scheduler_overhead, throughput
 
 
@@ -222,6 +224,22 @@ def test_spec_bench_draft_model_smoke(checkpoint, capsys):
     (r,) = last_json(capsys)
     assert r["method"] == "draft_model" and r["draft"]["quantization"] == "int8"
     assert r["batch1"]["identical_outputs"] is True and r["batch1"]["drafts"] > 0
+
+
+def test_truncated_draft_of_a_gguf_holds_its_first_layers(checkpoint, tmp_path, monkeypatch):
+    """A GGUF's conversion holds no weights: the draft's come from the file itself."""
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as Q
+
+    from pagedserve.bench.spec import truncated_draft
+    from pagedserve.executor.loader import iterate_weights
+    from tests.executor.test_gguf import write_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(checkpoint("llama"), str(tmp_path / "m.gguf"), Q.Q8_0)
+    names = {n for n, _ in iterate_weights(truncated_draft(path, 1))}
+    assert "model.embed_tokens.weight" in names and any(n.startswith("model.layers.0.") for n in names)
+    assert not any(n.startswith("model.layers.1.") for n in names)
 
 
 def test_quant_kernels_bench_smoke(capsys):

@@ -272,26 +272,39 @@ def iterate_gguf(path: str, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
     return iterate_gguf_float(path, tensor_index(r), config)
 
 
-def dequantize_raw(raw: np.ndarray, info: dict) -> np.ndarray:
-    """One tensor's bytes (of the tensor index's `info`) -> float32 in HF shape (gguf's numpy
-    dequantization, any type it knows)."""
+def dequantize_raw(raw: np.ndarray, info: dict, fast: bool = False) -> np.ndarray:
+    """One tensor's bytes (of the tensor index's `info`) -> float32 in HF shape: gguf's numpy
+    dequantization (any type it knows), or with `fast` the packed kernels' multi-threaded one
+    for their block types (the same values to float32 rounding; ~20x faster on a Q4_K file)."""
     import gguf
 
+    shape = tuple(reversed(info["shape"]))
+    from pagedserve.executor.quant.formats import PACKED_TYPES
+
+    if fast and info["type"] in PACKED_TYPES:
+        from pagedserve.executor.quant import kernels
+
+        rows = torch.from_numpy(np.array(raw, order="C").reshape(-1, info["nbytes"] // int(np.prod(shape[:-1]))))
+        return kernels.dequant(rows, info["type"], shape[-1]).numpy().reshape(shape)
     qtype = gguf.GGMLQuantizationType(info["type"])
     w = gguf.quants.dequantize(raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]), qtype)
-    return np.asarray(w, dtype=np.float32).reshape(tuple(reversed(info["shape"])))
+    return np.asarray(w, dtype=np.float32).reshape(shape)
 
 
 def iterate_gguf_float(source: str, index: dict, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) of every weight of a GGUF, read from the memory-mapped file and
-    dequantized one tensor at a time: Q/K rows un-permuted (llama), stacked experts split,
-    Gemma's norms back to HF's (convert_tensor)."""
+    dequantized one tensor at a time (the packed kernels' dequantization where they run, else
+    gguf's): Q/K rows un-permuted (llama), stacked experts split, Gemma's norms back to HF's
+    (convert_tensor)."""
+    from pagedserve.executor.quant import _kernels_usable
+
     arch = config.get("pagedserve_gguf_arch", "llama")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    fast = _kernels_usable()
     mm = np.memmap(source, dtype=np.uint8, mode="r")
     try:
         for gname, info in index.items():
-            w = dequantize_raw(mm[info["offset"] : info["offset"] + info["nbytes"]], info)
+            w = dequantize_raw(mm[info["offset"] : info["offset"] + info["nbytes"]], info, fast)
             for name, a in convert_tensor(gname, w, arch, heads, kv_heads):
                 yield name, torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
     finally:
