@@ -83,17 +83,12 @@ def build_model(
         from pagedserve.executor.loader.gguf_loader import iterate_packed_model
 
         model.load_weights(iterate_packed_model(path))
-        from pagedserve.executor.quant.layers import QuantLinear, bf16_copies, rows16_copies
+        from pagedserve.executor.quant.layers import QuantLinear
 
         if quant == "gguf_q8":
             for mod in model.modules():
                 if isinstance(mod, QuantLinear):
                     mod.act_q8 = True
-        elif device.type == "cpu":
-            budget = _copy_policy(weight_copies).budget()
-            rows16_copies(model, dtype, budget)  # first: a layer with them gets its bf16 copy from more rows
-            bf16_copies(model, dtype, budget)
-            budget.log()
     else:
         model.load_weights(iterate_weights(path))
     if quant in ("int8", "int4"):
@@ -105,21 +100,17 @@ def build_model(
         for mod in model.modules():  # MoE experts (stacked tensors, not nn.Linear)
             if isinstance(mod, FusedExperts):
                 mod.quantize(QUANTIZERS[quant])
-        if device.type == "cpu":
-            from pagedserve.executor.quant.layers import rows16_copies
-
-            budget = _copy_policy(weight_copies).budget()
-            rows16_copies(model, dtype, budget)
-            budget.log()
     elif quant == "none" and device.type == "cpu":
         _cpu_float_linears(model, dtype)
+    if quant in ("gguf", "int8", "int4") and device.type == "cpu":
+        from pagedserve.executor.quant.layers import bf16_copies, rows16_copies
+
+        budget = (weight_copies or CopyPolicy()).budget()
+        rows16_copies(model, dtype, budget)  # first: a layer with them gets its bf16 copy from more rows
+        if quant == "gguf":
+            bf16_copies(model, dtype, budget)
+        budget.log()
     return model.eval()
-
-
-def _copy_policy(policy: CopyPolicy | None) -> CopyPolicy:
-    from pagedserve.executor.kv_cache import DEFAULT_CPU_KV_BYTES
-
-    return policy or CopyPolicy(reserve_bytes=DEFAULT_CPU_KV_BYTES)
 
 
 def _cpu_float_linears(model: nn.Module, dtype: torch.dtype) -> None:

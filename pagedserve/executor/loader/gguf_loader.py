@@ -278,9 +278,9 @@ def dequantize_raw(raw: np.ndarray, info: dict, fast: bool = False) -> np.ndarra
     for their block types (the same values to float32 rounding; ~20x faster on a Q4_K file)."""
     import gguf
 
-    shape = tuple(reversed(info["shape"]))
     from pagedserve.executor.quant.formats import PACKED_TYPES
 
+    shape = tuple(reversed(info["shape"]))
     if fast and info["type"] in PACKED_TYPES:
         from pagedserve.executor.quant import kernels
 

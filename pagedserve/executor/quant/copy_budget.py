@@ -42,11 +42,11 @@ HEADROOM_BYTES = 2 << 30  # activations of the largest step, oneDNN primitives, 
 @dataclass(frozen=True)
 class CopyPolicy:
     """What a model load may keep beside the packed weights. `reserve_bytes`: memory this
-    process will take after loading (its KV cache); `processes`: engine processes loading
-    on this host at once, which share its free memory."""
+    process will take after loading (its KV cache; default the CPU's default cache);
+    `processes`: engine processes loading on this host at once, which share its free memory."""
 
     mode: str = "auto"
-    reserve_bytes: int = 0
+    reserve_bytes: int = kv_cache.DEFAULT_CPU_KV_BYTES
     processes: int = 1
 
     def __post_init__(self) -> None:
