@@ -107,6 +107,16 @@ def test_sliding_window_and_softcap_match_reference(window, softcap):
     assert (full - ref).abs().max().item() > 1e-3  # the window mattered
 
 
+@pytest.mark.parametrize("d", [8, 40, 80, 96])
+def test_head_dims_that_are_not_a_power_of_two_or_are_small(d):
+    """The compiled kernels tile the head dimension in a power of two of at least 16 lanes
+    (tl.arange, tl.dot) and mask the rest: Qwen3's tiny checkpoint has 40, Phi-2 80."""
+    q, k, v, kc, vc, meta = make_batch([1, 1, 13, 6], [5, 290, 0, 21], 16, 4, 2, d, torch.float32, seed=d)
+    ref, out, (rk, ok), _ = run_both(q, k, v, kc, vc, meta, d)
+    assert torch.equal(rk, ok)
+    assert (ref - out).abs().max().item() < 1e-4
+
+
 def test_decode_only_long_context_split_k():
     q, k, v, kc, vc, meta = make_batch([1, 1, 1], [700, 5, 513], 16, 8, 2, 64, torch.float32, seed=3)
     ref, out, _, _ = run_both(q, k, v, kc, vc, meta, 64)

@@ -16,7 +16,9 @@ tile a query can see and masks the rest; a soft cap (`softcap`, 0: none) caps th
 scores as cap * tanh(s / cap) (tanh from exp: the interpreter and every GPU have it). A
 running maximum that is still -inf (a row with no visible key yet) is taken as 0, so a
 masked tile adds nothing instead of NaN.
-Keys are addressed per token (block_table[pos // bs] * bs + pos % bs), so any block size
+Any head dimension works: the kernels take it as a tile of DP lanes (a power of two, at least
+16, the compiled kernels' rule; the interpreter does not enforce it) with the lanes past it
+masked. Keys are addressed per token (block_table[pos // bs] * bs + pos % bs), so any block size
 works with any tile size. Checked on the CPU under TRITON_INTERPRET=1 against the
 PyTorch backend (tests/executor/test_triton_backend.py).
 """
@@ -75,6 +77,7 @@ def _decode_partial_kernel(
     KVH: tl.constexpr,
     D: tl.constexpr,
     BS: tl.constexpr,
+    DP: tl.constexpr,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -87,23 +90,24 @@ def _decode_partial_kernel(
     start = part * PART
     if start < seq_len:
         g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
         gm = g < G
-        q = tl.load(q_ptr + (seq * H + kvh * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+        dm = d < D
+        qm = gm[:, None] & dm[None, :]
+        q = tl.load(q_ptr + (seq * H + kvh * G + g)[:, None] * D + d[None, :], mask=qm, other=0.0)
         q = q.to(tl.float32) * scale
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        acc = tl.zeros([BLOCK_G, DP], tl.float32)
         end = tl.minimum(start + PART, seq_len)
-        lo = 0
-        if window > 0:
-            lo = tl.maximum(seq_len - window, 0)
+        lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # one type in both cases
         n_first = tl.maximum(start, lo // BLOCK_N * BLOCK_N)  # a partition before the window: no tile
         for n0 in range(n_first, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pm = (pos < end) & (pos >= lo)
             row = _kv_row_offsets(bt_ptr + seq * max_blocks, pos, pm, kvh, KVH, D, BS)
-            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0).to(tl.float32)
+            kvm = pm[:, None] & dm[None, :]
+            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kvm, other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_N]
             if softcap > 0:
                 s = _softcap(s, softcap)
@@ -111,14 +115,14 @@ def _decode_partial_kernel(
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
-            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0).to(tl.float32)
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kvm, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         base = (seq * H + kvh * G + g) * num_parts + part
         tl.store(m_ptr + base, m_i, mask=gm)
         tl.store(l_ptr + base, l_i, mask=gm)
-        tl.store(acc_ptr + base[:, None] * D + d[None, :], acc, mask=gm[:, None])
+        tl.store(acc_ptr + base[:, None] * D + d[None, :], acc, mask=qm)
 
 
 @triton.jit
@@ -131,6 +135,7 @@ def _decode_reduce_kernel(
     num_parts,
     H: tl.constexpr,
     D: tl.constexpr,
+    DP: tl.constexpr,
     PART: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
@@ -142,12 +147,13 @@ def _decode_reduce_kernel(
     base = (seq * H + h) * num_parts + p
     m = tl.load(m_ptr + base, mask=pm, other=float("-inf"))
     l = tl.load(l_ptr + base, mask=pm, other=0.0)
-    d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + base[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
+    d = tl.arange(0, DP)
+    dm = d < D
+    acc = tl.load(acc_ptr + base[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
     m_all = tl.max(m, axis=0)
     w = tl.where(pm, tl.exp(m - m_all), 0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + (seq * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (seq * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -167,6 +173,7 @@ def _prefill_kernel(
     H: tl.constexpr,
     KVH: tl.constexpr,
     D: tl.constexpr,
+    DP: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -183,21 +190,24 @@ def _prefill_kernel(
         kvh = h // (H // KVH)
         i = mblk * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
         im = i < q_len
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + ((q_start + i) * H + h)[:, None] * D + d[None, :], mask=im[:, None], other=0.0)
+        d = tl.arange(0, DP)
+        dm = d < D
+        q = tl.load(
+            q_ptr + ((q_start + i) * H + h)[:, None] * D + d[None, :], mask=im[:, None] & dm[None, :], other=0.0
+        )
         qpos = ctx + i
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, DP], tl.float32)
         hi = tl.minimum(seq_len, ctx + (mblk + 1) * BLOCK_M)  # causal: no key after the last query
-        lo = 0
-        if window > 0:  # no key before the first query's window
-            lo = tl.maximum(ctx + mblk * BLOCK_M - window + 1, 0)
+        # no key before the first query's window (tl.where: one type in both cases)
+        lo = tl.where(window > 0, tl.maximum(ctx + mblk * BLOCK_M - window + 1, 0), 0)
         for n0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pm = pos < hi
             row = _kv_row_offsets(bt_ptr + r * max_blocks, pos, pm, kvh, KVH, D, BS)
-            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0)
+            kvm = pm[:, None] & dm[None, :]
+            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kvm, other=0.0)
             if IEEE:  # exact float32 (no tf32)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
             else:
@@ -212,7 +222,7 @@ def _prefill_kernel(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
-            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=pm[:, None], other=0.0)
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kvm, other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
@@ -223,12 +233,18 @@ def _prefill_kernel(
         tl.store(
             out_ptr + ((q_start + i) * H + h)[:, None] * D + d[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=im[:, None],
+            mask=im[:, None] & dm[None, :],
         )
 
 
 def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+def _dim_tile(head_dim: int) -> int:
+    """The head dimension's tile: a power of two (tl.arange's rule) and at least 16 (tl.dot's
+    smallest operand side on the GPU); lanes past the head dimension are masked off."""
+    return max(16, _pow2(head_dim))
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -274,6 +290,7 @@ class TritonAttentionBackend(AttentionBackend):
             H=h,
             KVH=kvh,
             D=d,
+            DP=_dim_tile(d),
             BS=bs,
             G=g,
             BLOCK_G=max(2, _pow2(g)),
@@ -282,7 +299,7 @@ class TritonAttentionBackend(AttentionBackend):
         )
         out = torch.empty_like(q)
         _decode_reduce_kernel[(n, h)](
-            m, l, acc, seq_lens, out, parts, H=h, D=d, PART=PARTITION, BLOCK_P=max(2, _pow2(parts))
+            m, l, acc, seq_lens, out, parts, H=h, D=d, DP=_dim_tile(d), PART=PARTITION, BLOCK_P=max(2, _pow2(parts))
         )
         return out
 
@@ -326,6 +343,7 @@ class TritonAttentionBackend(AttentionBackend):
                 H=h,
                 KVH=kvh,
                 D=d,
+                DP=_dim_tile(d),
                 BS=bs,
                 BLOCK_M=self.block_m,
                 BLOCK_N=self.block_n,
