@@ -1,6 +1,6 @@
 import pytest
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, raw_decoder
 from pagedserve.sampling_params import SamplingParams
 
 TEXTS = [
@@ -56,3 +56,31 @@ def test_streaming_holds_back_possible_stop_prefix(tok):
     assert "over the lazy".startswith(sent) and len(sent) >= len("over the lazy") - 7
     sent += d.next_delta(finished=True)
     assert sent == "over the lazy"
+
+
+def test_raw_decoder_is_the_rust_decode_and_gives_decodes_text(tok):
+    """The fast path is taken for a plain tokenizers-backed tokenizer and returns exactly
+    tokenizer.decode's text (special tokens kept or skipped, byte-fallback pieces); a
+    tokenizer that cleans up spaces, or one without a Rust backend, keeps tokenizer.decode."""
+    import random
+
+    fast = raw_decoder(tok)
+    assert fast == tok.backend_tokenizer.decode
+    rng = random.Random(0)
+    specials = list(tok.all_special_ids)
+    for n in range(200):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(1 + n % 9)]
+        for skip in (False, True):
+            assert fast(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    tok.clean_up_tokenization_spaces = True
+    try:
+        assert raw_decoder(tok) == tok.decode
+    finally:
+        tok.clean_up_tokenization_spaces = False
+
+    class Plain:
+        def decode(self, ids, skip_special_tokens=False):
+            return "x"
+
+    p = Plain()
+    assert raw_decoder(p) == p.decode
