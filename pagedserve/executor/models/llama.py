@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
         return ops.rms_norm_ref(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor, kern=None):
-        """(norm(x + residual), x + residual). With `kern` (the fused CPU ops) in one pass,
+        """(norm(x + residual), x + residual). With `kern` (the fused ops: C++ or Triton) in one pass,
         in place: x and residual are overwritten with the two results."""
         if kern is not None:
             kern.add_rms_norm_(x, residual, self.weight, self.eps)
@@ -132,7 +132,7 @@ class MLP(nn.Module):
 
 
 def act_and_mul(gu: torch.Tensor, kern=None, gelu: bool = False) -> torch.Tensor:
-    """[.., 2I] (gate, up) -> act(gate) * up: SiLU (the fused kernel on the CPU) or GELU tanh."""
+    """[.., 2I] (gate, up) -> act(gate) * up: SiLU (fused where `kern` is given) or GELU tanh."""
     if gelu:
         gate, up = gu.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
@@ -252,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         ([len(keep), E]); with the family's plain decoder layers the last layer's MLP then runs
         on those rows alone (a pooling step reads one row per finished prompt)."""
         x = self._embed(input_ids)
-        kern = ops.kernels_for(x) if self.use_fused_ops else None
+        kern = ops.layer_kernels_for(x) if self.use_fused_ops else None
         rope = self._cos_sin(positions, x.dtype, meta)
         metas = meta.groups or (meta,)
         if kern is not None and self.use_lean_decode:

@@ -57,6 +57,27 @@ def kernels_for(t: torch.Tensor):
     return load()
 
 
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _triton_ops():
+    try:
+        from pagedserve.executor.ops import triton_ops
+    except ImportError:  # Triton is the `gpu` extra
+        return None
+    return triton_ops
+
+
+def layer_kernels_for(t: torch.Tensor):
+    """The fused layer ops a model passes as `kern` for `t`: the C++ module on the CPU
+    (kernels_for), the Triton one (triton_ops.py: the same functions, less rotary_cache_) on
+    CUDA, or None (the references)."""
+    if t.device.type == "cuda":
+        return _triton_ops() if enabled and t.dtype in _TRITON_DTYPES else None
+    return kernels_for(t)
+
+
 # ---- references (transformers' order of operations) --------------------------------------
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
