@@ -138,13 +138,15 @@ def main() -> None:
     ap.add_argument("--same-bits", action="store_true", help="check the outputs equal before timing")
     ap.add_argument("--engine-model", default=None)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 7])
-    ap.add_argument("--type", default="Q4_1", choices=("Q4_1", "Q4_K", "Q5_K", "Q6_K"),
-                    help="the weights' type (K-quants: random blocks, [5632, 2048] and [2048, 5632] x 12 layers)")
+    ap.add_argument("--type", default="Q4_1", choices=("Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"),
+                    help="the weights' type (K-quants: random blocks, [5632, 2048] and [2048, 5632] x 12 layers; "
+                    "Q5_0 / Q5_1: random blocks in Q4_1's shapes, the default model's)")
     a = ap.parse_args()
     from pagedserve.executor.quant import formats, kernels
 
     qtype = getattr(formats, a.type)
-    shapes = ((1536, 576, 30), (576, 1536, 30), (1536, 576, 120)) if a.type == "Q4_1" else ((5632, 2048, 12), (2048, 5632, 12))
+    small = a.type in ("Q4_1", "Q5_0", "Q5_1")
+    shapes = ((1536, 576, 30), (576, 1536, 30), (1536, 576, 120)) if small else ((5632, 2048, 12), (2048, 5632, 12))
 
     mods = {"old": old_module(a.rev), "new": kernels.load()}
     torch.manual_seed(0)

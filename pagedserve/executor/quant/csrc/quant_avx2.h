@@ -2,8 +2,8 @@
 // target region:
 //   few rows, Q4_0 / Q4_1 / Q8_0: each weight block expanded into registers and used for every
 //     activation row, as scale * sum(x * q) + min * sum(x) (1-3 rows) or with scale and min
-//     folded into the expanded weights (4-8 rows); Q4_K / Q5_K / Q6_K: quant_kquant_avx2.h's fused
-//     tiles; other types: a row dequantized, then dot();
+//     folded into the expanded weights (4-8 rows); Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1:
+//     quant_kquant_avx2.h's fused tiles; other types: a row dequantized, then dot();
 //   many rows (gemm_many_rows, any type): chunks of weight rows dequantized into an L2-sized float
 //     buffer and multiplied by a 3x4 register-blocked micro-kernel;
 //   gguf_q8 (int8 activations): quant_avx2_q8.h for few rows, gemm_q8_many for many (also run

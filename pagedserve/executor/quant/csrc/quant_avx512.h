@@ -1,7 +1,7 @@
 // The AVX-512 F/BW/VL/DQ kernels, included by quant_kernels.cpp inside `namespace avx512` and its
 // target region: few-row Q4_0 / Q4_1 / Q8_0 products with each block expanded into two 16-float
 // registers, per block and row acc += d * sum(x * q) (+ m * sum(x) for Q4_1, from g.xsum); the
-// K-quants on quant_kquant_avx2.h's fused tiles (AVX2 instructions); other types through a
+// K-quants, Q5_0 and Q5_1 on quant_kquant_avx2.h's fused tiles (AVX2 instructions); other types through a
 // dequantized row and dot(); gguf_q8 few rows in AVX2 instructions
 // (quant_avx2_q8.h). Many rows go to quant_avx2.h's kernels (dispatch in quant_kernels.cpp). The
 // row-interleaved (quant_rows16.h), VNNI (quant_vnni.h) and BF16 (quant_bf16.h) kernels build on

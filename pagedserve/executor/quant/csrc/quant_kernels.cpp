@@ -103,7 +103,7 @@ struct GemmArgs {
   const uint8_t* W;  // [N, rb] packed rows
   int64_t rb, K, M, ldo;
   const float* X;     // [M, K]
-  const float* xsum;  // [M, K/32] block sums of X (Q4_1, Q4_K, Q5_K few-row products)
+  const float* xsum;  // [M, K/32] block sums of X (Q4_1, Q5_1, Q4_K, Q5_K few-row products)
   float* out;         // already offset by col0
 };
 
@@ -590,7 +590,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   std::vector<float> xsum;
   GemmArgs g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, x.data_ptr<float>(), nullptr,
              out.data_ptr<float>() + col0};
-  if (type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K) {  // their minimums' terms
+  if (type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K) {  // their minimums' terms
     const int64_t nb = K / 32;
     xsum.resize(M * nb);
     for (int64_t m = 0; m < M; ++m)

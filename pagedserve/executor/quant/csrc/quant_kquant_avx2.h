@@ -1,6 +1,8 @@
-// Few-row products of K-quant rows (Q4_K, Q5_K, Q6_K) with float activations, in AVX2 + FMA
-// instructions: included by quant_avx2.h and quant_avx512.h inside their namespaces and target
-// regions (an AVX-512 CPU runs them too: at 1-8 rows they wait on memory, not on vector width).
+// Few-row products of K-quant rows (Q4_K, Q5_K, Q6_K) and of Q5_0 / Q5_1 rows with float
+// activations, in AVX2 + FMA instructions: included by quant_avx2.h and quant_avx512.h inside
+// their namespaces and target regions (an AVX-512 CPU runs them too: at 1-8 rows they wait on
+// memory, not on vector width). Q5_0 / Q5_1 are llama.cpp's stand-ins for Q4_K / Q5_K in a
+// K-quant mix where a row is not a multiple of 256 (SmolLM2's 576, Qwen2.5-0.5B's 896).
 // The quants become float registers once per sub-block and meet every activation row there; no
 // dequantized row goes through memory (the generic path's dequantize-then-dot ran at 3-6 GB/s).
 //
@@ -120,23 +122,70 @@ static void kq6_tile(const GemmArgs& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]);
 }
 
+// Q5_0 / Q5_1: per block of 32, acc += d * sum(x * q) [Q5_1: accm += m * sum(x), from g.xsum];
+// q = the nibble with its fifth bit (bit e of qh for element e) above it, less 16 for Q5_0.
+// Elements 0-15 are the low nibbles of bytes 0-15, elements 16-31 their high nibbles.
+template <int TYPE, int MT>
+static void q5_tile(const GemmArgs& g, int64_t n, int64_t m0) {
+  constexpr bool has_min = TYPE == T_Q5_1;
+  using B = std::conditional_t<has_min, bq5_1, bq5_0>;
+  const B* row = reinterpret_cast<const B*>(g.W + n * g.rb);
+  const float* X = g.X + m0 * g.K;
+  const int64_t nb = g.K / 32;
+  const __m256i m4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1), off = _mm256_set1_epi32(has_min ? 0 : 16);
+  const __m256i at0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_epi32(8);
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    const B& b = row[i];
+    uint32_t qh;
+    std::memcpy(&qh, b.qh, 4);
+    const __m256i vqh = _mm256_set1_epi32(static_cast<int>(qh));
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8)));
+    const __m256i nib[4] = {_mm256_and_si256(lo, m4), _mm256_and_si256(hi, m4), _mm256_srli_epi32(lo, 4),
+                            _mm256_srli_epi32(hi, 4)};
+    __m256 f[4];
+    __m256i at = at0;  // the elements' indices: their bits of qh
+    for (int k = 0; k < 4; ++k, at = _mm256_add_epi32(at, eight)) {
+      const __m256i fifth = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(vqh, at), one), 4);
+      f[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(nib[k], fifth), off));
+    }
+    kq_rows<MT, 4>(f, _mm256_set1_ps(h2f(b.d)), X, g.K, i * 32, acc);
+    if constexpr (has_min) {
+      const float mn = h2f(b.m);
+      for (int t = 0; t < MT; ++t) accm[t] = std::fma(mn, g.xsum[(m0 + t) * nb + i], accm[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+}
+
 template <int TYPE>
-static void gemm_kquant(const GemmArgs& g, int64_t n0, int64_t n1) {
+static void gemm_tiles(const GemmArgs& g, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n)
     row_tiles(g.M, [&](auto mt, int64_t m0) {
       if constexpr (TYPE == T_Q6_K)
         kq6_tile<decltype(mt)::value>(g, n, m0);
+      else if constexpr (TYPE == T_Q5_0 || TYPE == T_Q5_1)
+        q5_tile<TYPE, decltype(mt)::value>(g, n, m0);
       else
         kq45_tile<TYPE, decltype(mt)::value>(g, n, m0);
     });
 }
 
-// The K-quant types' few-row products here; false for the others (quant_loops.h's gemm_rows)
-static bool gemm_kquant_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
+// The few-row products of the types here (K-quants, Q5_0, Q5_1); false for the others
+// (quant_loops.h's gemm_rows)
+static bool gemm_avx2_tiles(const GemmArgs& g, int64_t n0, int64_t n1) {
   switch (g.type) {
-    case T_Q4_K: gemm_kquant<T_Q4_K>(g, n0, n1); return true;
-    case T_Q5_K: gemm_kquant<T_Q5_K>(g, n0, n1); return true;
-    case T_Q6_K: gemm_kquant<T_Q6_K>(g, n0, n1); return true;
+    case T_Q4_K: gemm_tiles<T_Q4_K>(g, n0, n1); return true;
+    case T_Q5_K: gemm_tiles<T_Q5_K>(g, n0, n1); return true;
+    case T_Q6_K: gemm_tiles<T_Q6_K>(g, n0, n1); return true;
+    case T_Q5_0: gemm_tiles<T_Q5_0>(g, n0, n1); return true;
+    case T_Q5_1: gemm_tiles<T_Q5_1>(g, n0, n1); return true;
     default: return false;
   }
 }

@@ -1,8 +1,8 @@
 // ISA-neutral loops over an ISA's kernels, included last by each ISA's kernel file
 // (quant_scalar.h, quant_avx2.h, quant_avx512.h) inside that ISA's namespace. They need from
 // the file: dot(), gemm_fused_tile<TYPE, MT>, gemm_q8_tile<TYPE, MT>, deq_fast<TYPE> (the ISA's
-// fastest Q4_0 / Q4_1 / Q8_0 row dequantizer) and gemm_kquant_rows (its K-quant few-row products,
-// or false: quant_kquant_avx2.h). No include guard on purpose (one copy per ISA namespace).
+// fastest Q4_0 / Q4_1 / Q8_0 row dequantizer) and gemm_avx2_tiles (its K-quant, Q5_0 and Q5_1
+// few-row products, or false: quant_kquant_avx2.h). No include guard on purpose (one copy per ISA namespace).
 
 // The ISA's fastest row dequantizer of a type
 static deq_fn best_deq_for(int type) {
@@ -44,7 +44,7 @@ static void gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
     case T_Q4_1: gemm_fused<T_Q4_1>(g, n0, n1); break;
     case T_Q8_0: gemm_fused<T_Q8_0>(g, n0, n1); break;
     default:
-      if (!gemm_kquant_rows(g, n0, n1)) gemm_generic(g, n0, n1);  // the ISA's K-quant tiles, if any
+      if (!gemm_avx2_tiles(g, n0, n1)) gemm_generic(g, n0, n1);  // the AVX2 tiles (K-quants, Q5_0 / Q5_1), if any
       break;
   }
 }

@@ -107,7 +107,7 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
 }
 
-// no K-quant tiles here: their rows go through a dequantized row and dot()
-static bool gemm_kquant_rows(const GemmArgs&, int64_t, int64_t) { return false; }
+// no K-quant or Q5_0 / Q5_1 tiles here: their rows go through a dequantized row and dot()
+static bool gemm_avx2_tiles(const GemmArgs&, int64_t, int64_t) { return false; }
 
 #include "quant_loops.h"
