@@ -351,6 +351,6 @@ def test_gpu_check_names_files_that_exist():
 
     root = Path(__file__).resolve().parents[2]
     script = (root / "benchmarks" / "gpu_check.sh").read_text()
-    paths = set(re.findall(r"\b((?:tests|benchmarks)/[\w/]+\.(?:py|sh))", script))
+    paths = set(re.findall(r"\b((?:tests|benchmarks)/[\w/.-]+\.(?:py|sh))", script))
     assert "tests/e2e/test_gpu_engine.py" in paths and "benchmarks/gpu_bench.py" in paths
     assert [p for p in sorted(paths) if not (root / p).is_file()] == []

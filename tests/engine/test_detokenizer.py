@@ -77,6 +77,11 @@ def test_raw_decoder_is_the_rust_decode_and_gives_decodes_text(tok):
         assert raw_decoder(tok) == tok.decode
     finally:
         tok.clean_up_tokenization_spaces = False
+    tok._decode = lambda *a, **k: "patched"  # an instance's own decoding wins
+    try:
+        assert raw_decoder(tok) == tok.decode
+    finally:
+        del tok._decode
 
     class Plain:
         def decode(self, ids, skip_special_tokens=False):

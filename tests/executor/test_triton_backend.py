@@ -107,10 +107,11 @@ def test_sliding_window_and_softcap_match_reference(window, softcap):
     assert (full - ref).abs().max().item() > 1e-3  # the window mattered
 
 
-@pytest.mark.parametrize("d", [8, 40, 80, 96])
+@pytest.mark.parametrize("d", [8, 40, 80, 96, 256])
 def test_head_dims_that_are_not_a_power_of_two_or_are_small(d):
     """The compiled kernels tile the head dimension in a power of two of at least 16 lanes
-    (tl.arange, tl.dot) and mask the rest: Qwen3's tiny checkpoint has 40, Phi-2 80."""
+    (tl.arange, tl.dot) and mask the rest: Qwen3's tiny checkpoint has 40, Phi-2 80; 256
+    (Gemma) takes 32-token decode tiles in float32 (shared memory)."""
     q, k, v, kc, vc, meta = make_batch([1, 1, 13, 6], [5, 290, 0, 21], 16, 4, 2, d, torch.float32, seed=d)
     ref, out, (rk, ok), _ = run_both(q, k, v, kc, vc, meta, d)
     assert torch.equal(rk, ok)
@@ -142,3 +143,18 @@ def test_bfloat16_prefill_gpu():
     q, k, v, kc, vc, meta = make_batch([1, 1, 12, 40], [40, 3, 20, 0], 16, 8, 2, 128, torch.bfloat16, seed=5)
     ref, out, _, _ = run_both(q, k, v, kc, vc, meta, 128)
     assert (ref.float() - out.float()).abs().max().item() < 3e-2
+
+
+def test_decode_tiles_must_divide_the_partition():
+    """A key tile straddling partitions could lie wholly before a sliding window: NaN."""
+    for bad in (8, 48, 512):
+        with pytest.raises(ValueError, match="decode_block_n"):
+            TritonAttentionBackend(decode_block_n=bad)
+    q, k, v, kc, vc, meta = make_batch([1, 1], [300, 40], 16, 4, 2, 32, torch.float32, seed=11)
+    for bn in (16, 128, 256):
+        qd, kd, vd, kcd, vcd = to_dev(q, k, v, kc.clone(), vc.clone())
+        dm = AttentionMetadata(**{f: to_dev(getattr(meta, f))[0] if torch.is_tensor(getattr(meta, f)) else getattr(meta, f)
+                                  for f in meta.__dataclass_fields__})
+        out = TritonAttentionBackend(decode_block_n=bn).forward(qd, kd, vd, kcd, vcd, dm, 32**-0.5, window=100)
+        ref = TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), meta, 32**-0.5, window=100)
+        assert torch.isfinite(out).all() and (out.cpu() - ref).abs().max().item() < 1e-4

@@ -19,7 +19,7 @@ from pagedserve.executor import ops  # noqa: E402
 from pagedserve.executor.ops import triton_ops  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def rand(*shape, dtype, seed):
@@ -32,18 +32,19 @@ def rand(*shape, dtype, seed):
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def check(out, ref, dtype, atol_bf16=1e-5, equal_bf16=0.97):
-    """float32: within float32 rounding (the reduction order differs). bfloat16 compiled:
-    within one bf16 step (plus `atol_bf16`) and at least `equal_bf16` of the elements equal to
-    the bit; interpreted: within two steps (the truncating casts)."""
+def check(out, ref, dtype):
+    """float32: within float32 rounding (the reduction order differs). 16-bit types compiled:
+    within one step of the type and nearly every element equal to the bit; interpreted: within
+    two steps (the truncating casts)."""
     if dtype == torch.float32:
         torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-6)
         return
+    step = 2**-7 if dtype == torch.bfloat16 else 2**-10
     o, r = out.float().cpu(), ref.float().cpu()
     # interpreted, a truncated sum of two truncated products can be a step of the products off
-    torch.testing.assert_close(o, r, rtol=2**-6 if INTERPRETED else 2**-7, atol=2e-2 if INTERPRETED else atol_bf16)
+    torch.testing.assert_close(o, r, rtol=2 * step if INTERPRETED else step, atol=2e-2 if INTERPRETED else 1e-5)
     if not INTERPRETED:
-        assert (o == r).float().mean().item() >= equal_bf16
+        assert (o == r).float().mean().item() > 0.97
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -56,7 +57,7 @@ def test_rms_norm_and_add_rms_norm(dtype, rows, n):
     res = rand(rows, n, dtype=dtype, seed=3)
     ref_out, ref_res = ops.add_rms_norm_ref(x, res, w, 1e-5)
     triton_ops.add_rms_norm_(x, res, w, 1e-5)  # in place: x <- norm, res <- the sum
-    if dtype == torch.float32 or not INTERPRETED:
+    if dtype != torch.bfloat16 or not INTERPRETED:
         assert torch.equal(res.cpu(), ref_res.cpu())  # the sum is one rounding either way
     else:
         check(res, ref_res, dtype)
@@ -77,11 +78,9 @@ def test_rotary_on_the_q_and_k_heads_only(dtype, nq, nkv, d):
     ref_qk = ops.rotate_ref(heads[:, : nq + nkv], cos[:, None, :], sin[:, None, :])
     triton_ops.rotary_(qkv, cos, sin, nq, nkv, d)
     out = qkv.reshape(t, nq + 2 * nkv, d)
-    # Compiled on an H200 (Triton 3.6), 2-3% of the bf16 outputs differed from eager's by one
-    # bf16 step of the products (as if a product's rounding were folded into the sum); where
-    # the two products cancel, that step is the whole difference. Cause not established.
-    # How many differ at all was not logged, so no share equal to the bit is asked here.
-    check(out[:, : nq + nkv], ref_qk, dtype, atol_bf16=2**-6, equal_bf16=0.0)
+    # With Triton's multiply-add fusion on, an H200 gave 2-3% of these outputs a step of the
+    # products off (a product's rounding fused away, fma.rn.bf16): the launches turn it off.
+    check(out[:, : nq + nkv], ref_qk, dtype)
     assert torch.equal(out[:, nq + nkv :].cpu(), heads[:, nq + nkv :].cpu())  # V untouched
 
 
@@ -114,9 +113,10 @@ def test_dispatch_hands_the_triton_ops_to_cuda_tensors_only():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_the_model_with_these_ops_gives_transformers_greedy_tokens(checkpoint, arch, monkeypatch):
     """The model's `kern` contract as on CUDA (norms, rotary on the fused QKV row, SiLU), on
-    the CPU: the Triton ops interpreted, the attention writing its own K/V (as Triton's)."""
+    the CPU: the Triton ops interpreted. The torch backend here would take K/V written with
+    the rotary (rotary_cache_, which only the C++ module has): the model must see that this
+    module lacks it, rotate in place and let the backend write them (and skip the lean loop)."""
     from pagedserve import LLM, SamplingParams
-    from pagedserve.executor.attention.torch_backend import TorchAttentionBackend
     from tests.checkpoints import load_hf
 
     used = set()
@@ -127,7 +127,6 @@ def test_the_model_with_these_ops_gives_transformers_greedy_tokens(checkpoint, a
             return getattr(triton_ops, name)
 
     monkeypatch.setattr(ops, "layer_kernels_for", lambda t: Recording())
-    monkeypatch.setattr(TorchAttentionBackend, "supports_prewritten_kv", False)
     path = checkpoint(arch)
     hf = load_hf(path)
     llm = LLM(path, dtype="float32", num_kv_blocks=100)
@@ -147,3 +146,4 @@ def test_the_model_with_these_ops_gives_transformers_greedy_tokens(checkpoint, a
         assert o.outputs[0].token_ids == ref
     assert {"rms_norm", "add_rms_norm_", "silu_and_mul"} <= used
     assert ("rotary_" in used) == (arch == "llama")  # Qwen3's q/k norms take the reference path
+    assert "rotary_cache_" in used and not ops.writes_kv_cache(Recording())  # asked, and absent

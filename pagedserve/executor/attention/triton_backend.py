@@ -8,8 +8,8 @@ Kernels:
     head (GQA: each K/V row is read once), and writes a partial (max, sum, acc); a second
     kernel merges the partitions. Both products are tl.dot on the tensor cores, the group
     padded to 16 rows (tl.dot's smallest side; the padding rows are zeros, never stored):
-    the earlier broadcast-and-sum in registers ran 17x over the KV bytes' time on an H200
-    at batch 256 (BENCHMARKS section 7). Partitions past a sequence's length exit at once, so
+    the earlier broadcast-and-sum in registers took 8.7x its K/V bytes' time on an H200 at
+    batch 256, this 1.45x (BENCHMARKS section 7). Partitions past a sequence's length exit at once, so
     the grid can be fixed (CUDA graphs).
   * prefill: chunks over a cached prefix, flash-attention style with tl.dot (tensor
     cores): grid (query block, query head, sequence); keys come from the paged cache (the
@@ -87,7 +87,7 @@ def _decode_partial_kernel(
     PART: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)  # int64: the scratch offsets pass 2^31 at long contexts
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -148,7 +148,7 @@ def _decode_reduce_kernel(
     PART: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     used = tl.cdiv(tl.load(seq_lens_ptr + seq), PART)
     p = tl.arange(0, BLOCK_P)
@@ -246,14 +246,10 @@ def _prefill_kernel(
         )
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def _dim_tile(head_dim: int) -> int:
     """The head dimension's tile: a power of two (tl.arange's rule) and at least 16 (tl.dot's
     smallest operand side on the GPU); lanes past the head dimension are masked off."""
-    return max(16, _pow2(head_dim))
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -262,12 +258,16 @@ class TritonAttentionBackend(AttentionBackend):
     supports_softcap = True
 
     def __init__(self, block_m: int = 16, block_n: int = 32, decode_block_n: int = 64) -> None:
+        # a decode key tile must not straddle partitions: a tile wholly before a sliding window
+        # would then leave a row's running maximum at -inf (NaN in the merge)
+        if not (16 <= decode_block_n <= PARTITION and PARTITION % decode_block_n == 0):
+            raise ValueError(f"decode_block_n={decode_block_n}: a power of two from 16 to {PARTITION}")
         self.block_m, self.block_n, self.decode_block_n = block_m, block_n, decode_block_n
 
     def write_kv(self, k, v, k_cache, v_cache, slots) -> None:
         t, kvh, d = k.shape
         _write_kv_kernel[(t,)](
-            k.contiguous(), v.contiguous(), k_cache, v_cache, slots, ROW=kvh * d, BLOCK=_pow2(kvh * d)
+            k.contiguous(), v.contiguous(), k_cache, v_cache, slots, ROW=kvh * d, BLOCK=triton.next_power_of_2(kvh * d)
         )
 
     def decode(
@@ -302,14 +302,16 @@ class TritonAttentionBackend(AttentionBackend):
             DP=_dim_tile(d),
             BS=bs,
             G=g,
-            BLOCK_G=max(16, _pow2(g)),
-            BLOCK_N=self.decode_block_n,
+            BLOCK_G=max(16, triton.next_power_of_2(g)),
+            # float32 tiles of 256-wide heads at 64 tokens need ~150 KB of shared memory: past
+            # sm86 / sm89's ~100 KB (an H100 / H200 has 228 KB)
+            BLOCK_N=32 if q.dtype == torch.float32 and d > 128 else self.decode_block_n,
             PART=PARTITION,
             IEEE=q.dtype == torch.float32,
         )
         out = torch.empty_like(q)
         _decode_reduce_kernel[(n, h)](
-            m, l, acc, seq_lens, out, parts, H=h, D=d, DP=_dim_tile(d), PART=PARTITION, BLOCK_P=max(2, _pow2(parts))
+            m, l, acc, seq_lens, out, parts, H=h, D=d, DP=_dim_tile(d), PART=PARTITION, BLOCK_P=max(2, triton.next_power_of_2(parts))
         )
         return out
 
@@ -317,7 +319,7 @@ class TritonAttentionBackend(AttentionBackend):
         self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_written=False, window=None, softcap=None
     ) -> torch.Tensor:
         if not kv_written:
-                self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         out = torch.empty_like(q)
         if nd:

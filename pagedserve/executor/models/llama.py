@@ -82,7 +82,7 @@ class Attention(nn.Module):
             # the K/V rows written into their cache slots in the same pass
             q, k, v = qkv.split([self.h * self.d, self.k * self.d, self.k * self.d], dim=-1)
             q, k, v = q.view(t, self.h, self.d), k.view(t, self.k, self.d), v.view(t, self.k, self.d)
-            if self.backend.supports_prewritten_kv:
+            if self.backend.supports_prewritten_kv and ops.writes_kv_cache(kern):
                 kern.rotary_cache_(qkv, cos, sin, self.h, self.k, self.d, *kv_cache, meta.slot_mapping)
                 o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=True, **extra)
                 return self._out(o.reshape(t, self.h * self.d))
@@ -190,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
     the block tables of group `kv_group_of_layer[i]` (`meta.groups[g]`; one group, `meta`
     itself, unless the runner set up several)."""
 
-    # The fused C++ ops (executor/ops) on CPU tensors when they build; False: PyTorch only.
+    # The fused ops (executor/ops: C++ on CPU tensors when they build, Triton on CUDA ones);
+    # False: PyTorch only.
     use_fused_ops: bool = True
     # Decode-only and short-query-only CPU steps through `_decode_lean` (the same kernels, no
     # per-layer module calls); False: every step through the layers' forward (A/B, tests).
@@ -255,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         kern = ops.layer_kernels_for(x) if self.use_fused_ops else None
         rope = self._cos_sin(positions, x.dtype, meta)
         metas = meta.groups or (meta,)
-        if kern is not None and self.use_lean_decode:
+        if kern is not None and self.use_lean_decode and ops.writes_kv_cache(kern):  # the C++ module
             plan = self._lean_plan()
             rows = plan[1](meta) if plan is not None else None
             if rows is not None:  # decode-only, or short queries only (speculative verification)

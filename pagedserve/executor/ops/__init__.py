@@ -2,9 +2,10 @@
 
 The C++ kernels (csrc/fused_ops.cpp) are compiled once per machine by
 executor/cpp_build.py, like the attention kernel (-march=native so the compiler
-vectorizes for the ISA this CPU has); without a compiler, on a GPU tensor, or
-with PAGEDSERVE_NO_CPP_KERNELS=1 each op runs its PyTorch reference, which is what the
-model ran before (transformers' numerics). tests/executor/test_ops.py checks each kernel against
+vectorizes for the ISA this CPU has); without a compiler or with
+PAGEDSERVE_NO_CPP_KERNELS=1 each op runs its PyTorch reference, which is what the
+model ran before (transformers' numerics). CUDA tensors get the Triton versions of the
+layer ops (triton_ops.py, through layer_kernels_for); the other ops' references run there. tests/executor/test_ops.py checks each kernel against
 its reference.
 
 All ops take and return tensors of the model dtype (float32 or bfloat16 for the kernels).
@@ -67,6 +68,12 @@ def _triton_ops():
     except ImportError:  # Triton is the `gpu` extra
         return None
     return triton_ops
+
+
+def writes_kv_cache(kern) -> bool:
+    """Whether a `kern` module also writes K/V rows into the cache (rotary_cache_: the C++
+    one); the Triton module does not, so the attention backend writes them."""
+    return hasattr(kern, "rotary_cache_")
 
 
 def layer_kernels_for(t: torch.Tensor):

@@ -14,10 +14,11 @@ batch-1 decode of an 8 B model (BENCHMARKS section 7).
 Numerics follow the references' roundings: float32 inside, each value rounded to the model
 dtype where eager PyTorch rounds it (the residual sum, the normalized row before the weight,
 each rotary product, silu before the multiply). Reductions run in another order, so results
-agree to rounding, not to the bit (tests/executor/test_triton_ops.py). Compiled on an H200,
-2-3% of bf16 rotary outputs differed from eager's by one bf16 step of the products, as if
-the compiler had dropped a product's rounding (cause not established; the engine's tests
-against transformers pass there).
+agree to rounding, not to the bit (tests/executor/test_triton_ops.py). Every launch turns off
+Triton's multiply-add fusion (enable_fp_fusion=False, as the C++ module's -ffp-contract=off):
+with it, the compiler made each rotary product a bf16 multiply fused into the sum
+(fma.rn.bf16 in the sm90 PTX), dropping that product's rounding, and on an H200 2-3% of bf16
+rotary outputs differed from eager's by one bf16 step of the products.
 """
 
 from __future__ import annotations
@@ -81,10 +82,6 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, sg, so, BLOCK: tl.constexpr):
     tl.store(out_ptr + t * so + j, (act * u).to(dt), mask=m)
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def _rows(t: torch.Tensor, name: str) -> None:
     if not (t.dim() == 2 and t.stride(1) == 1):
         raise RuntimeError(f"{name}: a [rows, n] tensor with unit inner stride")
@@ -94,15 +91,17 @@ def _norm(x, residual, weight, out, eps: float) -> None:
     n = x.shape[1]
     if not (weight.is_contiguous() and weight.numel() == n and weight.dtype == x.dtype):
         raise RuntimeError("weight: contiguous [n], the rows' dtype")
-    block = _pow2(n)
+    block = triton.next_power_of_2(n)
     res = residual if residual is not None else x
     _rms_norm_kernel[(x.shape[0],)](
         x, res, weight, out, n, x.stride(0), res.stride(0), out.stride(0), float(eps),
-        ADD=residual is not None, BLOCK=block, num_warps=min(16, max(4, block // 1024)),
+        ADD=residual is not None, BLOCK=block, num_warps=min(16, max(4, block // 1024)), enable_fp_fusion=False,
     )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [rows, n] (unit inner stride), weight [n] of x's dtype -> a new [rows, n]:
+    weight * (x / sqrt(mean(x^2) + eps)), the normalized row rounded to the dtype first."""
     _rows(x, "x")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _norm(x, None, weight, out, eps)
@@ -110,6 +109,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place, row by row: residual <- x + residual (rounded to the dtype), then
+    x <- rms_norm(residual). x and residual: the same shape and dtype, not overlapping."""
     _rows(x, "x")
     _rows(residual, "residual")
     if x.shape != residual.shape or x.dtype != residual.dtype:
@@ -118,6 +119,9 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int) -> None:
+    """In place on the first nq + nkv heads (q, then k) of each fused row of qkv [T, >= (nq + 2
+    nkv) * d]: neox rotary x * cos + rotate_half(x) * sin with cos / sin contiguous [T, d] of
+    qkv's dtype; the V heads and anything past them are left as they are."""
     _rows(qkv, "qkv")
     t = qkv.shape[0]
     if qkv.shape[1] < (nq + 2 * nkv) * d or d % 2:
@@ -128,16 +132,20 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nk
         raise RuntimeError("cos/sin: qkv's dtype")
     nrot = nq + nkv
     _rotary_kernel[(t,)](
-        qkv, cos, sin, qkv.stride(0), nrot, D=d, HALF=d // 2, BLOCK_H=_pow2(nrot), BLOCK_J=_pow2(d // 2)
+        qkv, cos, sin, qkv.stride(0), nrot, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(nrot),
+        BLOCK_J=triton.next_power_of_2(d // 2), enable_fp_fusion=False,
     )
 
 
 def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] (gate, then up) -> a new [T, I]: silu(gate), rounded to the dtype, times up."""
     _rows(gu, "gate_up")
     if gu.shape[1] % 2:
         raise RuntimeError("gate_up: even width")
     inter = gu.shape[1] // 2
     out = torch.empty((gu.shape[0], inter), dtype=gu.dtype, device=gu.device)
     block = 1024
-    _silu_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block)
+    _silu_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
+        gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block, enable_fp_fusion=False
+    )
     return out
