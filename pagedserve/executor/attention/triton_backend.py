@@ -264,6 +264,11 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"decode_block_n={decode_block_n}: a power of two from 16 to {PARTITION}")
         self.block_m, self.block_n, self.decode_block_n = block_m, block_n, decode_block_n
 
+    def decode_tile(self, dtype: torch.dtype, head_dim: int) -> int:
+        """The decode kernel's key tile: float32 tiles of heads over 128 wide at 64 tokens need
+        ~150 KB of shared memory, past sm86 / sm89's ~100 KB (an H100 / H200 has 228 KB)."""
+        return 32 if dtype == torch.float32 and head_dim > 128 else self.decode_block_n
+
     def write_kv(self, k, v, k_cache, v_cache, slots) -> None:
         t, kvh, d = k.shape
         _write_kv_kernel[(t,)](
@@ -303,9 +308,7 @@ class TritonAttentionBackend(AttentionBackend):
             BS=bs,
             G=g,
             BLOCK_G=max(16, triton.next_power_of_2(g)),
-            # float32 tiles of 256-wide heads at 64 tokens need ~150 KB of shared memory: past
-            # sm86 / sm89's ~100 KB (an H100 / H200 has 228 KB)
-            BLOCK_N=32 if q.dtype == torch.float32 and d > 128 else self.decode_block_n,
+            BLOCK_N=self.decode_tile(q.dtype, d),
             PART=PARTITION,
             IEEE=q.dtype == torch.float32,
         )
