@@ -1,22 +1,15 @@
 """Triton kernels under TRITON_INTERPRET=1 (on the CPU) against the PyTorch reference backend."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+from tests.executor import triton_setup  # first: TRITON_INTERPRET before triton decorates kernels
 
-pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
+DEV = triton_setup.DEV
 
 from pagedserve.executor.attention.backend import AttentionMetadata  # noqa: E402
 from pagedserve.executor.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagedserve.executor.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_batch(q_lens, ctx_lens, bs, heads, kv_heads, d, dtype, seed=0):

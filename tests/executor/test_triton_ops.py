@@ -3,22 +3,16 @@ TRITON_INTERPRET=1 on the CPU and compiled on a GPU (benchmarks/gpu_check.sh): o
 strided rows, float32 and bfloat16, the in-place contracts; and the dispatch that hands them
 to the model on CUDA."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+from tests.executor import triton_setup  # first: TRITON_INTERPRET before triton decorates kernels
 
-pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
+DEV, INTERPRETED = triton_setup.DEV, triton_setup.INTERPRETED
 
 from pagedserve.executor import ops  # noqa: E402
 from pagedserve.executor.ops import triton_ops  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -29,7 +23,6 @@ def rand(*shape, dtype, seed):
 
 # Triton's interpreter casts float32 to bfloat16 by truncation (compiled Triton rounds to
 # nearest even, as PyTorch): there each rounded intermediate may sit a step lower.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check(out, ref, dtype):
