@@ -151,3 +151,34 @@ def test_decode_tiles_must_divide_the_partition():
         out = TritonAttentionBackend(decode_block_n=bn).forward(qd, kd, vd, kcd, vcd, dm, 32**-0.5, window=100)
         ref = TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), meta, 32**-0.5, window=100)
         assert torch.isfinite(out).all() and (out.cpu() - ref).abs().max().item() < 1e-4
+
+
+def test_a_decode_tile_past_the_shared_memory_is_halved_and_remembered(monkeypatch):
+    """A GPU whose shared memory a tile overflows (Triton's OutOfResources at launch, as on an
+    sm86 card for float32 with a large query group): the tile halves until it fits, the
+    result is the same, and the next call starts from the tile that fit."""
+    from triton.runtime.errors import OutOfResources
+
+    from pagedserve.executor.attention import triton_backend as tb
+
+    tried = []
+
+    class TooBig:  # stands in for the kernel: refuses tiles over 16 tokens
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_N, **kw):
+                tried.append(BLOCK_N)
+                if BLOCK_N > 16:
+                    raise OutOfResources(BLOCK_N * 1000, 16000, "shared memory")
+                return real[grid](*args, BLOCK_N=BLOCK_N, **kw)
+
+            return launch
+
+    q, _, _, kc, vc, meta = make_batch([1, 1], [300, 40], 16, 4, 2, 32, torch.float32, seed=12)
+    args = (*to_dev(q, kc, vc, meta.block_tables, meta.seq_lens), 340, 32**-0.5)
+    ref = TritonAttentionBackend().decode(*args).cpu()  # the default tile, launched as usual
+    real = tb._decode_partial_kernel
+    monkeypatch.setattr(tb, "_decode_partial_kernel", TooBig())
+    be = TritonAttentionBackend()
+    for _ in range(2):
+        assert (be.decode(*args).cpu() - ref).abs().max().item() < 1e-5
+    assert tried == [64, 32, 16, 16]  # halved twice, then remembered

@@ -71,8 +71,8 @@ def test_rotary_on_the_q_and_k_heads_only(dtype, nq, nkv, d):
     ref_qk = ops.rotate_ref(heads[:, : nq + nkv], cos[:, None, :], sin[:, None, :])
     triton_ops.rotary_(qkv, cos, sin, nq, nkv, d)
     out = qkv.reshape(t, nq + 2 * nkv, d)
-    # With Triton's multiply-add fusion on, an H200 gave 2-3% of these outputs a step of the
-    # products off (a product's rounding fused away, fma.rn.bf16): the launches turn it off.
+    # An H200 gave 2-3% of these outputs a step of the products off with Triton's multiply-add
+    # fusion on (likely a product's rounding fused away, fma.rn.bf16): the launches turn it off.
     check(out[:, : nq + nkv], ref_qk, dtype)
     assert torch.equal(out[:, nq + nkv :].cpu(), heads[:, nq + nkv :].cpu())  # V untouched
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from pagedserve.executor.attention.backend import AttentionBackend, AttentionMetadata
 
@@ -263,11 +264,14 @@ class TritonAttentionBackend(AttentionBackend):
         if not (16 <= decode_block_n <= PARTITION and PARTITION % decode_block_n == 0):
             raise ValueError(f"decode_block_n={decode_block_n}: a power of two from 16 to {PARTITION}")
         self.block_m, self.block_n, self.decode_block_n = block_m, block_n, decode_block_n
+        self._decode_tiles: dict = {}  # (dtype, head_dim, group) -> the tile that fit this GPU
 
     def decode_tile(self, dtype: torch.dtype, head_dim: int) -> int:
-        """The decode kernel's key tile: float32 tiles of heads over 128 wide at 64 tokens need
-        ~150 KB of shared memory, past sm86 / sm89's ~100 KB (an H100 / H200 has 228 KB)."""
-        return 32 if dtype == torch.float32 and head_dim > 128 else self.decode_block_n
+        """The decode kernel's first key tile: float32 tiles of heads over 128 wide at 64 tokens
+        need ~150 KB of shared memory, past sm86 / sm89's ~100 KB (an H100 / H200 has 228 KB).
+        A launch that still runs out of shared memory (float32 with a large query group)
+        halves the tile down to 16 and remembers what fit (decode)."""
+        return min(32, self.decode_block_n) if dtype == torch.float32 and head_dim > 128 else self.decode_block_n
 
     def write_kv(self, k, v, k_cache, v_cache, slots) -> None:
         t, kvh, d = k.shape
@@ -287,31 +291,21 @@ class TritonAttentionBackend(AttentionBackend):
         m = torch.empty(n, h, parts, device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
         acc = torch.empty(n, h, parts, d, device=q.device, dtype=torch.float32)
-        _decode_partial_kernel[(n, kvh, parts)](
-            q.contiguous(),
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            m,
-            l,
-            acc,
-            scale,
-            block_tables.shape[1],
-            parts,
-            window or 0,
-            float(softcap or 0.0),
-            H=h,
-            KVH=kvh,
-            D=d,
-            DP=_dim_tile(d),
-            BS=bs,
-            G=g,
-            BLOCK_G=max(16, triton.next_power_of_2(g)),
-            BLOCK_N=self.decode_tile(q.dtype, d),
-            PART=PARTITION,
-            IEEE=q.dtype == torch.float32,
-        )
+        args = (q.contiguous(), k_cache, v_cache, block_tables, seq_lens, m, l, acc, scale,
+                block_tables.shape[1], parts, window or 0, float(softcap or 0.0))
+        consts = dict(H=h, KVH=kvh, D=d, DP=_dim_tile(d), BS=bs, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)),
+                      PART=PARTITION, IEEE=q.dtype == torch.float32)
+        key = (q.dtype, d, g)
+        tile = self._decode_tiles.get(key) or self.decode_tile(q.dtype, d)
+        while True:
+            try:
+                _decode_partial_kernel[(n, kvh, parts)](*args, BLOCK_N=tile, **consts)
+                break
+            except OutOfResources:  # this GPU's shared memory (float32 with a large query group)
+                if tile <= 16:
+                    raise
+                tile //= 2
+        self._decode_tiles[key] = tile
         out = torch.empty_like(q)
         _decode_reduce_kernel[(n, h)](
             m, l, acc, seq_lens, out, parts, H=h, D=d, DP=_dim_tile(d), PART=PARTITION, BLOCK_P=max(2, triton.next_power_of_2(parts))

@@ -15,10 +15,10 @@ Numerics follow the references' roundings: float32 inside, each value rounded to
 dtype where eager PyTorch rounds it (the residual sum, the normalized row before the weight,
 each rotary product, silu before the multiply). Reductions run in another order, so results
 agree to rounding, not to the bit (tests/executor/test_triton_ops.py). Every launch turns off
-Triton's multiply-add fusion (enable_fp_fusion=False, as the C++ module's -ffp-contract=off):
-with it, the compiler made each rotary product a bf16 multiply fused into the sum
-(fma.rn.bf16 in the sm90 PTX), dropping that product's rounding, and on an H200 2-3% of bf16
-rotary outputs differed from eager's by one bf16 step of the products.
+Triton's multiply-add fusion (LAUNCH_OPTIONS, as the C++ module's -ffp-contract=off): with it
+the compiler makes each rotary product a multiply fused into the sum (fma.rn.bf16 in the sm90
+PTX of Triton 3.9), dropping that product's rounding; the likely cause of an H200's (Triton
+3.6) 2-3% of bf16 rotary outputs a step of the products off eager's.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}  # every launch here (tests/executor/test_triton_compile.py)
 
 
 @triton.jit
@@ -95,7 +97,7 @@ def _norm(x, residual, weight, out, eps: float) -> None:
     res = residual if residual is not None else x
     _rms_norm_kernel[(x.shape[0],)](
         x, res, weight, out, n, x.stride(0), res.stride(0), out.stride(0), float(eps),
-        ADD=residual is not None, BLOCK=block, num_warps=min(16, max(4, block // 1024)), enable_fp_fusion=False,
+        ADD=residual is not None, BLOCK=block, num_warps=min(16, max(4, block // 1024)), **LAUNCH_OPTIONS,
     )
 
 
@@ -133,7 +135,7 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nk
     nrot = nq + nkv
     _rotary_kernel[(t,)](
         qkv, cos, sin, qkv.stride(0), nrot, D=d, HALF=d // 2, BLOCK_H=triton.next_power_of_2(nrot),
-        BLOCK_J=triton.next_power_of_2(d // 2), enable_fp_fusion=False,
+        BLOCK_J=triton.next_power_of_2(d // 2), **LAUNCH_OPTIONS,
     )
 
 
@@ -146,6 +148,6 @@ def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     out = torch.empty((gu.shape[0], inter), dtype=gu.dtype, device=gu.device)
     block = 1024
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
-        gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block, enable_fp_fusion=False
+        gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block, **LAUNCH_OPTIONS
     )
     return out
