@@ -26,8 +26,16 @@ def envelope(rid: str, obj: str, created: int, model: str, choices: list, usage_
     return out
 
 
+# Characters that JSON leaves raw (ensure_ascii=False) but that line splitters following
+# str.splitlines end a line at (httpx's iter_lines among them): escaped, so an event's data
+# stays one line whatever text the model writes (a random model's bytes gave U+0085 in a test).
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event: `data: ` + the object's JSON on one line (non-ASCII text kept as
+    UTF-8, except the characters some clients take for line breaks)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

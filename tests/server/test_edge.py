@@ -2,6 +2,7 @@
 disconnect watcher, error mapping and shapes, response pieces, admission."""
 
 import asyncio
+import json
 
 import pytest
 from fastapi import FastAPI
@@ -153,6 +154,11 @@ def test_response_pieces():
     assert env["id"] == "id1" and env["usage"]["total_tokens"] == 2
     assert "usage" not in envelope("id1", "text_completion", 5, "m", [])
     assert sse({"a": "é"}) == 'data: {"a": "é"}\n\n' and SSE_DONE == "data: [DONE]\n\n"
+    # text with characters str.splitlines breaks at (httpx's iter_lines does): still one line
+    text = "a\x85b\u2028c\u2029d\ne\r"
+    line = sse({"t": text})
+    assert line.splitlines() == [line[:-2], ""] and line.endswith("\n\n")
+    assert json.loads(line[len("data: ") :]) == {"t": text}
     assert finite_logprob(float("-inf")) == MIN_LOGPROB and finite_logprob(-1.5) == -1.5 and finite_logprob(None) is None
 
 
