@@ -6,7 +6,8 @@
 #    engine's features on CUDA (preemption, chunked prefill, prefix hits, speculation, LoRA,
 #    seeded sampling, logprobs: tests/e2e/test_gpu_engine.py);
 # 2) a random-weight Llama-3-8B-shaped model in bf16: decode tok/s at batch 1, 32, 256 with
-#    and without CUDA graphs, prefill tok/s, each against the measured roofline;
+#    and without CUDA graphs, prefill tok/s, each against the measured roofline; then
+#    benchmarks/gpu_profile.py's split of a decode step (gpu_profile.json / .log);
 # 3) with 2+ GPUs only (else it says it skipped): tensor parallelism over NCCL, TP=2 against
 #    one GPU, and its per-step communication cost (benchmarks/tp_comm.py).
 # Uses the machine's own torch / triton / transformers; needs nothing from a registry. A
@@ -34,6 +35,9 @@ timeout 240 $PY -m pytest -q -p no:cacheprovider --timeout 120 --durations 8 tes
 tests_rc=${PIPESTATUS[0]}
 timeout 220 $PY benchmarks/gpu_bench.py --out "$OUT/gpu_results.json" 2>&1 | tee -a "$OUT/gpu_check.log"
 bench_rc=${PIPESTATUS[0]}
+# where a decode step's time goes (kernel table, host profile, decode tile A/B): informative, no rc
+timeout 120 $PY benchmarks/gpu_profile.py --out "$OUT/gpu_profile.json" > "$OUT/gpu_profile.log" 2>&1
+grep -E '^\{' "$OUT/gpu_profile.log" | tee -a "$OUT/gpu_check.log"
 # 3) tensor parallelism (NCCL), only with 2+ GPUs: TP=2 against one GPU on tiny checkpoints,
 #    then the per-step communication cost of a random 8-head Llama at TP 1 and 2.
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
