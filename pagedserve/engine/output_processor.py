@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, raw_decoder
 from pagedserve.engine.input_processor import ProcessedRequest
 from pagedserve.messages import EngineCoreOutput, PositionLogprobs
 from pagedserve.outputs import (
@@ -86,6 +86,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._decode = raw_decoder(tokenizer) if tokenizer is not None else None  # tokenizer.decode's text
         self.parents: dict[str, ParentState] = {}
         self.child_to_seq: dict[str, tuple[ParentState, SeqState]] = {}
 
@@ -229,7 +230,7 @@ class OutputProcessor:
         for d in entries:
             for tid, lp in d.items():
                 if lp.decoded_token is None:
-                    lp.decoded_token = self.tokenizer.decode([tid])
+                    lp.decoded_token = self._decode([tid])
         return entries
 
     def _text(self, seq: SeqState, finished: bool, delta: bool) -> str:
@@ -237,9 +238,7 @@ class OutputProcessor:
             if not finished or self.tokenizer is None:
                 return ""
             if not seq.text:
-                seq.text = self.tokenizer.decode(
-                    seq.token_ids, skip_special_tokens=seq.params.skip_special_tokens
-                )
+                seq.text = self._decode(seq.token_ids, skip_special_tokens=seq.params.skip_special_tokens)
             return seq.text
         if delta:
             return seq.detok.next_delta(finished)

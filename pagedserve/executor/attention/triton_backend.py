@@ -9,8 +9,8 @@ Kernels:
     kernel merges the partitions. Both products are tl.dot on the tensor cores, the group
     padded to 16 rows (tl.dot's smallest side; the padding rows are zeros, never stored):
     the earlier broadcast-and-sum in registers took 8.7x its K/V bytes' time on an H200 at
-    batch 256, this 1.45x (BENCHMARKS section 7). Partitions past a sequence's length exit at once, so
-    the grid can be fixed (CUDA graphs).
+    batch 256, this 1.45x (BENCHMARKS section 7). Partitions past a sequence's length exit
+    at once, so the grid can be fixed (CUDA graphs).
   * prefill: chunks over a cached prefix, flash-attention style with tl.dot (tensor
     cores): grid (query block, query head, sequence); keys come from the paged cache (the
     chunk's own K/V were written first), with the causal mask offset by the context length.
@@ -21,8 +21,8 @@ running maximum that is still -inf (a row with no visible key yet) is taken as 0
 masked tile adds nothing instead of NaN.
 Any head dimension works: the kernels take it as a tile of DP lanes (a power of two, at least
 16, the compiled kernels' rule; the interpreter does not enforce it) with the lanes past it
-masked. Keys are addressed per token (block_table[pos // bs] * bs + pos % bs), so any block size
-works with any tile size. Checked on the CPU under TRITON_INTERPRET=1 against the
+masked. Keys are addressed per token (block_table[pos // bs] * bs + pos % bs), so any block
+size works with any tile size. Checked on the CPU under TRITON_INTERPRET=1 against the
 PyTorch backend (tests/executor/test_triton_backend.py).
 """
 
@@ -308,7 +308,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode_tiles[key] = tile
         out = torch.empty_like(q)
         _decode_reduce_kernel[(n, h)](
-            m, l, acc, seq_lens, out, parts, H=h, D=d, DP=_dim_tile(d), PART=PARTITION, BLOCK_P=max(2, triton.next_power_of_2(parts))
+            m, l, acc, seq_lens, out, parts, H=h, D=d, DP=consts["DP"], PART=PARTITION,
+            BLOCK_P=max(2, triton.next_power_of_2(parts)),
         )
         return out
 

@@ -5,8 +5,8 @@ executor/cpp_build.py, like the attention kernel (-march=native so the compiler
 vectorizes for the ISA this CPU has); without a compiler or with
 PAGEDSERVE_NO_CPP_KERNELS=1 each op runs its PyTorch reference, which is what the
 model ran before (transformers' numerics). CUDA tensors get the Triton versions of the
-layer ops (triton_ops.py, through layer_kernels_for); the other ops' references run there. tests/executor/test_ops.py checks each kernel against
-its reference.
+layer ops (triton_ops.py, through layer_kernels_for); the other ops' references run there.
+tests/executor/test_ops.py checks each kernel against its reference.
 
 All ops take and return tensors of the model dtype (float32 or bfloat16 for the kernels).
 """
