@@ -8,10 +8,11 @@
 # 2) a random-weight Llama-3-8B-shaped model in bf16: decode tok/s at batch 1, 32, 256 with
 #    and without CUDA graphs, prefill tok/s, each against the measured roofline; then
 #    benchmarks/gpu_profile.py's split of a decode step (gpu_profile.json / .log);
+# 2b) the same model served over HTTP against LLM.generate (gpu_serve.json);
 # 3) with 2+ GPUs only (else it says it skipped): tensor parallelism over NCCL, TP=2 against
 #    one GPU, and its per-step communication cost (benchmarks/tp_comm.py).
 # Uses the machine's own torch / triton / transformers; needs nothing from a registry. A
-# dependency that machine lacks (pyzmq) travels as a wheel in .whl/ (the device tool's README).
+# dependency that machine lacks (pyzmq; the server's extras) travels as a wheel in .whl/ (the device tool's README).
 # The CPU kernels are not built there (PAGEDSERVE_NO_CPP_KERNELS): CUDA tensors never use them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,19 @@ bench_rc=${PIPESTATUS[0]}
 # where a decode step's time goes (kernel table, host profile, decode tile A/B): informative, no rc
 timeout 120 $PY benchmarks/gpu_profile.py --out "$OUT/gpu_profile.json" > "$OUT/gpu_profile.log" 2>&1
 grep -E '^\{' "$OUT/gpu_profile.log" | tee -a "$OUT/gpu_check.log"
+# 2b) served: the same 8B-shaped model behind `pagedserve serve` (HTTP, streaming, the engine core
+#     in its own process), 512 requests of 256 prompt tokens and 128 output tokens all at once, against
+#     the same workload through LLM.generate in one process (the server's ceiling). Needs the server's
+#     extras (fastapi, uvicorn, pydantic: carried in .whl/ where the image lacks them).
+if $PY -c "import fastapi, uvicorn, pydantic" 2>/dev/null; then
+  mdir=$($PY -c "from benchmarks.gpu_bench import model_dir, LLAMA3_8B; print(model_dir(LLAMA3_8B))")
+  timeout 240 $PY -m pagedserve.bench.serve --launch "$mdir" --dtype bfloat16 --server-arg=--load-format=dummy \
+    --compare-offline --num-requests 512 --input-len 256 256 --output-len 128 128 --max-num-seqs 256 \
+    --output-json "$OUT/gpu_serve.json" > "$OUT/gpu_serve.log" 2>&1
+  echo "serve rc=$? $(tail -c 1500 "$OUT/gpu_serve.log")" | tee -a "$OUT/gpu_check.log"
+else
+  echo "== served: skipped (no fastapi/uvicorn/pydantic) ==" | tee -a "$OUT/gpu_check.log"
+fi
 # 3) tensor parallelism (NCCL), only with 2+ GPUs: TP=2 against one GPU on tiny checkpoints,
 #    then the per-step communication cost of a random 8-head Llama at TP 1 and 2.
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)

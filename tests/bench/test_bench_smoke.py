@@ -143,17 +143,24 @@ def test_forward_profile_smoke(checkpoint, capsys):
 
 
 def test_serve_bench_compares_static(checkpoint, tmp_path, capsys):
+    """Against the static scheduler and LLM.generate, on a directory without weights: both the
+    server and the offline run must take --load-format=dummy (gpu_check.sh serves an 8B shape so)."""
+    import shutil
+
     from pagedserve.bench import serve
 
+    weightless = tmp_path / "weightless"
+    shutil.copytree(checkpoint("llama"), weightless, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
     serve.main(
         [
             "--launch",
-            checkpoint("llama"),
+            str(weightless),
             "--dtype",
             "float32",
             "--compare-static",
             "--compare-offline",
             "--server-arg=--num-kv-blocks=256",  # not the 2 GiB default, committed at start
+            "--server-arg=--load-format=dummy",
             "--max-concurrency",
             "6",
             "--max-num-seqs",
