@@ -20,6 +20,7 @@ import asyncio
 import json
 import random
 import time
+from collections import Counter
 
 from pagedserve.bench.workload import add_workload_args, make_workload
 
@@ -119,6 +120,7 @@ def summarize(load: dict, slo_ttft: float, slo_tpot: float) -> dict:
     return {
         "completed": len(ok),
         "failed": len(load["results"]) - len(ok),
+        "failed_by_status": dict(Counter(str(r["status"]) for r in load["results"] if not r["ok"])),
         "duration_s": round(dur, 2),
         "request_throughput": round(len(ok) / dur, 3),
         "output_tok_s": round(sum(r["tokens"] for r in ok) / dur, 1),

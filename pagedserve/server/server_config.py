@@ -32,7 +32,9 @@ class ServerConfig:
     body_timeout: float = setting(
         30.0, "answer 408 to a request whose body has not fully arrived this many seconds after its headers"
     )
-    max_pending_bodies: int = setting(256, "requests whose bodies are still arriving at once (503 beyond)")
+    max_pending_bodies: int = setting(
+        256, "requests whose bodies are still arriving at once (beyond: a new one waits up to 5 s for a slot, then 503)"
+    )
     request_timeout: float | None = setting(
         None,
         "abort a request (queued or running) after this many seconds, freeing its KV blocks (504); "
