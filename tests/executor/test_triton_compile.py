@@ -27,6 +27,7 @@ def cases():
     from triton.backends.compiler import GPUTarget
 
     from pagedserve.executor.attention import triton_backend as tb
+    from pagedserve.executor.ops import triton_moe as tm
     from pagedserve.executor.ops import triton_ops as to
 
     sm90, sm86 = GPUTarget("cuda", 90, 32), GPUTarget("cuda", 86, 32)
@@ -67,6 +68,13 @@ def cases():
             (f"silu_and_mul {dt}", to._silu_mul_kernel, {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "inter": "i32",
              "sg": "i32", "so": "i32"}, dict(BLOCK=1024), sm90, nofuse),
         ]
+        moe_sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "c_ptr": f"*{dt}", "pairs_ptr": "*i64",
+                   "block_expert_ptr": "*i64", "used_ptr": "*i64", "num_pairs": "i32", "N": "i32", "K": "i32",
+                   "sa": "i32", "sbe": "i32", "sbn": "i32", "sc": "i32"}
+        for bm in (16, 64):  # decode's and prefill's blocks of rows, with grouped_mm's tiles
+            moe = dict(ROW_DIV=2, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=32 if ieee else 64, IEEE=ieee)
+            for target in (sm90, sm86) if ieee else (sm90,):
+                out.append((f"moe {dt} m{bm} sm{target.arch}", tm._grouped_mm_kernel, moe_sig, moe, target, nofuse))
     return out
 
 
@@ -100,8 +108,8 @@ def test_every_triton_kernel_compiles_for_nvidia_targets():
         pytest.skip("this Triton build cannot assemble for NVIDIA targets")
     assert [r for r in rows if r["error"]] == []
     assert [r["name"] for r in rows if r["shared"] > SM86_SHARED] == []  # sm86 / sm89: 99 KB a block
-    # the layer ops keep eager's roundings (the attention kernels' dots use FMAs by design)
-    assert [r["name"] for r in rows if r["fma"] and not r["name"].startswith(("decode", "prefill", "reduce"))] == []
+    # the layer ops keep eager's roundings (the attention and MoE kernels' dots use FMAs by design)
+    assert [r["name"] for r in rows if r["fma"] and not r["name"].startswith(("decode", "prefill", "reduce", "moe"))] == []
     assert len(rows) == len(cases())  # every case ran
 
 

@@ -8,7 +8,9 @@ adds a shared expert (a dense MLP) under a sigmoid gate.
 Experts are stacked per layer: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
 A step's (token, choice) pairs are sorted by expert, so each active expert runs one pair of
 products over all of its tokens: its weights are read once per step, idle experts not at
-all, and nothing is computed for an expert a token did not choose.
+all, and nothing is computed for an expert a token did not choose. On CUDA the same in
+Triton with fixed shapes (ops/triton_moe.py), which CUDA graphs capture: the CPU path reads
+each expert's row count on the host.
 
 Tensor parallelism: within experts (each rank holds every expert's 1/N slice of I, as a
 dense MLP is split; the router is replicated), so every rank does the same share of every
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.executor import ops
 from pagedserve.executor.distributed import sharding
 from pagedserve.executor.distributed.parallel_state import tp_all_reduce
 from pagedserve.executor.distributed.sharding import TPLayout
@@ -140,6 +143,10 @@ class FusedExperts(nn.Module):
         """x [T, H], the routing weights and expert ids [T, k] -> sum_j weights[t, j] *
         expert_{ids[t, j]}(x[t]), [T, H]."""
         k = ids.shape[1]
+        moe_kernels = ops.moe_kernels_for(x) if self.q13 is None and self.w13.numel() else None
+        if moe_kernels is not None:  # CUDA: fixed shapes, no host reads (CUDA graphs)
+            ys = moe_kernels.experts(x, self.w13, self.w2, ids, lambda gu: act_and_mul(gu, kern))
+            return self._weighted_sum(ys, weights, x.dtype)
         if x.shape[0] == 1 and self.b13 is None:  # batch-1 decode: no sort or gathers, the same sums
             pairs = torch.cat([self._expert(e, x, kern) for e in ids[0].tolist()]).view(1, k, -1)
             return self._weighted_sum(pairs, weights, x.dtype)

@@ -85,6 +85,21 @@ def layer_kernels_for(t: torch.Tensor):
     return kernels_for(t)
 
 
+@functools.cache
+def _triton_moe():
+    try:
+        from pagedserve.executor.ops import triton_moe
+    except ImportError:
+        return None
+    return triton_moe
+
+
+def moe_kernels_for(t: torch.Tensor):
+    """The Triton MoE products (triton_moe.py: fixed shapes, so CUDA graphs capture them) for
+    a CUDA tensor where Triton is installed, else None (models/moe.py's own path)."""
+    return _triton_moe() if t.device.type == "cuda" else None
+
+
 # ---- references (transformers' order of operations) --------------------------------------
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
