@@ -177,6 +177,9 @@ class ModelRunner:
         if self.kv_layout.num_groups > 1:  # graphs replay one block table
             logger.info("CUDA graphs off: %d KV cache groups", self.kv_layout.num_groups)
             return
+        if not getattr(self.model, "cuda_graph_safe", True):
+            logger.info("CUDA graphs off: %s reads step data on the host", type(self.model).__name__)
+            return
         from pagedserve.executor.cuda_graphs import CudaGraphRunner, capture_sizes
 
         max_blocks = -(-max_model_len // self.block_size)

@@ -63,3 +63,16 @@ def test_length_dependent_scalings_follow_each_request(name):
         torch.testing.assert_close(cos[i, 0], emb.cos() * attn, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(sin[i, 0], emb.sin() * attn, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(short_inv, long_inv)
+
+
+@pytest.mark.parametrize("name", ["longrope", "dynamic", "llama3"])
+def test_only_dynamic_ntk_keeps_a_model_out_of_cuda_graphs(name):
+    """Dynamic NTK reads the step's request lengths on the host (a table per length): the
+    runner then leaves CUDA graphs off. LongRoPE's choice is a device-side `where`."""
+    from pagedserve.executor.attention.torch_backend import TorchAttentionBackend
+    from pagedserve.executor.models.llama import LlamaForCausalLM
+
+    _, ours, kind = configs(name)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ours, TorchAttentionBackend())
+    assert model.cuda_graph_safe == (kind != "dynamic")

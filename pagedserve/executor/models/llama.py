@@ -231,11 +231,18 @@ class LlamaForCausalLM(nn.Module):
             if rot is not None:
                 rot.reset_buffers(device)
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """False where a step reads data on the host (dynamic NTK rope: one frequency table
+        per distinct request length), so CUDA graphs cannot capture it."""
+        return not any(r is not None and r.kind == "dynamic" for r in (self.rotary, self.rotary_local))
+
     def _cos_sin(self, positions, dtype, meta: AttentionMetadata):
         seq_lens = None
         if self.rotary.needs_seq_lens:  # each token's request length (LongRoPE, dynamic NTK)
             q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-            seq_lens = torch.repeat_interleave(meta.seq_lens, q_lens)
+            # output_size: no device-to-host read of the total (CUDA graphs capture the step)
+            seq_lens = torch.repeat_interleave(meta.seq_lens, q_lens, output_size=positions.shape[0])
         out = [self.rotary.cos_sin(positions, dtype, seq_lens)]
         if self.rotary_local is not None:
             out.append(self.rotary_local.cos_sin(positions, dtype))
