@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -147,5 +148,11 @@ def build_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, **overrid
 def load_hf(model_dir: str, dtype=torch.float32):
     import transformers
 
-    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    # Attention scores with a soft cap (Gemma 2) need the eager attention: transformers 5.17
+    # picked sdpa by default and silently dropped the cap (other greedy tokens on an H200),
+    # 5.25 refuses the pair
+    with open(os.path.join(model_dir, "config.json")) as f:
+        softcap = json.load(f).get("attn_logit_softcapping")
+    kw = {"attn_implementation": "eager"} if softcap else {}
+    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
     return m.eval()
