@@ -31,7 +31,7 @@ fi
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/gpu_check.log"
 timeout 240 $PY -m pytest -q -p no:cacheprovider --timeout 120 --durations 8 tests/executor/test_triton_backend.py \
-  tests/executor/test_triton_ops.py tests/executor/test_gpu.py tests/executor/test_cuda_graphs.py \
+  tests/executor/test_triton_ops.py tests/executor/test_triton_moe.py tests/executor/test_gpu.py tests/executor/test_cuda_graphs.py \
   tests/e2e/test_gpu_engine.py 2>&1 | tee -a "$OUT/gpu_check.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 220 $PY benchmarks/gpu_bench.py --out "$OUT/gpu_results.json" 2>&1 | tee -a "$OUT/gpu_check.log"
