@@ -39,13 +39,17 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
 
 @dataclass
 class DecodeBuffers:
-    """Static inputs of the captured graphs (views of the first `size` rows are used)."""
+    """Static inputs of the captured graphs (views of the first `size` rows are used).
+    Invariant: every tensor a graph reads lives as long as the graph (a replay reads the
+    addresses captured: a temporary freed after capture is read as whatever took its place;
+    a freed query_start_loc once made Phi-3's per-token lengths garbage on an H200)."""
 
     input_ids: torch.Tensor  # [max_size]
     positions: torch.Tensor  # [max_size]
     slot_mapping: torch.Tensor  # [max_size]
     block_tables: torch.Tensor  # [max_size, max_blocks_per_seq]
     seq_lens: torch.Tensor  # [max_size]
+    query_start_loc: torch.Tensor  # [max_size + 1]: 0, 1, 2, ... (one token per request), constant
 
     @classmethod
     def allocate(cls, max_size: int, max_blocks: int, device) -> DecodeBuffers:
@@ -56,6 +60,7 @@ class DecodeBuffers:
             z(max_size),
             z(max_size, max_blocks),
             torch.ones(max_size, dtype=torch.int64, device=device),
+            torch.arange(max_size + 1, dtype=torch.int64, device=device),
         )
 
     def fill(self, input_ids, positions, slot_mapping, block_tables, seq_lens, size: int) -> None:
@@ -78,7 +83,7 @@ class DecodeBuffers:
         return AttentionMetadata(
             num_reqs=size,
             num_decodes=size,
-            query_start_loc=torch.arange(size + 1, device=self.input_ids.device),
+            query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size],
             slot_mapping=self.slot_mapping[:size],
@@ -103,13 +108,14 @@ class CudaGraphRunner:
         self.bufs = DecodeBuffers.allocate(self.sizes[-1], max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.metas: dict[int, AttentionMetadata] = {}  # kept: a backend caches tensors in them
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         b = self.bufs
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
-            meta = b.metadata(size, self.max_model_len)
+            meta = self.metas[size] = b.metadata(size, self.max_model_len)
             args = (b.input_ids[:size], b.positions[:size], self.kv_caches, meta)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

@@ -71,6 +71,18 @@ def test_buffers_pad_with_null_slot_rows():
     assert b.block_tables[0].tolist() == [1, 0, 0, 0, 0, 0] and b.seq_lens[:2].tolist() == [2, 1]
 
 
+def test_graph_metadata_is_views_of_the_buffers():
+    """A replay reads the addresses captured: every tensor of a graph's metadata must be a view
+    of the runner's buffers (a temporary query_start_loc, freed after capture, was read as
+    garbage on an H200: Phi-3's per-token lengths, a device-side assert)."""
+    b = DecodeBuffers.allocate(8, 6, "cpu")
+    meta = b.metadata(4, 256)
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        t, buf = getattr(meta, name), getattr(b, name)
+        assert t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(), name
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
 @torch.inference_mode()
 def test_padded_decode_gives_the_real_rows_exactly(checkpoint):
     path = checkpoint("llama")

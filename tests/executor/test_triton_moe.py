@@ -77,4 +77,5 @@ def test_experts_in_bfloat16_round_like_f_linear():
 def F_mlp(x, w13, w2):
     import torch.nn.functional as F
 
-    return F.linear(act_and_mul(F.linear(x[None].float(), w13.float()).bfloat16()), w2.float()).bfloat16()[0]
+    h = act_and_mul(F.linear(x[None].float(), w13.float()).bfloat16())  # each product rounded once
+    return F.linear(h.float(), w2.float()).bfloat16()[0]
