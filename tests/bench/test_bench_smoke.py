@@ -361,3 +361,17 @@ def test_gpu_check_names_files_that_exist():
     paths = set(re.findall(r"\b((?:tests|benchmarks)/[\w/.-]+\.(?:py|sh))", script))
     assert "tests/e2e/test_gpu_engine.py" in paths and "benchmarks/gpu_bench.py" in paths
     assert [p for p in sorted(paths) if not (root / p).is_file()] == []
+
+
+def test_pyspy_summary_counts_inclusive_and_self_samples():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "pyspy_summary.py"
+    spec = importlib.util.spec_from_file_location("pyspy_summary", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lines = ["main (a/x.py:1);step (b/y.py:2);sample (b/y.py:9) 3\n", "main (a/x.py:1);idle (a/x.py:5) 1\n", "\n"]
+    total, inclusive, own = mod.summarize(lines)
+    assert total == 4 and inclusive["main x.py:1"] == 4 and inclusive["step y.py:2"] == 3
+    assert own == {"sample y.py:9": 3, "idle x.py:5": 1}

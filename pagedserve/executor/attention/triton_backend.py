@@ -24,6 +24,11 @@ Any head dimension works: the kernels take it as a tile of DP lanes (a power of 
 masked. Keys are addressed per token (block_table[pos // bs] * bs + pos % bs), so any block
 size works with any tile size. Checked on the CPU under TRITON_INTERPRET=1 against the
 PyTorch backend (tests/executor/test_triton_backend.py).
+Integer arguments that change from step to step (block-table width, partition count, first
+request) are `do_not_specialize`: Triton otherwise compiles a variant per value class (1,
+multiple of 16, other), each a compile of a second or more the first time a server's step
+meets it (a served burst on an H200 ran 24% slower cold than warm; not yet measured apart
+from the other warm-up costs).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ROW: tl.constexpr, 
     tl.store(vc_ptr + slot * ROW + offs, tl.load(v_ptr + t * ROW + offs, mask=m), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks", "num_parts"])  # per-step values: no recompile per value class
 def _decode_partial_kernel(
     q_ptr,
     kc_ptr,
@@ -135,7 +140,7 @@ def _decode_partial_kernel(
         tl.store(acc_ptr + base[:, None] * D + d[None, :], acc, mask=qm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])  # per-step values: no recompile per value class
 def _decode_reduce_kernel(
     m_ptr,
     l_ptr,
@@ -166,7 +171,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + (seq * H + h) * D + d, out.to(out_ptr.dtype.element_ty), mask=dm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks", "first_req"])  # per-step values: no recompile per value class
 def _prefill_kernel(
     q_ptr,
     kc_ptr,

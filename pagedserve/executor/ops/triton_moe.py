@@ -55,7 +55,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return pairs, block_expert, ends[-1:]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # T * k varies per step
 def _grouped_mm_kernel(
     a_ptr, b_ptr, c_ptr, pairs_ptr, block_expert_ptr, used_ptr,
     num_pairs, N, K, sa, sbe, sbn, sc,
