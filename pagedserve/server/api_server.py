@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -300,5 +301,11 @@ def serve(args) -> int:
     # uvicorn stops on SIGTERM, then restores the previous handler and re-raises the
     # signal; a no-op handler here turns that graceful stop into exit status 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # Everything alive now (torch, transformers, the app: ~340k objects) never becomes garbage:
+    # out of the cyclic collector's view, its full collections stop walking it while streams
+    # run (a 256-stream burst: 0.6 s of full collections, pauses up to 0.43 s, before; vLLM
+    # freezes its server's heap too). The engine core's process freezes its own (EngineCore).
+    gc.collect()
+    gc.freeze()
     server.run()
     return 1 if server.engine_died else 0
