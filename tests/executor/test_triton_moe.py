@@ -61,6 +61,12 @@ def test_experts_match_the_cpu_path(t, k, e, h, i):
     torch.testing.assert_close(got.cpu(), reference(x, w13, w2, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_no_rows_give_no_outputs():
+    w13, w2 = torch.randn(4, 32, 16, device=DEV), torch.randn(4, 16, 16, device=DEV)
+    ids = torch.empty((0, 2), dtype=torch.long, device=DEV)
+    assert triton_moe.experts(torch.empty((0, 16), device=DEV), w13, w2, ids, act_and_mul).shape == (0, 2, 16)
+
+
 @pytest.mark.skipif(triton_setup.INTERPRETED, reason="the interpreter's bf16 tl.dot is wrong (bf16 checked on a GPU)")
 def test_experts_in_bfloat16_round_like_f_linear():
     g = torch.Generator().manual_seed(5)

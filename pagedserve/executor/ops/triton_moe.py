@@ -113,6 +113,8 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Ten
     output of each token's k chosen experts, w2 @ act(w13 @ x) with `act` [rows, 2I] -> [rows, I]."""
     t, k = ids.shape
     e = w13.shape[0]
+    if t == 0:  # no rows (a pooling step's kept rows can be none): no launch of an empty grid
+        return x.new_empty((0, k, w2.shape[1]))
     bm = block_m_for(t * k, e)
     pairs, block_expert, used = align(ids, e, bm)
     gate_up = grouped_mm(x, w13, pairs, block_expert, used, k, t * k, bm)
