@@ -53,6 +53,20 @@ def requantized(src_path: str, out: str, qtype) -> str:
     return out
 
 
+def without_q5_copies(qlinear):
+    """qlinear of a module from before Q5_0 / Q5_1 had row-interleaved copies (it refuses them):
+    their segments' copies left out, so it runs its packed kernels on them."""
+    import torch
+
+    q5 = (int(gguf.GGMLQuantizationType.Q5_0), int(gguf.GGMLQuantizationType.Q5_1))
+
+    def op(x, ws, types, cols, n, bias, act_q8, rows16):
+        rows16 = [torch.empty(0, dtype=torch.uint8) if t in q5 else r for t, r in zip(types, rows16)]
+        return qlinear(x, ws, types, cols, n, bias, act_q8, rows16)
+
+    return op
+
+
 def decode_rates(path: str, dtype: str, mods: dict, tokens: int, rounds: int) -> dict:
     from pagedserve import LLM, SamplingParams
     from pagedserve.executor.quant.layers import QuantLinear
@@ -66,7 +80,7 @@ def decode_rates(path: str, dtype: str, mods: dict, tokens: int, rounds: int) ->
     for _ in range(rounds):
         for name, mod in mods.items():
             for q in layers:
-                q._op = mod.qlinear
+                q._op = mod.qlinear if name == "new" else without_q5_copies(mod.qlinear)
             llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm
             t = time.perf_counter()
             o = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]

@@ -436,7 +436,7 @@ def test_amx_refusal_falls_back_with_a_log_line(caplog):
 # ---- the AVX-512 few-row kernel on row-interleaved copies (csrc/quant_rows16.h) ----
 HAVE_AVX512 = HAVE_KERNELS and "avx512" in kernels.available_isas()
 needs_avx512 = pytest.mark.skipif(not HAVE_AVX512, reason="this CPU lacks avx512 (the interleaved kernel's ISA)")
-ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # the K-quants: the bf16 kernel only
 K_QUANT_COPIES = {Q.Q4_K: (144, 148), Q.Q5_K: (176, 276), Q.Q6_K: (210, 274)}  # a row's super-block -> its copy's bytes
 
@@ -585,7 +585,8 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
 def test_interleaved_copies_only_where_they_apply():
     k = 64
     assert kernels.interleave_rows16(torch.from_numpy(random_packed(Q.Q4_1, 40, k)), int(Q.Q4_1), k) is None  # 40 rows
-    assert kernels.interleave_rows16(torch.from_numpy(random_packed(Q.Q5_0, 32, k)), int(Q.Q5_0), k) is None  # type
+    f16_rows = torch.randn(32, k, generator=torch.Generator().manual_seed(0)).half().view(torch.uint8)
+    assert kernels.interleave_rows16(f16_rows, int(Q.F16), k) is None  # type
     # below AVX-512 the packed rows' kernel runs even when a copy is given: its own bits
     raw = torch.from_numpy(random_packed(Q.Q4_1, 32, k))
     wi = kernels.interleave_rows16(raw, int(Q.Q4_1), k)

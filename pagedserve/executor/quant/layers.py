@@ -98,7 +98,7 @@ class QuantLinear(nn.Module):
         return True
 
     def attach_rows16(self, bf16: bool = False, budget: CopyBudget | None = None) -> bool:
-        """Keep beside each Q4_0 / Q4_1 / Q8_0 segment (and with `bf16`, a bfloat16 model's,
+        """Keep beside each Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 segment (and with `bf16`, a bfloat16 model's,
         each Q4_K / Q5_K / Q6_K one, which only the bf16 kernel reads) its row-interleaved copy,
         which the AVX-512 few-row products (decode at batch 1-11 in float32, 1-8 in bf16;
         verification rows) read at ~2x the packed rows' kernel (BENCHMARKS sections 39, 44; the

@@ -16,7 +16,7 @@
 //       out[:, col0:col0+N] = x @ dequant(w).T
 //     few rows (M < prefill_rows): every packed row is read once for all M activation rows,
 //     OpenMP (at::parallel_for) over output rows; on AVX-512 with a row-interleaved copy of
-//     Q4_0 / Q4_1 / Q8_0 rows (interleave_rows16, quant_rows16.h: 16 rows' blocks side by
+//     Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows (interleave_rows16, quant_rows16.h: 16 rows' blocks side by
 //     side) the copy's kernel instead, ~2x, over groups of 16 output rows (a bf16 model's
 //     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps; the
 //     K-quants' copies (Q4_K, Q5_K, Q6_K) for it alone);
@@ -133,7 +133,7 @@ ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace avx512 {
 #include "quant_avx512.h"
 }  // namespace avx512
-// few-row products on row-interleaved Q4_0 / Q4_1 / Q8_0 weights (quant_rows16.h), same target
+// few-row products on row-interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights (quant_rows16.h), same target
 namespace avx512_rows16 {
 #include "quant_rows16.h"
 }  // namespace avx512_rows16
@@ -464,7 +464,9 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
 }
 
 // The types quant_rows16.h's float kernel reads; the bf16 one (quant_rows16_bf16.h) Q4_K too
-static bool rows16_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+static bool rows16_type(int64_t type) {
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0;
+}
 static bool rows16_bf16_type(int64_t type) {
   return rows16_type(type) || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
@@ -650,8 +652,8 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
     xp.resize(M * K / 2);
     avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data());
   }
-  float* sums = nullptr;  // Q4_1's, Q4_K's and Q5_K's block sums of the activations
-  if (type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K) {
+  float* sums = nullptr;  // Q4_1's, Q5_1's, Q4_K's and Q5_K's block sums of the activations
+  if (type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K) {
     xs.resize(M * (K / 32));
     sums = xs.data();
     avx512_bf16::group_sums(X, K, 32, 0, M, sums);
@@ -680,7 +682,7 @@ void gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out
   TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
   const bool interleaved = wi.has_value() && wi->defined();
   TORCH_CHECK(!interleaved || rows16_usable(wi, w, type, true),
-              "wi: w's interleave_rows16 copy (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K, rows a multiple of 16)");
+              "wi: w's interleave_rows16 copy (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K, rows a multiple of 16)");
   TORCH_CHECK(!(interleaved && onednn), "wi and onednn exclude each other");
   if (M == 0 || N == 0) return;
   ++g_bf16_calls[interleaved ? 2 : onednn ? 1 : 0];

@@ -1,5 +1,5 @@
 // AVX-512 few-row products (decode at batch 1-11, speculative verification rows) on a
-// row-interleaved copy of Q4_0 / Q4_1 / Q8_0 weights. Included once by quant_kernels.cpp inside
+// row-interleaved copy of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights. Included once by quant_kernels.cpp inside
 // namespace avx512_rows16 within the AVX-512 target region (the block structs, GemmArgs and the
 // type codes are the file's). No include guard on purpose.
 //
@@ -17,10 +17,18 @@
 //   Q8_0: 32 x 16 bytes, byte [j][r] = row r's qs[j].
 // Numerics, per output row and block: lo = sum_{j < 16} q[j] x[j] and hi = sum_{j < 16} q[j + 16]
 // x[j + 16] (float FMAs in j order), acc += (lo + hi) * d, then acc += m * sum(x of the block)
-// for Q4_1; the quants exactly as the packed kernels take them (Q4_0's minus 8). A row's bits
+// for Q4_1 / Q5_1; the quants exactly as the packed kernels take them (Q4_0's minus 8, Q5_0's
+// minus 16). A row's bits
 // do not depend on the number of rows or groups computed with it (so a k-token verification
 // computes what 1-row decode steps do); they differ from the packed rows' kernel's, which sums
 // in another order. (The chunk layout of section 46 left these sums and their order as they were.)
+
+// Q5_0 / Q5_1: d[16] | m[16] (Q5_1 only) | the fifth bits as 8 masks of 64 bits | Q4's 4 chunks
+// of the low nibbles. Mask 2 c + n (n = 0: the chunk's low nibbles, 1: its high ones) has bit
+// b set where the element in that nibble of chunk c's byte b has its fifth bit (bit e of the
+// row's qh). The same bytes as the 16 rows' blocks (352 / 384). The kernels look each nibble up
+// in one of two tables, chosen by the mask (vpshufb under a mask): 0 .. 15 and 16 .. 31 (Q5_0:
+// minus 16), so a 5-bit quant costs one masked lookup more than a 4-bit one.
 
 // Q4_K (the bf16 kernel only, quant_rows16_bf16.h), per (group of 16 rows, super-block of 256
 // along K): d[16] (fp16) | dmin[16] (fp16) | sc[8][16] | m[8][16] (each sub-block's 6-bit scale
@@ -44,12 +52,21 @@ static inline int64_t rows16_block_bytes(int type) {
     case T_Q4_0: return 16 * (int64_t)sizeof(bq4_0);
     case T_Q4_1: return 16 * (int64_t)sizeof(bq4_1);
     case T_Q8_0: return 16 * (int64_t)sizeof(bq8_0);
+    case T_Q5_0: return 16 * (int64_t)sizeof(bq5_0);
+    case T_Q5_1: return 16 * (int64_t)sizeof(bq5_1);
     case T_Q4_K: return Q4K_HDR + 8 * Q4K_SUB;  // a super-block
     case T_Q6_K: return Q6K_HDR + 16 * Q6K_SUB;
     case T_Q5_K: return Q4K_HDR + 8 * Q5K_SUB;
     default: return 0;
   }
 }
+
+// Where a 32-element block type's parts lie in the copy: its scales (d, then Q4_1's / Q5_1's m),
+// Q5's masks, the quants
+constexpr bool rows16_has_min(int type) { return type == T_Q4_1 || type == T_Q5_1; }
+constexpr bool rows16_q5(int type) { return type == T_Q5_0 || type == T_Q5_1; }
+constexpr int64_t rows16_scales_bytes(int type) { return rows16_has_min(type) ? 64 : 32; }
+constexpr int64_t rows16_quants_at(int type) { return rows16_scales_bytes(type) + (rows16_q5(type) ? 64 : 0); }
 
 // Element e (0 .. 31) of a packed Q4_0 / Q4_1 block's quants qs[16]: its nibble
 static inline uint8_t q4_nibble(const uint8_t* qs, int64_t e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
@@ -121,41 +138,50 @@ static void interleave16(int type, const uint8_t* W, int64_t rb, int64_t K, int6
   if (type == T_Q4_K) return interleave16_k_min<bq4_K>(type, W, rb, K, g0, g1, out);
   if (type == T_Q5_K) return interleave16_k_min<bq5_K>(type, W, rb, K, g0, g1, out);
   if (type == T_Q6_K) return interleave16_q6k(W, rb, K, g0, g1, out);
-  const int64_t nb = K / 32, bb = rb / nb, BB = rows16_block_bytes(type), hdr = type == T_Q4_1 ? 64 : 32;
-  const int64_t qoff = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : 2;
+  const int64_t nb = K / 32, bb = rb / nb, BB = rows16_block_bytes(type), hdr = rows16_quants_at(type);
+  const bool q5 = rows16_q5(type), has_min = rows16_has_min(type);
+  const int64_t qoff = (has_min ? 4 : 2) + (q5 ? 4 : 0);  // past d (and m), Q5's qh
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t i = 0; i < nb; ++i) {
       uint8_t* p = out + (g * nb + i) * BB;
+      uint64_t masks[8] = {};
       for (int64_t r = 0; r < 16; ++r) {
         const uint8_t* blk = W + (g * 16 + r) * rb + i * bb;
-        std::memcpy(p + 2 * r, blk, 2);                                // d
-        if (type == T_Q4_1) std::memcpy(p + 32 + 2 * r, blk + 2, 2);  // m
+        std::memcpy(p + 2 * r, blk, 2);                             // d
+        if (has_min) std::memcpy(p + 32 + 2 * r, blk + 2, 2);  // m
         const uint8_t* qs = blk + qoff;
         if (type == T_Q8_0) {
           for (int64_t j = 0; j < 32; ++j) p[hdr + j * 16 + r] = qs[j];
           continue;
         }
+        uint32_t qh = 0;
+        if (q5) std::memcpy(&qh, qs - 4, 4);
         for (int64_t c = 0; c < 4; ++c)
           for (int64_t h = 0; h < 2; ++h)
             for (int64_t s = 0; s < 2; ++s) {
-              const int64_t e = 4 * c + 2 * h + 16 * s;
-              p[hdr + 64 * c + 16 * (r / 4) + 8 * h + 2 * (r % 4) + s] = q4_nibble(qs, e) | q4_nibble(qs, e + 1) << 4;
+              const int64_t e = 4 * c + 2 * h + 16 * s, b = 16 * (r / 4) + 8 * h + 2 * (r % 4) + s;
+              p[hdr + 64 * c + b] = q4_nibble(qs, e) | q4_nibble(qs, e + 1) << 4;
+              masks[2 * c] |= uint64_t((qh >> e) & 1) << b;
+              masks[2 * c + 1] |= uint64_t((qh >> (e + 1)) & 1) << b;
             }
       }
+      if (q5) std::memcpy(p + rows16_scales_bytes(type), masks, sizeof(masks));
     }
 }
 
-// The low and high bytes of the bfloat16 of each nibble value, per 128-bit lane (vpshufb
-// tables): Q4_1's 0 .. 15, Q4_0's 0 - 8 .. 15 - 8
+// The low and high bytes of the bfloat16 of each nibble value plus an offset, per 128-bit lane
+// (vpshufb tables): Q4_1's 0 .. 15, Q4_0's 0 - 8 .. 15 - 8; Q5's two halves 0 .. 15 and 16 ..
+// 31 (Q5_0: both minus 16)
 struct Q4Tables {
   __m512i lo, hi;
 };
+constexpr int NIBBLE_OFFSETS[4] = {0, -8, -16, 16};
 struct Q4Bytes {
-  alignas(16) uint8_t lo[2][16], hi[2][16];  // [Q4_0?][nibble]
+  alignas(16) uint8_t lo[4][16], hi[4][16];  // [offset][nibble]
   Q4Bytes() {
-    for (int t = 0; t < 2; ++t)
+    for (int t = 0; t < 4; ++t)
       for (int q = 0; q < 16; ++q) {
-        const float v = float(t ? q - 8 : q);
+        const float v = float(q + NIBBLE_OFFSETS[t]);
         uint32_t u;
         std::memcpy(&u, &v, 4);  // small integers: the float's top half is their bfloat16, exactly
         lo[t][q] = uint8_t(u >> 16);
@@ -163,12 +189,14 @@ struct Q4Bytes {
       }
   }
 };
-static inline Q4Tables q4_tables(int type) {
+static inline Q4Tables nibble_tables(int t) {
   static const Q4Bytes b;
-  const int t = type == T_Q4_0;
   return {_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(b.lo[t]))),
           _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(b.hi[t])))};
 }
+// a type's (lookup without the fifth bit, lookup with it); Q4's second is not used
+static inline Q4Tables q4_tables(int type) { return nibble_tables(type == T_Q4_0 ? 1 : type == T_Q5_0 ? 2 : 0); }
+static inline Q4Tables q5_high_tables(int type) { return nibble_tables(type == T_Q5_0 ? 0 : 3); }
 
 // Chunk c of a Q4 block's interleaved quants (64 bytes, v), its low (high = false) or high
 // nibbles -> w[0], w[1]: for j = 4 c + high and j + 2, lane r = bfloat16 q[j] | bfloat16
@@ -181,12 +209,40 @@ static inline void q4_half(__m512i v, const Q4Tables& t, bool high, __m512i w[2]
   w[1] = _mm512_unpackhi_epi8(l, h);  // bytes 8 + 2 i + s: h = 1
 }
 
+// q4_half of a Q5 block: the nibbles whose fifth bit is set (mask k: bit b for the nibble in
+// byte b) looked up in t16 instead of t
+static inline void q5_half(__m512i v, const Q4Tables& t, const Q4Tables& t16, __mmask64 k, bool high, __m512i w[2]) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  const __m512i nib = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, m4);
+  const __m512i l = _mm512_mask_shuffle_epi8(_mm512_shuffle_epi8(t.lo, nib), k, t16.lo, nib);
+  const __m512i h = _mm512_mask_shuffle_epi8(_mm512_shuffle_epi8(t.hi, nib), k, t16.hi, nib);
+  w[0] = _mm512_unpacklo_epi8(l, h);
+  w[1] = _mm512_unpackhi_epi8(l, h);
+}
+
+// Chunk c's Q5 masks (low nibbles', high nibbles') at `masks` (the copy's 8 words)
+static inline __mmask64 q5_mask(const uint8_t* masks, int64_t c, int high) {
+  uint64_t m;
+  std::memcpy(&m, masks + 8 * (2 * c + high), 8);
+  return _cvtu64_mask64(m);
+}
+
 // The whole chunk -> w[jj], jj < 4: j = 4 c + jj
 static inline void q4_words(const uint8_t* chunk, const Q4Tables& t, __m512i w[4]) {
   const __m512i v = _mm512_loadu_si512(chunk);
   __m512i a[2], b[2];
   q4_half(v, t, false, a);
   q4_half(v, t, true, b);
+  w[0] = a[0], w[1] = b[0], w[2] = a[1], w[3] = b[1];
+}
+
+// The same for chunk c of a Q5 block (its masks at `masks`)
+static inline void q5_words(const uint8_t* chunk, const uint8_t* masks, int64_t c, const Q4Tables& t,
+                            const Q4Tables& t16, __m512i w[4]) {
+  const __m512i v = _mm512_loadu_si512(chunk);
+  __m512i a[2], b[2];
+  q5_half(v, t, t16, q5_mask(masks, c, 0), false, a);
+  q5_half(v, t, t16, q5_mask(masks, c, 1), true, b);
   w[0] = a[0], w[1] = b[0], w[2] = a[1], w[3] = b[1];
 }
 
@@ -215,8 +271,8 @@ static inline void prefetch_ahead(const uint8_t* WI, int64_t g, int64_t nb, int6
 // out[m0 + t][16 g .. 16 g + 15] for group g and MT activation rows from m0
 template <int TYPE, int MT>
 static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t m0) {
-  const int64_t nb = a.K / 32, BB = rows16_block_bytes(TYPE), hdr = TYPE == T_Q4_1 ? 64 : 32;
-  const Q4Tables tb = q4_tables(TYPE);  // (unused for Q8_0)
+  const int64_t nb = a.K / 32, BB = rows16_block_bytes(TYPE), hdr = rows16_quants_at(TYPE);
+  const Q4Tables tb = q4_tables(TYPE), tb16 = q5_high_tables(TYPE);  // (unused for Q8_0; the second: Q5's)
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -241,7 +297,10 @@ static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t
       const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
       for (int64_t c = 0; c < 4; ++c) {
         __m512i w[4];
-        q4_words(p + hdr + 64 * c, tb, w);
+        if constexpr (rows16_q5(TYPE))
+          q5_words(p + hdr + 64 * c, p + rows16_scales_bytes(TYPE), c, tb, tb16, w);
+        else
+          q4_words(p + hdr + 64 * c, tb, w);
         for (int64_t jj = 0; jj < 4; ++jj)  // j in order, as the sums' order is part of the numerics;
           fma_pair(4 * c + jj, _mm512_castsi512_ps(_mm512_slli_epi32(w[jj], 16)),  // a bf16 pair's
                    _mm512_castsi512_ps(_mm512_and_si512(w[jj], top)));               // halves widen exactly
@@ -249,7 +308,7 @@ static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(lo[t], hi[t]), d, acc[t]);
-    if (TYPE == T_Q4_1) {
+    if (rows16_has_min(TYPE)) {
       const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + i]), acc[t]);
     }
@@ -293,6 +352,8 @@ static void gemm_rows16(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_
   switch (a.type) {
     case T_Q4_0: return rows16_groups<T_Q4_0>(a, WI, g0, g1);
     case T_Q4_1: return rows16_groups<T_Q4_1>(a, WI, g0, g1);
+    case T_Q5_0: return rows16_groups<T_Q5_0>(a, WI, g0, g1);
+    case T_Q5_1: return rows16_groups<T_Q5_1>(a, WI, g0, g1);
     default: return rows16_groups<T_Q8_0>(a, WI, g0, g1);
   }
 }

@@ -1,5 +1,5 @@
 // AVX512-BF16 few-row products of bfloat16 models (decode at batch 1-8, speculative
-// verification rows) on the row-interleaved copy of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights that
+// verification rows) on the row-interleaved copy of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights that
 // quant_rows16.h writes (its layout comment holds: per group of 16 rows and block of 32, the 16
 // rows' d, Q4_1's m, then the quants: Q4's in chunks of four element pairs, Q8_0's byte [j][r] =
 // row r's qs[j]; Q4_K per super-block of 256: d, dmin, the sub-blocks' scales and mins, then
@@ -29,7 +29,7 @@ struct Rows16Bf16Args {
   int64_t K, M, ldo;
   const uint32_t* XP;  // [M, K / 2] activation pairs (pair_activations; not for Q5_K / Q6_K)
   const uint32_t* X2;  // [M, K / 2] the activations as they are: pairs x[2 p], x[2 p + 1] (Q5_K / Q6_K)
-  const float* xsum;   // [M, K / 32] block sums of the activations (Q4_1, Q4_K, Q5_K)
+  const float* xsum;   // [M, K / 32] block sums of the activations (Q4_1, Q5_1, Q4_K, Q5_K)
   float* out;          // already offset by col0
 };
 
@@ -88,6 +88,28 @@ static inline void q4_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, con
   }
 }
 
+// q4_block_pairs for a Q5 block: each chunk's nibbles looked up by its masks (quant_rows16.h's
+// Q5 layout: `masks`, the block's 8 mask words), the same pairs in the same chains and order
+template <int MT>
+static inline void q5_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, const uint8_t* masks,
+                                  const avx512_rows16::Q4Tables& tb, const avx512_rows16::Q4Tables& tb16,
+                                  int64_t m0, int64_t i, __m512 (&s)[2][MT]) {
+  auto dot_pair = [&](int64_t j, __m512bh wq, __m512* se) {
+    for (int t = 0; t < MT; ++t) se[t] = dp_bcast(se[t], wq, a.XP + (m0 + t) * (a.K / 2) + i * 16 + j);
+  };
+#pragma GCC unroll 4
+  for (int64_t c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(q + 64 * c);
+    __m512i w[2];
+    avx512_rows16::q5_half(v, tb, tb16, avx512_rows16::q5_mask(masks, c, 0), false, w);
+    dot_pair(4 * c, (__m512bh)w[0], s[0]);
+    dot_pair(4 * c + 2, (__m512bh)w[1], s[0]);
+    avx512_rows16::q5_half(v, tb, tb16, avx512_rows16::q5_mask(masks, c, 1), true, w);
+    dot_pair(4 * c + 1, (__m512bh)w[0], s[1]);
+    dot_pair(4 * c + 3, (__m512bh)w[1], s[1]);
+  }
+}
+
 // s[p & 1][t] += pair p < NP of 16 rows' int8 quants at q ([element][row], exact in bf16: pair
 // p's elements at q + STEP p and HI bytes further) against activation row m0 + t's dword p from x
 // (rows K / 2 dwords apart): two chains, p even / odd. Q8_0: its (j, j + 16) pairs against
@@ -106,8 +128,9 @@ static inline void i8_pairs(const Rows16Bf16Args& a, const uint8_t* q, const uin
 // quant_rows16.h's tiles)
 template <int TYPE, int MT>
 static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
-  const int64_t nb = a.K / 32, BB = avx512_rows16::rows16_block_bytes(TYPE), hdr = TYPE == T_Q4_1 ? 64 : 32;
-  const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(TYPE);  // (unused for Q8_0)
+  const int64_t nb = a.K / 32, BB = avx512_rows16::rows16_block_bytes(TYPE), hdr = avx512_rows16::rows16_quants_at(TYPE);
+  const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(TYPE);        // (unused for Q8_0)
+  const avx512_rows16::Q4Tables tb16 = avx512_rows16::q5_high_tables(TYPE);  // Q5's fifth bits
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -116,14 +139,15 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
     __m512 s[2][MT];
     for (int e = 0; e < 2; ++e)
       for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
-    if (TYPE == T_Q8_0) {
+    if constexpr (TYPE == T_Q8_0)
       i8_pairs<MT, 16, 16, 256>(a, p + hdr, a.XP + i * 16, m0, s);
-    } else {
+    else if constexpr (avx512_rows16::rows16_q5(TYPE))
+      q5_block_pairs<MT>(a, p + hdr, p + avx512_rows16::rows16_scales_bytes(TYPE), tb, tb16, m0, i, s);
+    else
       q4_block_pairs<MT>(a, p + hdr, tb, m0, i, s);
-    }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), d, acc[t]);
-    if (TYPE == T_Q4_1) {
+    if (avx512_rows16::rows16_has_min(TYPE)) {
       const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + i]), acc[t]);
     }
@@ -218,6 +242,8 @@ static void gemm_rows16_bf16(const Rows16Bf16Args& a, const uint8_t* WI, int64_t
   switch (a.type) {
     case T_Q4_0: return groups<T_Q4_0>(a, WI, g0, g1);
     case T_Q4_1: return groups<T_Q4_1>(a, WI, g0, g1);
+    case T_Q5_0: return groups<T_Q5_0>(a, WI, g0, g1);
+    case T_Q5_1: return groups<T_Q5_1>(a, WI, g0, g1);
     case T_Q4_K: return groups<T_Q4_K>(a, WI, g0, g1);
     case T_Q5_K: return groups<T_Q5_K>(a, WI, g0, g1);
     case T_Q6_K: return groups<T_Q6_K>(a, WI, g0, g1);
