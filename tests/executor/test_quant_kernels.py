@@ -438,7 +438,7 @@ HAVE_AVX512 = HAVE_KERNELS and "avx512" in kernels.available_isas()
 needs_avx512 = pytest.mark.skipif(not HAVE_AVX512, reason="this CPU lacks avx512 (the interleaved kernel's ISA)")
 ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # the K-quants: the bf16 kernel only
-K_QUANT_COPIES = {Q.Q4_K: (144, 148), Q.Q5_K: (176, 276), Q.Q6_K: (210, 274)}  # a row's super-block -> its copy's bytes
+K_QUANT_COPIES = {Q.Q4_K: (144, 148), Q.Q5_K: (176, 180), Q.Q6_K: (210, 274)}  # a row's super-block -> its copy's bytes
 
 
 # the two few-row kernels on interleaved copies: float activations (quant_rows16.h) and bf16
@@ -475,9 +475,9 @@ def kernel_types(types):
 
 
 def copy_bytes(qtype, w):
-    """An interleaved copy's size: the packed bytes, rearranged (Q4_K's 6-bit scales and mins
-    unpacked to a byte each: 2,368 bytes for 16 rows' super-blocks of 2,304; Q5_K's and Q6_K's
-    quants a byte each: 4,416 for 2,816 and 4,384 for 3,360)."""
+    """An interleaved copy's size: the packed bytes, rearranged (Q4_K's and Q5_K's 6-bit scales
+    and mins unpacked to a byte each: 2,368 bytes for 16 rows' super-blocks of 2,304, 2,880 for
+    2,816; Q6_K's quants a byte each: 4,384 for 3,360)."""
     if qtype in K_QUANT_COPIES:
         packed, copy = K_QUANT_COPIES[qtype]
         return w.numel() // packed * copy

@@ -2,7 +2,7 @@
 
 A packed GGUF layer may keep two copies of its weights beside the packed blocks, for speed
 (quant/layers.py): the row-interleaved copy of the few-row kernel (batch-1 decode; the same
-bytes again for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, +3% to +57% more for the K-quants) and, in a bfloat16
+bytes again for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, +2% to +30% more for the K-quants) and, in a bfloat16
 engine on a native-bf16 CPU, a bf16 copy for oneDNN's many-row products (prefill, batched
 decode) at 2 bytes a weight. On an 8 B model in llama.cpp's Q4_K_M (4.9 GB packed) the bf16
 copies alone are 16 GB: kept unconditionally, they would push a machine that holds the model

@@ -103,7 +103,7 @@ class QuantLinear(nn.Module):
         which the AVX-512 few-row products (decode at batch 1-11 in float32, 1-8 in bf16;
         verification rows) read at ~2x the packed rows' kernel (BENCHMARKS sections 39, 44; the
         K-quants 3-6x, section 49). Costs the segments' packed bytes again (Q4_K +2.8%, its
-        scales unpacked; Q5_K +57% and Q6_K +30%, their quants a byte each). False (nothing kept)
+        scales unpacked; Q5_K +2.3%, the same; Q6_K +30%, its quants a byte each). False (nothing kept)
         where no segment takes it or `budget` has no room for the layer's copies."""
         k = self.in_features
         sizes = [

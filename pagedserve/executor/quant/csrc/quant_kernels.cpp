@@ -648,7 +648,7 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
 #if QK_X86
   thread_local std::vector<uint32_t> xp;
   thread_local std::vector<float> xs;
-  if (type != T_Q5_K && type != T_Q6_K) {  // these read the activations' own pairs
+  if (type != T_Q6_K) {  // it reads the activations' own pairs
     xp.resize(M * K / 2);
     avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data());
   }

@@ -41,10 +41,11 @@ constexpr int64_t Q4K_HDR = 320, Q4K_SUB = 256;
 // 4,384 bytes against the 16 packed blocks' 3,360: the 6-bit quants a byte each (+30%).
 constexpr int64_t Q6K_HDR = 288, Q6K_SUB = 256;
 // Q5_K (the bf16 kernel only), per (group of 16 rows, super-block of 256): Q4_K's header (d,
-// dmin, the sub-blocks' scales and mins a byte each: 320 bytes), then 8 sub-blocks of 32, each's
-// 5-bit quants as bytes in Q8_0's [element][row] order. 4,416 bytes against the 16 packed blocks'
-// 2,816 (+57%: a byte a quant).
-constexpr int64_t Q5K_SUB = 512;
+// dmin, the sub-blocks' scales and mins a byte each: 320 bytes), then 8 sub-blocks of 32, each
+// as a Q5_0 / Q5_1 block's quants: its 8 fifth-bit masks (64 bytes), then Q4's 4 chunks of
+// nibbles. 2,880 bytes against the 16 packed blocks' 2,816 (+2.3%: the scales unpacked). Until
+// the twenty-first session the quants were a byte each (4,416 bytes, +57%).
+constexpr int64_t Q5K_SUB = 320;
 
 // Bytes of the copy for 16 rows' packed blocks of one type's block (32 elements; the K-quants' 256)
 static inline int64_t rows16_block_bytes(int type) {
@@ -74,13 +75,17 @@ static inline uint8_t q4_nibble(const uint8_t* qs, int64_t e) { return e < 16 ? 
 // packed rows [16 * groups, rb] -> interleaved groups g0 .. g1 (out: the whole copy)
 // Q4_K's and Q5_K's copies (their blocks share d, dmin, scales[12] at the front and qs[128]
 // at the end): the header of row r, then each sub-block's quants (element l of sub-block sb:
-// qs[32 (sb / 2) + l]'s low (sb even) or high nibble, plus Q5_K's bit sb of qh[l] as 16)
+// qs[32 (sb / 2) + l]'s low (sb even) or high nibble; Q5_K's fifth bit, bit sb of qh[l], in
+// the sub-block's masks as for Q5_0)
 template <class B>
 static void interleave16_k_min(int type, const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
   const int64_t ns = K / 256, BB = rows16_block_bytes(type);
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t i = 0; i < ns; ++i) {
       uint8_t* p = out + (g * ns + i) * BB;
+      constexpr bool five = std::is_same_v<B, bq5_K>;
+      const int64_t sub = five ? Q5K_SUB : Q4K_SUB, qat = five ? 64 : 0;  // a sub-block's bytes, its nibbles
+      uint64_t masks[8][8] = {};                                           // Q5_K's, [sub-block][mask]
       for (int64_t r = 0; r < 16; ++r) {
         const B& blk = reinterpret_cast<const B*>(W + (g * 16 + r) * rb)[i];
         std::memcpy(p + 2 * r, &blk.d, 2);
@@ -90,24 +95,24 @@ static void interleave16_k_min(int type, const uint8_t* W, int64_t rb, int64_t K
           avx512::scale_min_k4(sb, blk.scales, &sc, &m);
           p[64 + 16 * sb + r] = uint8_t(sc);
           p[192 + 16 * sb + r] = uint8_t(m);
-          auto q = [&](int64_t l) {
-            int v = (blk.qs[32 * (sb / 2) + l] >> (4 * (sb % 2))) & 15;
-            if constexpr (std::is_same_v<B, bq5_K>) v |= ((blk.qh[l] >> sb) & 1) << 4;
-            return uint8_t(v);
+          auto q = [&](int64_t l) { return uint8_t((blk.qs[32 * (sb / 2) + l] >> (4 * (sb % 2))) & 15); };
+          auto bit5 = [&](int64_t l) -> uint64_t {
+            if constexpr (five) return (blk.qh[l] >> sb) & 1;
+            return 0;
           };
-          if (type == T_Q5_K) {  // bytes, [element][row]
-            for (int l = 0; l < 32; ++l) p[Q4K_HDR + Q5K_SUB * sb + 16 * l + r] = q(l);
-            continue;
-          }
-          uint8_t* dst = p + Q4K_HDR + Q4K_SUB * sb;  // Q4_1's chunks
+          uint8_t* dst = p + Q4K_HDR + sub * sb + qat;  // Q4_1's chunks
           for (int64_t c = 0; c < 4; ++c)
             for (int64_t h = 0; h < 2; ++h)
               for (int64_t s = 0; s < 2; ++s) {
-                const int64_t e = 4 * c + 2 * h + 16 * s;
-                dst[64 * c + 16 * (r / 4) + 8 * h + 2 * (r % 4) + s] = q(e) | q(e + 1) << 4;
+                const int64_t e = 4 * c + 2 * h + 16 * s, b = 16 * (r / 4) + 8 * h + 2 * (r % 4) + s;
+                dst[64 * c + b] = q(e) | q(e + 1) << 4;
+                masks[sb][2 * c] |= bit5(e) << b;
+                masks[sb][2 * c + 1] |= bit5(e + 1) << b;
               }
         }
       }
+      if constexpr (five)
+        for (int sb = 0; sb < 8; ++sb) std::memcpy(p + Q4K_HDR + sub * sb, masks[sb], sizeof(masks[sb]));
     }
 }
 

@@ -3,8 +3,8 @@
 // quant_rows16.h writes (its layout comment holds: per group of 16 rows and block of 32, the 16
 // rows' d, Q4_1's m, then the quants: Q4's in chunks of four element pairs, Q8_0's byte [j][r] =
 // row r's qs[j]; Q4_K per super-block of 256: d, dmin, the sub-blocks' scales and mins, then
-// each sub-block's quants as Q4_1's; Q5_K's and Q6_K's quants a byte each per sub-block of 32 /
-// 16; only this kernel reads the K-quants). Included once by quant_kernels.cpp inside namespace avx512_bf16_rows16 within
+// each sub-block's quants as Q4_1's (Q5_K's as Q5_1's, with its fifth bits' masks); Q6_K's
+// quants a byte each per sub-block of 16; only this kernel reads the K-quants). Included once by quant_kernels.cpp inside namespace avx512_bf16_rows16 within
 // the AVX512-BF16 target region. No include guard on purpose.
 //
 // quant_rows16.h multiplies float activations by float quants, two FMAs of 16 lanes per row for
@@ -27,8 +27,8 @@
 struct Rows16Bf16Args {
   int type;
   int64_t K, M, ldo;
-  const uint32_t* XP;  // [M, K / 2] activation pairs (pair_activations; not for Q5_K / Q6_K)
-  const uint32_t* X2;  // [M, K / 2] the activations as they are: pairs x[2 p], x[2 p + 1] (Q5_K / Q6_K)
+  const uint32_t* XP;  // [M, K / 2] activation pairs (pair_activations; not for Q6_K)
+  const uint32_t* X2;  // [M, K / 2] the activations as they are: pairs x[2 p], x[2 p + 1] (Q6_K)
   const float* xsum;   // [M, K / 32] block sums of the activations (Q4_1, Q5_1, Q4_K, Q5_K)
   float* out;          // already offset by col0
 };
@@ -113,7 +113,7 @@ static inline void q5_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, con
 // s[p & 1][t] += pair p < NP of 16 rows' int8 quants at q ([element][row], exact in bf16: pair
 // p's elements at q + STEP p and HI bytes further) against activation row m0 + t's dword p from x
 // (rows K / 2 dwords apart): two chains, p even / odd. Q8_0: its (j, j + 16) pairs against
-// pair_activations' dwords; Q5_K / Q6_K: their (2 p, 2 p + 1) pairs against the activations' own.
+// pair_activations' dwords; Q6_K: its (2 p, 2 p + 1) pairs against the activations' own.
 template <int MT, int NP, int STEP, int HI>
 static inline void i8_pairs(const Rows16Bf16Args& a, const uint8_t* q, const uint32_t* x, int64_t m0,
                             __m512 (&s)[2][MT]) {
@@ -156,8 +156,8 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
 }
 
 // Q4_K's and Q5_K's tile (quant_rows16.h's layouts): per super-block d and dmin, then per
-// sub-block of 32 its pairs' sums (Q4_K: Q4_1's chunk loop on its nibbles; Q5_K: i8_pairs on its
-// byte quants 0 .. 31) and Q4_1's arithmetic with d = d * sc and m = -dmin * m, both exact in
+// sub-block of 32 its pairs' sums (Q4_K: Q4_1's chunk loop on its nibbles; Q5_K: Q5_1's, the
+// nibbles looked up by the fifth bits' masks: quants 0 .. 31) and Q4_1's arithmetic with d = d * sc and m = -dmin * m, both exact in
 // float32 (11 x 6 bits): acc += (s_even + s_odd) * (d sc), then acc -= (dmin m) * (the sub-block's
 // activation sum), the packed kernels' w = d sc q - dmin m. Prefetch: a fixed distance ahead in
 // the group's stream, the lines of an eighth of a super-block each sub-block.
@@ -165,7 +165,8 @@ template <int TYPE, int MT>
 static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
   const int64_t nb = a.K / 32, ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(TYPE);
   const int64_t sub = TYPE == T_Q4_K ? avx512_rows16::Q4K_SUB : avx512_rows16::Q5K_SUB;
-  const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(T_Q4_1);  // unsigned nibbles (Q4_K)
+  const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(T_Q4_1);         // unsigned nibbles 0 .. 15
+  const avx512_rows16::Q4Tables tb16 = avx512_rows16::q5_high_tables(T_Q5_1);  // Q5_K's 16 .. 31
   constexpr int64_t AHEAD = 8 * 320;  // bytes: about the other types' 8 blocks
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
@@ -187,8 +188,8 @@ static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, in
       const uint8_t* q = p + avx512_rows16::Q4K_HDR + sub * sb;
       if constexpr (TYPE == T_Q4_K)
         q4_block_pairs<MT>(a, q, tb, m0, b, s);
-      else
-        i8_pairs<MT, 16, 32, 16>(a, q, a.X2 + b * 16, m0, s);
+      else  // the sub-block's masks, then its nibbles
+        q5_block_pairs<MT>(a, q + 64, q, tb, tb16, m0, b, s);
       for (int t = 0; t < MT; ++t) {
         acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
         acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
