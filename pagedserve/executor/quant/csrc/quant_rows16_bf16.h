@@ -68,10 +68,11 @@ static inline __m512 dp_bcast(__m512 acc, __m512bh w, const uint32_t* x) {
 // s[e][t] += pair j of block i's 32 elements in activation row m0 + t, for each chunk of Q4
 // quants at q (quant_rows16.h's chunk layout): the low nibbles' pairs (j = 4 c, 4 c + 2: chain
 // 0), then the high ones' (chain 1), a chain taking its pairs in j order; half the words live at
-// a time, so 8 rows' chains stay in registers
-template <int MT>
-static inline void q4_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, const avx512_rows16::Q4Tables& tb,
-                                  int64_t m0, int64_t i, __m512 (&s)[2][MT]) {
+// a time, so 8 rows' chains stay in registers. half(v, c, high, w): chunk c's words (q4_half,
+// or q5_half under the chunk's masks).
+template <int MT, class Half>
+static inline void chunk_pairs(const Rows16Bf16Args& a, const uint8_t* q, const Half& half, int64_t m0, int64_t i,
+                               __m512 (&s)[2][MT]) {
   auto dot_pair = [&](int64_t j, __m512bh wq, __m512* se) {
     for (int t = 0; t < MT; ++t) se[t] = dp_bcast(se[t], wq, a.XP + (m0 + t) * (a.K / 2) + i * 16 + j);
   };
@@ -79,35 +80,32 @@ static inline void q4_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, con
   for (int64_t c = 0; c < 4; ++c) {
     const __m512i v = _mm512_loadu_si512(q + 64 * c);
     __m512i w[2];
-    avx512_rows16::q4_half(v, tb, false, w);
+    half(v, c, false, w);
     dot_pair(4 * c, (__m512bh)w[0], s[0]);
     dot_pair(4 * c + 2, (__m512bh)w[1], s[0]);
-    avx512_rows16::q4_half(v, tb, true, w);
+    half(v, c, true, w);
     dot_pair(4 * c + 1, (__m512bh)w[0], s[1]);
     dot_pair(4 * c + 3, (__m512bh)w[1], s[1]);
   }
 }
 
-// q4_block_pairs for a Q5 block: each chunk's nibbles looked up by its masks (quant_rows16.h's
-// Q5 layout: `masks`, the block's 8 mask words), the same pairs in the same chains and order
+template <int MT>
+static inline void q4_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, const avx512_rows16::Q4Tables& tb,
+                                  int64_t m0, int64_t i, __m512 (&s)[2][MT]) {
+  auto half = [&](__m512i v, int64_t, bool high, __m512i* w) { avx512_rows16::q4_half(v, tb, high, w); };
+  chunk_pairs<MT>(a, q, half, m0, i, s);
+}
+
+// A Q5 block's: each chunk's nibbles looked up by its masks (quant_rows16.h's Q5 layout:
+// `masks`, the block's 8 mask words), the same pairs in the same chains and order
 template <int MT>
 static inline void q5_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, const uint8_t* masks,
                                   const avx512_rows16::Q4Tables& tb, const avx512_rows16::Q4Tables& tb16,
                                   int64_t m0, int64_t i, __m512 (&s)[2][MT]) {
-  auto dot_pair = [&](int64_t j, __m512bh wq, __m512* se) {
-    for (int t = 0; t < MT; ++t) se[t] = dp_bcast(se[t], wq, a.XP + (m0 + t) * (a.K / 2) + i * 16 + j);
+  auto half = [&](__m512i v, int64_t c, bool high, __m512i* w) {
+    avx512_rows16::q5_half(v, tb, tb16, avx512_rows16::q5_mask(masks, c, high), high, w);
   };
-#pragma GCC unroll 4
-  for (int64_t c = 0; c < 4; ++c) {
-    const __m512i v = _mm512_loadu_si512(q + 64 * c);
-    __m512i w[2];
-    avx512_rows16::q5_half(v, tb, tb16, avx512_rows16::q5_mask(masks, c, 0), false, w);
-    dot_pair(4 * c, (__m512bh)w[0], s[0]);
-    dot_pair(4 * c + 2, (__m512bh)w[1], s[0]);
-    avx512_rows16::q5_half(v, tb, tb16, avx512_rows16::q5_mask(masks, c, 1), true, w);
-    dot_pair(4 * c + 1, (__m512bh)w[0], s[1]);
-    dot_pair(4 * c + 3, (__m512bh)w[1], s[1]);
-  }
+  chunk_pairs<MT>(a, q, half, m0, i, s);
 }
 
 // s[p & 1][t] += pair p < NP of 16 rows' int8 quants at q ([element][row], exact in bf16: pair
