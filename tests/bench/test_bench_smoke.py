@@ -350,17 +350,22 @@ def test_server_flags_take_values_and_bare_switches():
     }
 
 
-def test_gpu_check_names_files_that_exist():
-    """gpu_check.sh runs only on a lent GPU, so nothing else notices when a file it names
-    moves (its test paths went stale once): every tests/ and benchmarks/ path it names exists."""
+@pytest.mark.parametrize("name", ["gpu_check.sh", "gpu_serve_profile.sh"])
+def test_gpu_scripts_name_files_and_modules_that_exist(name):
+    """The GPU scripts run only on a lent GPU, so nothing else notices when a file or module
+    they name moves (gpu_check.sh's test paths went stale once): every tests/ and benchmarks/
+    path they name exists, and every `python -m` module is importable."""
+    import importlib.util
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    script = (root / "benchmarks" / "gpu_check.sh").read_text()
+    script = (root / "benchmarks" / name).read_text()
     paths = set(re.findall(r"\b((?:tests|benchmarks)/[\w/.-]+\.(?:py|sh))", script))
-    assert "tests/e2e/test_gpu_engine.py" in paths and "benchmarks/gpu_bench.py" in paths
+    modules = set(re.findall(r"-m (pagedserve[\w.]*)", script))
+    assert "pagedserve.bench.serve" in modules  # both serve the model over HTTP
     assert [p for p in sorted(paths) if not (root / p).is_file()] == []
+    assert [m for m in sorted(modules) if importlib.util.find_spec(m) is None] == []
 
 
 def test_pyspy_summary_counts_inclusive_and_self_samples():
