@@ -194,12 +194,11 @@ class RequestGuard:
         """Count this request's body as arriving; False when no slot freed within slot_wait."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_pending_bodies)
-        if not self._slots.locked():  # the usual case: no timer, no task
-            await self._slots.acquire()
-            self.pending_bodies += 1
-            return True
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.slot_wait)
+            if self._slots.locked():
+                await asyncio.wait_for(self._slots.acquire(), self.slot_wait)
+            else:  # the usual case: no timer, no task
+                await self._slots.acquire()
         except asyncio.TimeoutError:
             return False
         self.pending_bodies += 1

@@ -14,6 +14,7 @@ All ops take and return tensors of the model dtype (float32 or bfloat16 for the 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 
@@ -62,12 +63,12 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
-def _triton_ops():
+def _triton_module(name: str):
+    """ops/<name>.py (a Triton module), or None without Triton (the `gpu` extra)."""
     try:
-        from pagedserve.executor.ops import triton_ops
-    except ImportError:  # Triton is the `gpu` extra
+        return importlib.import_module(f"pagedserve.executor.ops.{name}")
+    except ImportError:
         return None
-    return triton_ops
 
 
 def writes_kv_cache(kern) -> bool:
@@ -81,23 +82,14 @@ def layer_kernels_for(t: torch.Tensor):
     (kernels_for), the Triton one (triton_ops.py: the same functions, less rotary_cache_) on
     CUDA, or None (the references)."""
     if t.device.type == "cuda":
-        return _triton_ops() if enabled and t.dtype in _TRITON_DTYPES else None
+        return _triton_module("triton_ops") if enabled and t.dtype in _TRITON_DTYPES else None
     return kernels_for(t)
-
-
-@functools.cache
-def _triton_moe():
-    try:
-        from pagedserve.executor.ops import triton_moe
-    except ImportError:
-        return None
-    return triton_moe
 
 
 def moe_kernels_for(t: torch.Tensor):
     """The Triton MoE products (triton_moe.py: fixed shapes, so CUDA graphs capture them) for
     a CUDA tensor where Triton is installed, else None (models/moe.py's own path)."""
-    return _triton_moe() if t.device.type == "cuda" else None
+    return _triton_module("triton_moe") if t.device.type == "cuda" else None
 
 
 # ---- references (transformers' order of operations) --------------------------------------

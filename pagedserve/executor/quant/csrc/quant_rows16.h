@@ -12,7 +12,7 @@
 //   d[16] (fp16) | m[16] (fp16, Q4_1 only) | quants:
 //   Q4_0 / Q4_1: 4 chunks of 64 bytes; chunk c's byte 16 L + 8 h + 2 i + s (L, i < 4; h, s < 2)
 //   holds row 4 L + i's elements e = 4 c + 2 h + 16 s (low nibble) and e + 1 (high nibble), so
-//   that one 64-byte load, its nibbles split and looked up (q4_words), gives the pairs (j, j + 16)
+//   that one 64-byte load, its nibbles split and looked up (chunk_words), gives the pairs (j, j + 16)
 //   of 16 rows for j = 4 c .. 4 c + 3, a row a dword, without widening a byte at a time;
 //   Q8_0: 32 x 16 bytes, byte [j][r] = row r's qs[j].
 // Numerics, per output row and block: lo = sum_{j < 16} q[j] x[j] and hi = sum_{j < 16} q[j + 16]
@@ -232,22 +232,27 @@ static inline __mmask64 q5_mask(const uint8_t* masks, int64_t c, int high) {
   return _cvtu64_mask64(m);
 }
 
-// The whole chunk -> w[jj], jj < 4: j = 4 c + jj
-static inline void q4_words(const uint8_t* chunk, const Q4Tables& t, __m512i w[4]) {
-  const __m512i v = _mm512_loadu_si512(chunk);
-  __m512i a[2], b[2];
-  q4_half(v, t, false, a);
-  q4_half(v, t, true, b);
-  w[0] = a[0], w[1] = b[0], w[2] = a[1], w[3] = b[1];
-}
+// Chunk c's words from its low (high = false) or high nibbles, for both kernels' chunk loops:
+// Q4's by the lookup alone, Q5's under the chunk's masks (the block's 8 words at `masks`)
+struct Q4Half {
+  Q4Tables t;
+  void operator()(__m512i v, int64_t, bool high, __m512i w[2]) const { q4_half(v, t, high, w); }
+};
+struct Q5Half {
+  Q4Tables t, t16;
+  const uint8_t* masks;
+  void operator()(__m512i v, int64_t c, bool high, __m512i w[2]) const {
+    q5_half(v, t, t16, q5_mask(masks, c, high), high, w);
+  }
+};
 
-// The same for chunk c of a Q5 block (its masks at `masks`)
-static inline void q5_words(const uint8_t* chunk, const uint8_t* masks, int64_t c, const Q4Tables& t,
-                            const Q4Tables& t16, __m512i w[4]) {
+// The whole chunk c -> w[jj], jj < 4: j = 4 c + jj
+template <class Half>
+static inline void chunk_words(const uint8_t* chunk, int64_t c, const Half& half, __m512i w[4]) {
   const __m512i v = _mm512_loadu_si512(chunk);
   __m512i a[2], b[2];
-  q5_half(v, t, t16, q5_mask(masks, c, 0), false, a);
-  q5_half(v, t, t16, q5_mask(masks, c, 1), true, b);
+  half(v, c, false, a);
+  half(v, c, true, b);
   w[0] = a[0], w[1] = b[0], w[2] = a[1], w[3] = b[1];
 }
 
@@ -303,9 +308,9 @@ static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t
       for (int64_t c = 0; c < 4; ++c) {
         __m512i w[4];
         if constexpr (rows16_q5(TYPE))
-          q5_words(p + hdr + 64 * c, p + rows16_scales_bytes(TYPE), c, tb, tb16, w);
+          chunk_words(p + hdr + 64 * c, c, Q5Half{tb, tb16, p + rows16_scales_bytes(TYPE)}, w);
         else
-          q4_words(p + hdr + 64 * c, tb, w);
+          chunk_words(p + hdr + 64 * c, c, Q4Half{tb}, w);
         for (int64_t jj = 0; jj < 4; ++jj)  // j in order, as the sums' order is part of the numerics;
           fma_pair(4 * c + jj, _mm512_castsi512_ps(_mm512_slli_epi32(w[jj], 16)),  // a bf16 pair's
                    _mm512_castsi512_ps(_mm512_and_si512(w[jj], top)));               // halves widen exactly

@@ -13,7 +13,7 @@
 // two bfloat16s (exact: |q| <= 128), the broadcast dword the activations x[j], x[j + 16]
 // (pair_activations lays them out so). Q4 quants become bf16 through the copy's chunk layout:
 // one 64-byte load, its nibbles looked up as bf16 bytes (vpshufb) and interleaved, gives four
-// element pairs of 16 rows (avx512_rows16::q4_words); Q8_0's through float. Half the multiply
+// element pairs of 16 rows (avx512_rows16::chunk_words); Q8_0's through float. Half the multiply
 // instructions per row and no activation widening: the many-row case that gains is the
 // verification of k guesses (k + 1 rows), which costs less next to a 1-row step.
 //
@@ -68,8 +68,8 @@ static inline __m512 dp_bcast(__m512 acc, __m512bh w, const uint32_t* x) {
 // s[e][t] += pair j of block i's 32 elements in activation row m0 + t, for each chunk of Q4
 // quants at q (quant_rows16.h's chunk layout): the low nibbles' pairs (j = 4 c, 4 c + 2: chain
 // 0), then the high ones' (chain 1), a chain taking its pairs in j order; half the words live at
-// a time, so 8 rows' chains stay in registers. half(v, c, high, w): chunk c's words (q4_half,
-// or q5_half under the chunk's masks).
+// a time, so 8 rows' chains stay in registers. half(v, c, high, w): chunk c's words
+// (avx512_rows16::Q4Half, or Q5Half under the chunk's masks).
 template <int MT, class Half>
 static inline void chunk_pairs(const Rows16Bf16Args& a, const uint8_t* q, const Half& half, int64_t m0, int64_t i,
                                __m512 (&s)[2][MT]) {
@@ -87,25 +87,6 @@ static inline void chunk_pairs(const Rows16Bf16Args& a, const uint8_t* q, const 
     dot_pair(4 * c + 1, (__m512bh)w[0], s[1]);
     dot_pair(4 * c + 3, (__m512bh)w[1], s[1]);
   }
-}
-
-template <int MT>
-static inline void q4_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, const avx512_rows16::Q4Tables& tb,
-                                  int64_t m0, int64_t i, __m512 (&s)[2][MT]) {
-  auto half = [&](__m512i v, int64_t, bool high, __m512i* w) { avx512_rows16::q4_half(v, tb, high, w); };
-  chunk_pairs<MT>(a, q, half, m0, i, s);
-}
-
-// A Q5 block's: each chunk's nibbles looked up by its masks (quant_rows16.h's Q5 layout:
-// `masks`, the block's 8 mask words), the same pairs in the same chains and order
-template <int MT>
-static inline void q5_block_pairs(const Rows16Bf16Args& a, const uint8_t* q, const uint8_t* masks,
-                                  const avx512_rows16::Q4Tables& tb, const avx512_rows16::Q4Tables& tb16,
-                                  int64_t m0, int64_t i, __m512 (&s)[2][MT]) {
-  auto half = [&](__m512i v, int64_t c, bool high, __m512i* w) {
-    avx512_rows16::q5_half(v, tb, tb16, avx512_rows16::q5_mask(masks, c, high), high, w);
-  };
-  chunk_pairs<MT>(a, q, half, m0, i, s);
 }
 
 // s[p & 1][t] += pair p < NP of 16 rows' int8 quants at q ([element][row], exact in bf16: pair
@@ -140,9 +121,9 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
     if constexpr (TYPE == T_Q8_0)
       i8_pairs<MT, 16, 16, 256>(a, p + hdr, a.XP + i * 16, m0, s);
     else if constexpr (avx512_rows16::rows16_q5(TYPE))
-      q5_block_pairs<MT>(a, p + hdr, p + avx512_rows16::rows16_scales_bytes(TYPE), tb, tb16, m0, i, s);
+      chunk_pairs<MT>(a, p + hdr, avx512_rows16::Q5Half{tb, tb16, p + avx512_rows16::rows16_scales_bytes(TYPE)}, m0, i, s);
     else
-      q4_block_pairs<MT>(a, p + hdr, tb, m0, i, s);
+      chunk_pairs<MT>(a, p + hdr, avx512_rows16::Q4Half{tb}, m0, i, s);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), d, acc[t]);
     if (avx512_rows16::rows16_has_min(TYPE)) {
@@ -185,9 +166,9 @@ static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, in
         for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
       const uint8_t* q = p + avx512_rows16::Q4K_HDR + sub * sb;
       if constexpr (TYPE == T_Q4_K)
-        q4_block_pairs<MT>(a, q, tb, m0, b, s);
+        chunk_pairs<MT>(a, q, avx512_rows16::Q4Half{tb}, m0, b, s);
       else  // the sub-block's masks, then its nibbles
-        q5_block_pairs<MT>(a, q + 64, q, tb, tb16, m0, b, s);
+        chunk_pairs<MT>(a, q + 64, avx512_rows16::Q5Half{tb, tb16, q}, m0, b, s);
       for (int t = 0; t < MT; ++t) {
         acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
         acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
