@@ -439,6 +439,8 @@ needs_avx512 = pytest.mark.skipif(not HAVE_AVX512, reason="this CPU lacks avx512
 ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # the K-quants: the bf16 kernel only
 K_QUANT_COPIES = {Q.Q4_K: (144, 148), Q.Q5_K: (176, 180), Q.Q6_K: (210, 274)}  # a row's super-block -> its copy's bytes
+Q6K_SIX_BITS_COPY = (210, 210)  # Q6_K's six-bit copy (CPUs with AVX512-VBMI): the packed size
+HAVE_VBMI = HAVE_KERNELS and HAVE_BF16 and kernels.q6k_six_bits()  # the default where the CPU has it
 
 
 # the two few-row kernels on interleaved copies: float activations (quant_rows16.h) and bf16
@@ -477,9 +479,10 @@ def kernel_types(types):
 def copy_bytes(qtype, w):
     """An interleaved copy's size: the packed bytes, rearranged (Q4_K's and Q5_K's 6-bit scales
     and mins unpacked to a byte each: 2,368 bytes for 16 rows' super-blocks of 2,304, 2,880 for
-    2,816; Q6_K's quants a byte each: 4,384 for 3,360)."""
+    2,816; Q6_K's quants six bits each: the packed size, with AVX512-VBMI; else a byte each: 4,384
+    for 3,360)."""
     if qtype in K_QUANT_COPIES:
-        packed, copy = K_QUANT_COPIES[qtype]
+        packed, copy = Q6K_SIX_BITS_COPY if qtype == Q.Q6_K and kernels.q6k_six_bits() else K_QUANT_COPIES[qtype]
         return w.numel() // packed * copy
     return w.numel()
 
@@ -525,6 +528,47 @@ def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(kernel, qtype)
             part = torch.zeros(r + 1 - lo, n)
             rows16_product(kernel, x[lo : r + 1].contiguous(), w, qtype, part, 0, wi)
             assert torch.equal(part[-1], together[r]), (r, lo)
+
+
+@pytest.mark.skipif(not HAVE_VBMI, reason="this CPU lacks avx512_vbmi (Q6_K's six-bit copies) or avx512_bf16")
+def test_q6k_six_bit_copies_give_the_byte_copies_bits():
+    """Q6_K's six-bit copy (quant_rows16_q6k_vbmi.h) holds the packed bytes' count and its
+    kernel decodes the words the byte copy's kernel builds, summed in the same order: equal
+    outputs for every row count 1-16 (tiles of 1-8 rows, one to ten groups; K of one to three
+    super-blocks, so the last run's masked load ends the copy). A copy of the other layout is
+    refused, not misread."""
+    qt = int(Q.Q6_K)
+    prev = kernels.set_q6k_six_bits(True)
+    try:
+        for n, k in ((16, 256), (48, 768), (160, 512)):
+            raw = random_packed(Q.Q6_K, n, k, seed=n + k)
+            w = torch.from_numpy(raw)
+            six = kernels.interleave_rows16(w, qt, k)
+            kernels.set_q6k_six_bits(False)
+            byte = kernels.interleave_rows16(w, qt, k)
+            assert six.numel() == w.numel() and byte.numel() == w.numel() // 210 * 274
+            for m in range(1, 17):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+                outs = []
+                for on, wi in ((True, six), (False, byte)):
+                    kernels.set_q6k_six_bits(on)
+                    out = torch.zeros(m, n)
+                    rows16_product("bf16", x, w, Q.Q6_K, out, 0, wi)
+                    outs.append(out)
+                assert torch.equal(outs[0], outs[1]), (n, k, m)
+            kernels.set_q6k_six_bits(True)
+            with pytest.raises(RuntimeError, match="interleave_rows16 copy"):  # byte copy, six-bit setting
+                rows16_product("bf16", x, w, Q.Q6_K, torch.zeros(m, n), 0, byte)
+    finally:
+        kernels.set_q6k_six_bits(prev)
+
+
+@pytest.mark.skipif(not HAVE_KERNELS or HAVE_VBMI, reason="this CPU has avx512_vbmi and avx512_bf16 (six bits apply)")
+def test_q6k_six_bits_refused_without_vbmi():
+    """Without AVX512-VBMI, Q6_K's copies keep a byte a quant and six bits cannot be asked for."""
+    assert not kernels.q6k_six_bits()
+    with pytest.raises(RuntimeError, match="AVX512-VBMI"):
+        kernels.set_q6k_six_bits(True)
 
 
 @needs_bf16

@@ -186,6 +186,19 @@ def set_rows16_bf16(on: bool) -> bool:
     return bool(load().set_rows16_bf16(bool(on)))
 
 
+def set_q6k_six_bits(on: bool) -> bool:
+    """Whether Q6_K's interleaved copies keep six bits a quant (the packed size; the default
+    where the CPU has AVX512-VBMI, which their kernel needs: csrc/quant_rows16_q6k_vbmi.h) or a
+    byte (30% more). Copies written before a switch no longer fit the kernels (other size).
+    Returns the previous setting; RuntimeError asking for six bits without AVX512-VBMI."""
+    return bool(load().set_q6k_six_bits(bool(on)))
+
+
+def q6k_six_bits() -> bool:
+    """Whether Q6_K's interleaved copies keep six bits a quant now (set_q6k_six_bits)."""
+    return bool(load().q6k_six_bits())
+
+
 def has_many_rows_kernel() -> bool:
     """Whether the current path has the blocked many-row kernel (AVX2 today)."""
     return bool(load().has_many_rows_kernel())
@@ -203,7 +216,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: 
 def interleave_rows16(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     """Packed rows -> the copy the AVX-512 few-row kernels read (16 rows' blocks side by side,
     csrc/quant_rows16.h: the same bytes again; Q4_K's 2.8% and Q5_K's 2.3% more, their scales
-    unpacked; Q6_K's 30%, a byte a quant), or None where it does not apply (types other than Q4_0
+    unpacked; Q6_K's the same where the CPU has AVX512-VBMI, else 30% more, a byte a quant), or None where it does not apply (types other than Q4_0
     / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K, rows not a multiple of 16, a CPU without AVX-512; the
     K-quants, which only the bf16 kernel reads: without AVX512-BF16)."""
     out = load().interleave_rows16(w, int(qtype), int(k))

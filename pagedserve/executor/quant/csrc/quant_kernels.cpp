@@ -5,8 +5,9 @@
 // this one translation unit (ISA_TARGET_BEGIN): quant_scalar.h (portable), quant_avx2.h
 // (AVX2+FMA+F16C), quant_avx512.h (AVX-512 F/BW/VL/DQ), and on top of the AVX-512 one
 // quant_rows16.h (row-interleaved few-row products), quant_vnni.h (AVX512-VNNI integer
-// products), quant_bf16.h (AVX512-BF16 many-row products) and quant_rows16_bf16.h (AVX512-BF16
-// few-row products of bf16 models on the row-interleaved copies). The first three share the
+// products), quant_bf16.h (AVX512-BF16 many-row products), quant_rows16_bf16.h (AVX512-BF16
+// few-row products of bf16 models on the row-interleaved copies) and quant_rows16_q6k_vbmi.h
+// (the same for Q6_K's six-bit copy, AVX512-VBMI beside AVX512-BF16). The first three share the
 // ISA-neutral block code (quant_dequant.h) and loops (quant_loops.h), compiled into each; a new
 // ISA is one more file and one more region here. The path is chosen at run time from what the
 // CPU has (CPUID; or forced with set_isa, which the Python side drives from
@@ -98,6 +99,24 @@ static inline float fp16_to_f32(uint16_t h) {
   return f;
 }
 
+// Q6_K's row-interleaved copy (quant_rows16.h) keeps six bits a quant where the CPU has
+// AVX512-VBMI, whose byte permutes and multishift its kernel decodes them with
+// (quant_rows16_q6k_vbmi.h), else a byte a quant. set_q6k_six_bits switches (tests, A/B): a copy
+// written under the other setting has the other size, so the kernels do not take it.
+static int g_q6k_six_bits = -1;
+static bool cpu_has_vbmi() {
+#if QK_X86 && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+static bool q6k_six_bits() {
+  if (g_q6k_six_bits < 0) g_q6k_six_bits = cpu_has_vbmi();
+  return g_q6k_six_bits == 1;
+}
+
 struct GemmArgs {
   int type;
   const uint8_t* W;  // [N, rb] packed rows
@@ -157,6 +176,14 @@ using namespace avx512;
 namespace avx512_bf16_rows16 {
 #include "quant_rows16_bf16.h"
 }  // namespace avx512_bf16_rows16
+ISA_TARGET_END()
+
+// AVX512-VBMI beside AVX512-BF16: Q6_K's six-bit copy (quant_rows16_q6k_vbmi.h); not a level of
+// the ladder below (Cooper Lake has AVX512-BF16 without it), chosen by q6k_six_bits()
+ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi,avx2,fma,f16c")
+namespace avx512_bf16_vbmi {
+#include "quant_rows16_q6k_vbmi.h"
+}  // namespace avx512_bf16_vbmi
 ISA_TARGET_END()
 #endif  // QK_X86
 
@@ -309,6 +336,12 @@ int64_t set_isa(int64_t isa) {
   return g_isa;
 }
 int64_t get_isa() { return current_isa(); }
+bool set_q6k_six_bits(bool on) {
+  const bool prev = q6k_six_bits();
+  TORCH_CHECK(!on || cpu_has_vbmi(), "Q6_K's six-bit copies need AVX512-VBMI, which this CPU lacks");
+  g_q6k_six_bits = on;
+  return prev;
+}
 bool isa_available(int64_t isa) { return isa >= 0 && isa <= ISA_LAST && cpu_has((int)isa); }
 int64_t set_prefill_rows(int64_t m) {
   const int64_t old = g_prefill_rows;
@@ -660,8 +693,13 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
   }
   const avx512_bf16_rows16::Rows16Bf16Args g{(int)type, K, M, ldo, xp.data(), reinterpret_cast<const uint32_t*>(X), sums, out};
   const int64_t grain = std::max<int64_t>(1, 65536 / K);  // as gemm's few-row kernels
-  at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16),
-                   [&](int64_t g0, int64_t g1) { avx512_bf16_rows16::gemm_rows16_bf16(g, WI, g0, g1); });
+  const bool six = type == T_Q6_K && q6k_six_bits();
+  at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16), [&](int64_t g0, int64_t g1) {
+    if (six)
+      avx512_bf16_vbmi::gemm_q6k_six(g, WI, g0, g1);
+    else
+      avx512_bf16_rows16::gemm_rows16_bf16(g, WI, g0, g1);
+  });
 #endif
 }
 
@@ -812,6 +850,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the bf16 units (vdpbf16ps, or oneDNN)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("out"), py::arg("col0") = 0, py::arg("onednn") = false,
         py::arg("wi") = py::none());
+  m.def("set_q6k_six_bits", &set_q6k_six_bits, "Q6_K's interleaved copies six bits a quant (AVX512-VBMI; else a byte)");
+  m.def("q6k_six_bits", &q6k_six_bits, "whether Q6_K's interleaved copies keep six bits a quant");
   m.def("set_rows16_bf16", &set_rows16_bf16, "bf16 few-row products on interleaved copies on the bf16 units (on)");
   m.def("set_bf16_rows", &set_bf16_rows, py::arg("m"), py::arg("rows16") = false);
   m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN, interleaved copies]");

@@ -37,9 +37,14 @@
 constexpr int64_t Q4K_HDR = 320, Q4K_SUB = 256;
 // Q6_K (the bf16 kernel only), per (group of 16 rows, super-block of 256): d[16] (fp16) |
 // sc[16][16] (each sub-block of 16's int8 scale, [sub-block][row]) | 16 sub-blocks of 16
-// elements, each's quants minus 32 as int8, byte [e][r] = row r's element e (Q8_0's order).
-// 4,384 bytes against the 16 packed blocks' 3,360: the 6-bit quants a byte each (+30%).
-constexpr int64_t Q6K_HDR = 288, Q6K_SUB = 256;
+// elements, each's quants in one of two layouts (q6k_six_bits(): where the CPU has AVX512-VBMI):
+//   six bits: 8 runs of 24 bytes; run p holds the element pairs (2 p, 2 p + 1) of the 16 rows as
+//   a little-endian stream of 32 six-bit fields, field 2 r + h = row r's quant 2 p + h (0 .. 63,
+//   unsigned as in ql / qh). 3,360 bytes, the 16 packed blocks' size (quant_rows16_q6k_vbmi.h);
+//   a byte: the quants minus 32 as int8, byte [e][r] = row r's element e (Q8_0's order). 4,384
+//   bytes (+30%).
+constexpr int64_t Q6K_HDR = 288, Q6K_SUB = 256, Q6K_SUB6 = 192;
+static inline int64_t q6k_sub_bytes() { return ::q6k_six_bits() ? Q6K_SUB6 : Q6K_SUB; }
 // Q5_K (the bf16 kernel only), per (group of 16 rows, super-block of 256): Q4_K's header (d,
 // dmin, the sub-blocks' scales and mins a byte each: 320 bytes), then 8 sub-blocks of 32, each
 // as a Q5_0 / Q5_1 block's quants: its 8 fifth-bit masks (64 bytes), then Q4's 4 chunks of
@@ -56,7 +61,7 @@ static inline int64_t rows16_block_bytes(int type) {
     case T_Q5_0: return 16 * (int64_t)sizeof(bq5_0);
     case T_Q5_1: return 16 * (int64_t)sizeof(bq5_1);
     case T_Q4_K: return Q4K_HDR + 8 * Q4K_SUB;  // a super-block
-    case T_Q6_K: return Q6K_HDR + 16 * Q6K_SUB;
+    case T_Q6_K: return Q6K_HDR + 16 * q6k_sub_bytes();
     case T_Q5_K: return Q4K_HDR + 8 * Q5K_SUB;
     default: return 0;
   }
@@ -125,16 +130,31 @@ static inline int8_t q6k_quant(const bq6_K& b, int e) {
   return int8_t((lo | ((b.qh[32 * n + l] >> (2 * k)) & 3) << 4) - 32);
 }
 
+// field f (0 .. 31) of a six-bit run |= v (0 .. 63); the run's bytes start zeroed
+static inline void put_six_bits(uint8_t* run, int f, unsigned v) {
+  const int bit = 6 * f, at = bit / 8, sh = bit % 8;
+  run[at] |= uint8_t(v << sh);
+  if (sh > 2) run[at + 1] |= uint8_t(v >> (8 - sh));
+}
+
 static void interleave16_q6k(const uint8_t* W, int64_t rb, int64_t K, int64_t g0, int64_t g1, uint8_t* out) {
   const int64_t ns = K / 256, BB = rows16_block_bytes(T_Q6_K);
+  const bool six = ::q6k_six_bits();
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t i = 0; i < ns; ++i) {
       uint8_t* p = out + (g * ns + i) * BB;
+      std::memset(p, 0, BB);
       for (int64_t r = 0; r < 16; ++r) {
         const bq6_K& blk = reinterpret_cast<const bq6_K*>(W + (g * 16 + r) * rb)[i];
         std::memcpy(p + 2 * r, &blk.d, 2);
         for (int sb = 0; sb < 16; ++sb) p[32 + 16 * sb + r] = uint8_t(blk.scales[sb]);
-        for (int e = 0; e < 256; ++e) p[Q6K_HDR + Q6K_SUB * (e / 16) + 16 * (e % 16) + r] = uint8_t(q6k_quant(blk, e));
+        for (int e = 0; e < 256; ++e) {
+          const int8_t q = q6k_quant(blk, e);
+          if (six)  // sub-block e / 16, run (e % 16) / 2, field 2 r + e % 2
+            put_six_bits(p + Q6K_HDR + Q6K_SUB6 * (e / 16) + 24 * ((e % 16) / 2), int(2 * r + e % 2), unsigned(q + 32));
+          else
+            p[Q6K_HDR + Q6K_SUB * (e / 16) + 16 * (e % 16) + r] = uint8_t(q);
+        }
       }
     }
 }
