@@ -22,11 +22,10 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_audit import audit_idle_kv
-from pagedserve.core.kv_cache_manager import cdiv
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.step_log import StepLog
 from pagedserve.executor.executor import Executor, UniProcExecutor
-from pagedserve.executor.kv_cache import kv_cache_layout
+from pagedserve.executor.kv_cache import kv_cache_layout, max_useful_blocks
 from pagedserve.executor.loader import load_hf_config_dict, resolve_model_path
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.executor.pooling import PoolerConfig, resolve_pooler
@@ -205,9 +204,8 @@ class EngineCore:
                 f"the KV cache budget of {budget} bytes holds no KV block ({per_block} bytes per block of "
                 f"{cc.block_size} tokens); raise kv_cache_memory_bytes or gpu_memory_utilization."
             )
-        lay = kv_cache_layout(self.model_config)  # every group's blocks, at most
-        useful = sc.max_num_seqs * cdiv(sc.max_model_len, cc.block_size) * lay.num_groups + 1
-        return int(min(n, useful))
+        groups = kv_cache_layout(self.model_config).num_groups
+        return int(min(n, max_useful_blocks(sc.max_num_seqs, sc.max_model_len, cc.block_size, groups)))
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -108,6 +108,12 @@ def kv_bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim
     return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
 
+def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int, num_groups: int) -> int:
+    """Blocks that every sequence at full length could hold in every KV cache group, plus the
+    null block: more are never allocated, whatever the byte budget."""
+    return max_num_seqs * -(-max_model_len // block_size) * num_groups + 1
+
+
 def allocate(
     num_layers: int, shape, dtype: torch.dtype, device: torch.device, commit: bool = False
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:

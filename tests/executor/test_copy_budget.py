@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelLoadConfig, ParallelConfig
+from pagedserve.config import CacheConfig, EngineConfig, ModelLoadConfig, ParallelConfig, SchedulerConfig
 from pagedserve.executor import host_memory, kv_cache
 from pagedserve.executor.model_config import ModelConfig
 from pagedserve.executor.quant.copy_budget import HEADROOM_BYTES, CopyBudget, CopyPolicy
@@ -41,17 +41,22 @@ def test_policies_all_none_and_auto_from_the_free_memory(monkeypatch):
 
 
 def test_an_engines_policy_reserves_its_kv_cache_and_counts_its_processes():
+    """The reserve is the KV cache the core will allocate: the user's blocks or bytes (else the
+    CPU default), at the KV dtype the runner resolves, a tensor-parallel rank's share of the KV
+    heads, and no more than every sequence at full length could fill."""
     mc = ModelConfig.from_hf_dict(
         {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
     )
 
-    def policy(local_ranks=1, **kw):
+    def policy(local_ranks=1, dtype="float32", kv="auto", tp=1, seqs=None, max_len=None, **kw):
         cache = {k: v for k, v in kw.items() if k in ("kv_cache_memory_bytes", "num_kv_blocks")}
+        sched = {} if seqs is None else {"max_num_seqs": seqs, "max_model_len": max_len}
         cfg = EngineConfig(
-            model=ModelLoadConfig(weight_copies=kw.get("mode", "auto")),
-            cache=CacheConfig(**cache),
-            parallel=ParallelConfig(data_parallel_size=kw.get("dp", 1)),
+            model=ModelLoadConfig(weight_copies=kw.get("mode", "auto"), dtype=dtype),
+            cache=CacheConfig(kv_cache_dtype=kv, **cache),
+            scheduler=SchedulerConfig(**sched),
+            parallel=ParallelConfig(data_parallel_size=kw.get("dp", 1), tensor_parallel_size=tp),
         )
         return CopyPolicy.of_engine(cfg, mc, local_ranks)
 
@@ -59,6 +64,12 @@ def test_an_engines_policy_reserves_its_kv_cache_and_counts_its_processes():
     assert policy(kv_cache_memory_bytes="3GiB", mode="none").reserve_bytes == 3 * GIB
     per_block = 2 * 3 * 16 * 2 * 16 * 4  # K and V, 3 layers, 16 tokens, 2 heads of 16, float32
     assert policy(num_kv_blocks=10).reserve_bytes == 10 * per_block
+    assert policy(num_kv_blocks=10, kv="float16").reserve_bytes == 10 * per_block // 2
+    assert policy(num_kv_blocks=10, dtype="bfloat16").reserve_bytes == 10 * per_block // 2
+    assert policy(num_kv_blocks=10, tp=2).reserve_bytes == 10 * per_block // 2  # a rank's one KV head
+    # 2 sequences of up to 64 tokens: 2 x 4 blocks and the null block, far under the 2 GiB default
+    assert policy(seqs=2, max_len=64).reserve_bytes == 9 * per_block
+    assert policy(seqs=2, max_len=64, kv_cache_memory_bytes=4 * per_block).reserve_bytes == 4 * per_block
     assert policy(local_ranks=2, dp=3).processes == 6
 
 

@@ -32,11 +32,29 @@ import torch
 
 from pagedserve.config import WEIGHT_COPY_POLICIES, EngineConfig
 from pagedserve.executor import host_memory, kv_cache
+from pagedserve.executor.dtypes import resolve_dtype, resolve_kv_dtype
 from pagedserve.executor.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 HEADROOM_BYTES = 2 << 30  # activations of the largest step, oneDNN primitives, the runtime's growth
+
+
+def kv_reserve_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Bytes of the KV cache a CPU engine of `config` will allocate after loading (one rank's)."""
+    cc, sc, mc = config.cache, config.scheduler, model_config
+    cpu = torch.device("cpu")
+    kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, resolve_dtype(config.model.dtype, mc, cpu), cpu)
+    layout = kv_cache.kv_cache_layout(mc)
+    heads = max(1, mc.num_key_value_heads // config.parallel.tensor_parallel_size)
+    per_block = kv_cache.kv_bytes_per_block(layout.num_slots, cc.block_size, heads, mc.head_dim, kv_dtype)
+    if cc.num_kv_blocks is not None:
+        return cc.num_kv_blocks * per_block
+    budget = cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else kv_cache.DEFAULT_CPU_KV_BYTES
+    if sc.max_model_len is None or config.speculative is not None and config.speculative.method == "draft_model":
+        return budget
+    useful = kv_cache.max_useful_blocks(sc.max_num_seqs, sc.max_model_len, cc.block_size, layout.num_groups)
+    return min(budget, useful * per_block)
 
 
 @dataclass(frozen=True)
@@ -55,19 +73,12 @@ class CopyPolicy:
 
     @classmethod
     def of_engine(cls, config: EngineConfig, model_config: ModelConfig, local_ranks: int = 1) -> CopyPolicy:
-        """An engine's policy: its KV cache as the reserve (the user's bytes, or blocks at
-        float32's size, else the CPU default), its replicas' and `local_ranks`' processes."""
-        cc, mc = config.cache, model_config
-        reserve = cc.kv_cache_memory_bytes
-        if reserve is None and cc.num_kv_blocks is not None:
-            per_block = kv_cache.kv_bytes_per_block(
-                mc.num_hidden_layers, cc.block_size, mc.num_key_value_heads, mc.head_dim, torch.float32
-            )
-            reserve = cc.num_kv_blocks * per_block
-        if reserve is None:
-            reserve = kv_cache.DEFAULT_CPU_KV_BYTES
-        processes = config.parallel.data_parallel_size * local_ranks
-        return cls(config.model.weight_copies, reserve, processes)
+        """An engine's policy: its replicas' and `local_ranks`' processes, and as the reserve
+        the KV cache its core will allocate (engine_core._num_kv_blocks): the user's blocks,
+        else the user's bytes or the CPU default, at most what every sequence at full length
+        could fill; blocks at the KV dtype the runner will resolve, a rank's share of the KV
+        heads. (A draft model's own K/V, beside each block, is not counted in the cap.)"""
+        return cls(config.model.weight_copies, kv_reserve_bytes(config, model_config), config.parallel.data_parallel_size * local_ranks)
 
     def budget(self) -> CopyBudget:
         """The budget from the memory free now (read once: call it after the packed weights
