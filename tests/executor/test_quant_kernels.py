@@ -6,6 +6,8 @@ set this CPU has (the others are skipped with the reason): the float kernels on 
 avx512, the int8-activation ones also on avx512_vnni (bit-equal to avx2's), the bf16 many-row
 products of bfloat16 models on avx512_bf16; the AMX levels' refusal path simulated."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -461,18 +463,33 @@ def rows16_product(kernel, x, w, qtype, out, col0, wi):
         if kernel == "bf16":
             kernels.gemm_bf16(x, w, int(qtype), out, col0, interleaved=wi)
         else:
+            before = kernels.load().rows16_calls()
             kernels.gemm(x, w, int(qtype), out, col0, interleaved=wi)
+            assert kernels.load().rows16_calls() == before + 1, "the float kernel did not read the copy"
     finally:
         kernels.set_isa(prev)
 
 
+@contextlib.contextmanager
+def copy_layout(kernel, qtype):
+    """Q6_K's byte layout for the float kernel, which does not read the six-bit one (the
+    default with AVX512-VBMI and AVX512-BF16); every other case as it is."""
+    if kernel == "float" and qtype == Q.Q6_K and kernels.q6k_six_bits():
+        kernels.set_q6k_six_bits(False)
+        try:
+            yield
+        finally:
+            kernels.set_q6k_six_bits(True)
+    else:
+        yield
+
+
 def kernel_types(types):
-    """(kernel, qtype) params: every type for the bf16 kernel, the K-quants not for the float one."""
+    """(kernel, qtype) params: every type on both kernels."""
     return [
         pytest.param(kp.values[0], t, marks=kp.marks, id=f"{kp.values[0]}-{t.name}")
         for kp in ROWS16_KERNELS
         for t in types
-        if kp.values[0] == "bf16" or t not in K_QUANT_COPIES
     ]
 
 
@@ -493,6 +510,11 @@ def test_interleaved_few_rows_match_the_dequantized_matmul(kernel, qtype, n):
     """Every few-row count (1-11: tiles of 1-8 rows, pairs of groups for 1-2 rows), into its
     output columns only, within float32 summation of the float64 reference (the bf16 kernel:
     of the bf16 activations against the unrounded weights)."""
+    with copy_layout(kernel, qtype):
+        check_interleaved_few_rows(kernel, qtype, n)
+
+
+def check_interleaved_few_rows(kernel, qtype, n):
     for k in (256, 768) if qtype in K_QUANT_COPIES else (96, 576):
         raw = random_packed(qtype, n, k, seed=n + k)
         w = torch.from_numpy(raw)
@@ -515,19 +537,20 @@ def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(kernel, qtype)
     """A k-token verification (k + 1 rows) computes what 1-row decode steps compute: each row's
     sums are the same whatever the row count (tiles of 1-8 rows, one or two groups; up to the
     float kernel's 11 few rows, the bf16 kernel's 16)."""
-    n, k, rows = 48, 768 if qtype in K_QUANT_COPIES else 576, 16 if kernel == "bf16" else 11
-    w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
-    wi = kernels.interleave_rows16(w, int(qtype), k)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
-    if kernel == "bf16":
-        x = x.bfloat16()
-    together = torch.zeros(rows, n)
-    rows16_product(kernel, x, w, qtype, together, 0, wi)
-    for r in (0, 4, 10, rows - 1):
-        for lo in {0, max(0, r - 2), r}:  # the row alone, and inside tiles of 1-3 and 5-16 rows
-            part = torch.zeros(r + 1 - lo, n)
-            rows16_product(kernel, x[lo : r + 1].contiguous(), w, qtype, part, 0, wi)
-            assert torch.equal(part[-1], together[r]), (r, lo)
+    with copy_layout(kernel, qtype):
+        n, k, rows = 48, 768 if qtype in K_QUANT_COPIES else 576, 16 if kernel == "bf16" else 11
+        w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
+        wi = kernels.interleave_rows16(w, int(qtype), k)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
+        if kernel == "bf16":
+            x = x.bfloat16()
+        together = torch.zeros(rows, n)
+        rows16_product(kernel, x, w, qtype, together, 0, wi)
+        for r in (0, 4, 10, rows - 1):
+            for lo in {0, max(0, r - 2), r}:  # the row alone, and inside tiles of 1-3 and 5-16 rows
+                part = torch.zeros(r + 1 - lo, n)
+                rows16_product(kernel, x[lo : r + 1].contiguous(), w, qtype, part, 0, wi)
+                assert torch.equal(part[-1], together[r]), (r, lo)
 
 
 @pytest.mark.skipif(not HAVE_VBMI, reason="this CPU lacks avx512_vbmi (Q6_K's six-bit copies) or avx512_bf16")

@@ -16,6 +16,7 @@ from pagedserve.executor.loader import build_model, load_hf_config_dict, resolve
 from pagedserve.executor.model_config import ModelConfig  # noqa: E402
 from pagedserve.executor.model_runner import ModelRunner  # noqa: E402
 from pagedserve.executor.quant import kernels  # noqa: E402
+from pagedserve.executor.quant.copy_budget import CopyPolicy  # noqa: E402
 from pagedserve.executor.quant.layers import QuantEmbedding, QuantLinear  # noqa: E402
 from tests.checkpoints import build_checkpoint  # noqa: E402
 from tests.executor.test_gguf import write_gguf  # noqa: E402
@@ -258,11 +259,13 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
 
 @needs_native_bf16
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
-def test_k_quant_copies_in_bf16_engines_only(kquant_checkpoint, tmp_path, monkeypatch, qtype):
-    """Q4_K / Q5_K / Q6_K layers get row-interleaved copies (the bf16 few-row kernel's) in a bfloat16
-    engine on a native-bf16 path, none in float32 or below avx512_bf16. A bf16 engine's decode
-    steps on them give the greedy tokens of the same engine with the bf16 few-row kernel off
-    (the float kernel on the packed blocks), logits within 1% of the largest."""
+def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, monkeypatch, qtype):
+    """Q4_K / Q5_K / Q6_K layers get row-interleaved copies in a bfloat16 engine on a
+    native-bf16 path (the bf16 few-row kernel's) and in float32 or below avx512_bf16 (the float
+    kernel's), except Q6_K's six-bit copy, which only the bf16 kernel reads. A bf16 engine's
+    decode steps on them give the greedy tokens of the same engine with the bf16 few-row kernel
+    off (the float kernel), and a float32 engine's those of one without copies (the packed
+    blocks), logits within 1% of the largest."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     real = gguf.quants.quantize
     monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
@@ -273,18 +276,26 @@ def test_k_quant_copies_in_bf16_engines_only(kquant_checkpoint, tmp_path, monkey
     def with_copies(dtype):
         return sum(m.rows16_everywhere for m in quant_layers(converted, dtype))
 
+    every = 4 * 2  # qkv, o, gate_up, down x 2 layers (the head: 1,001 rows)
+    float_copies = 0 if qtype == Q.Q6_K and kernels.q6k_six_bits() else every
     isa = kernels.set_isa("avx512_bf16")
     try:
-        assert with_copies(torch.bfloat16) == 4 * 2  # qkv, o, gate_up, down x 2 layers (the head: 1,001 rows)
-        assert with_copies(torch.float32) == 0
+        assert with_copies(torch.bfloat16) == every
+        assert with_copies(torch.float32) == float_copies
         kernels.set_isa("avx512")
-        assert with_copies(torch.bfloat16) == 0
+        assert with_copies(torch.bfloat16) == float_copies
         kernels.set_isa("avx512_bf16")
         before = kernels.load().bf16_calls()[2]
         got = run(path, None, "bfloat16")
         assert kernels.load().bf16_calls()[2] > before
         assert kernels.set_rows16_bf16(False) is True
         assert_same(got, run(path, None, "bfloat16"), 1e-2)
+        kernels.set_rows16_bf16(True)
+        if float_copies:
+            before = kernels.load().rows16_calls()
+            got = run(path, None, "float32")
+            assert kernels.load().rows16_calls() > before
+            assert_same(got, run(path, None, "float32", weight_copies=CopyPolicy("none")), 1e-2)
     finally:
         kernels.set_rows16_bf16(True)
         kernels.set_isa(isa)

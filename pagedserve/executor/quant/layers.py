@@ -16,7 +16,7 @@ from pagedserve import envs
 from pagedserve.executor import onednn_linear
 from pagedserve.executor.quant import kernels
 from pagedserve.executor.quant.copy_budget import CopyBudget
-from pagedserve.executor.quant.formats import F32, NAMES, Q4_K, Q5_K, Q6_K, QUANTIZERS, PackedWeight
+from pagedserve.executor.quant.formats import F32, NAMES, Q6_K, QUANTIZERS, PackedWeight
 
 
 class QuantLinear(nn.Module):
@@ -98,18 +98,17 @@ class QuantLinear(nn.Module):
         return True
 
     def attach_rows16(self, bf16: bool = False, budget: CopyBudget | None = None) -> bool:
-        """Keep beside each Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 segment (and with `bf16`, a bfloat16 model's,
-        each Q4_K / Q5_K / Q6_K one, which only the bf16 kernel reads) its row-interleaved copy,
-        which the AVX-512 few-row products (decode at batch 1-11 in float32, 1-8 in bf16;
-        verification rows) read at ~2x the packed rows' kernel (BENCHMARKS sections 39, 44; the
-        K-quants 3-6x, section 49). Costs the segments' packed bytes again (Q4_K +2.8%, its
-        scales unpacked; Q5_K +2.3%, the same; Q6_K +30%, its quants a byte each). False (nothing kept)
-        where no segment takes it or `budget` has no room for the layer's copies."""
+        """Keep beside each block-type segment (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
+        Q6_K) its row-interleaved copy, which the AVX-512 few-row products (decode at batch 1-11
+        in float32, 1-8 in bf16; verification rows) read at ~2x the packed rows' kernel
+        (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55). Costs the segments'
+        packed bytes again (Q4_K +2.8%, its scales unpacked; Q5_K +2.3%, the same; Q6_K +0% in
+        six bits where the CPU has AVX512-VBMI and AVX512-BF16, else +30%, a byte a quant). Q6_K's
+        six-bit copy only the bf16 kernel reads: none without `bf16` (a float32 engine). False
+        (nothing kept) where no segment takes it or `budget` has no room for the layer's copies."""
         k = self.in_features
-        sizes = [
-            0 if t in (Q4_K, Q5_K, Q6_K) and not bf16 else kernels.rows16_copy_size(d, t, k)
-            for t, d, _ in self.segments
-        ]
+        six = kernels.q6k_six_bits()
+        sizes = [0 if t == Q6_K and six and not bf16 else kernels.rows16_copy_size(d, t, k) for t, d, _ in self.segments]
         if not any(sizes) or (budget is not None and not budget.take("row-interleaved", sum(sizes))):
             return False
         empty = torch.empty(0, dtype=torch.uint8)
@@ -263,7 +262,7 @@ def rows16_copies(model: nn.Module, dtype: torch.dtype = torch.float32, budget: 
     """The packed layers (not `gguf_q8`'s act_q8 ones, whose few-row products are integer)
     get their row-interleaved copies for the AVX-512 few-row kernel (`attach_rows16`) where
     the kernels run on AVX-512 or above (PAGEDSERVE_CPU_ISA=avx2 and below: none), as far as
-    `budget` allows (None: no bound); K-quant segments only in a bfloat16 model on a
+    `budget` allows (None: no bound); Q6_K's six-bit copies only in a bfloat16 model on a
     native-bf16 path (their kernel's). Returns how many layers."""
     if kernels.current_isa() in ("scalar", "avx2"):
         return 0

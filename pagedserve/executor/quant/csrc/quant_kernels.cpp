@@ -100,22 +100,12 @@ static inline float fp16_to_f32(uint16_t h) {
 }
 
 // Q6_K's row-interleaved copy (quant_rows16.h) keeps six bits a quant where the CPU has
-// AVX512-VBMI, whose byte permutes and multishift its kernel decodes them with
-// (quant_rows16_q6k_vbmi.h), else a byte a quant. set_q6k_six_bits switches (tests, A/B): a copy
-// written under the other setting has the other size, so the kernels do not take it.
+// AVX512-VBMI, whose byte permutes and multishift the bf16 kernel decodes them with
+// (quant_rows16_q6k_vbmi.h), and AVX512-BF16 (that kernel's); else a byte a quant, which the
+// float kernel reads too (float32 engines on Skylake-SP .. Ice Lake). set_q6k_six_bits switches
+// (tests, A/B): a copy written under the other setting has the other size, so no kernel takes it.
 static int g_q6k_six_bits = -1;
-static bool cpu_has_vbmi() {
-#if QK_X86 && (defined(__GNUC__) || defined(__clang__))
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
-#else
-  return false;
-#endif
-}
-static bool q6k_six_bits() {
-  if (g_q6k_six_bits < 0) g_q6k_six_bits = cpu_has_vbmi();
-  return g_q6k_six_bits == 1;
-}
+static bool q6k_six_bits();  // (after the CPUID helpers)
 
 struct GemmArgs {
   int type;
@@ -289,6 +279,19 @@ static bool cpu_has(int isa) {
   return false;
 }
 
+static bool cpu_has_vbmi() {
+#if QK_X86 && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return cpu_has(ISA_AVX512) && cpuid7(0, ECX, 1);
+#else
+  return false;
+#endif
+}
+static bool q6k_six_bits() {
+  if (g_q6k_six_bits < 0) g_q6k_six_bits = cpu_has_vbmi() && cpu_has(ISA_AVX512_BF16);
+  return g_q6k_six_bits == 1;
+}
+
 static int best_isa() {
   for (int i = ISA_LAST; i > ISA_SCALAR; --i)
     if (cpu_has(i)) return i;
@@ -338,7 +341,8 @@ int64_t set_isa(int64_t isa) {
 int64_t get_isa() { return current_isa(); }
 bool set_q6k_six_bits(bool on) {
   const bool prev = q6k_six_bits();
-  TORCH_CHECK(!on || cpu_has_vbmi(), "Q6_K's six-bit copies need AVX512-VBMI, which this CPU lacks");
+  TORCH_CHECK(!on || (cpu_has_vbmi() && cpu_has(ISA_AVX512_BF16)),
+              "Q6_K's six-bit copies need AVX512-VBMI and AVX512-BF16, which this CPU lacks");
   g_q6k_six_bits = on;
   return prev;
 }
@@ -496,9 +500,11 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
   return out;
 }
 
-// The types quant_rows16.h's float kernel reads; the bf16 one (quant_rows16_bf16.h) Q4_K too
+// The types quant_rows16.h's float kernel reads (Q6_K's byte layout only); the bf16 one
+// (quant_rows16_bf16.h, quant_rows16_q6k_vbmi.h) every one
 static bool rows16_type(int64_t type) {
-  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0;
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 || type == T_Q4_K ||
+         type == T_Q5_K || (type == T_Q6_K && !q6k_six_bits());
 }
 static bool rows16_bf16_type(int64_t type) {
   return rows16_type(type) || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
@@ -552,6 +558,11 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
   return false;
 #endif
 }
+
+// Float few-row products that read an interleaved copy so far (tests: a copy given but not
+// usable, e.g. Q6_K's six-bit one, falls back to the packed rows silently)
+static int64_t g_rows16_calls = 0;
+int64_t rows16_calls() { return g_rows16_calls; }
 
 void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool act_q8,
           c10::optional<torch::Tensor> wi) {
@@ -640,6 +651,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   // grain: at least ~64k weights per task so small layers are not split into tiny jobs
   const int64_t grain = std::max<int64_t>(1, 65536 / K);
   if (rows16_usable(wi, w, type)) {
+    ++g_rows16_calls;
 #if QK_X86
     const uint8_t* WI = wi->data_ptr<uint8_t>();
     at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16),
@@ -854,6 +866,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q6k_six_bits", &q6k_six_bits, "whether Q6_K's interleaved copies keep six bits a quant");
   m.def("set_rows16_bf16", &set_rows16_bf16, "bf16 few-row products on interleaved copies on the bf16 units (on)");
   m.def("set_bf16_rows", &set_bf16_rows, py::arg("m"), py::arg("rows16") = false);
+  m.def("rows16_calls", &rows16_calls, "float few-row products on interleaved copies so far");
   m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN, interleaved copies]");
   m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows, py::arg("m"), py::arg("amx") = false);
   m.def("set_isa", &set_isa);

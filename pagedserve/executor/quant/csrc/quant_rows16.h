@@ -298,6 +298,28 @@ static inline void prefetch_ahead(const uint8_t* WI, int64_t g, int64_t nb, int6
   for (int64_t c = 0; c < BB; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
 }
 
+// lo[t] / hi[t] += the pairs (j, j + 16) of a block of 32 (its quants at q in Q4's 4 chunks, words
+// by half) times activation row m0 + t's x[j] / x[j + 16] (x: the block's first element in row
+// m0), j in order, as the sums' order is part of the numerics
+template <int MT, class Half>
+static inline void chunk_fmas(const float* x, int64_t K, const uint8_t* q, const Half& half, __m512 (&lo)[MT],
+                              __m512 (&hi)[MT]) {
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int64_t c = 0; c < 4; ++c) {
+    __m512i w[4];
+    chunk_words(q + 64 * c, c, half, w);
+    for (int64_t jj = 0; jj < 4; ++jj) {
+      const int64_t j = 4 * c + jj;
+      const __m512 ql = _mm512_castsi512_ps(_mm512_slli_epi32(w[jj], 16));  // a bf16 pair's halves
+      const __m512 qh = _mm512_castsi512_ps(_mm512_and_si512(w[jj], top));  // widen exactly
+      for (int t = 0; t < MT; ++t) {
+        lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[t * K + j]), lo[t]);
+        hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * K + j + 16]), hi[t]);
+      }
+    }
+  }
+}
+
 // out[m0 + t][16 g .. 16 g + 15] for group g and MT activation rows from m0
 template <int TYPE, int MT>
 static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t m0) {
@@ -308,39 +330,93 @@ static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t
   for (int64_t i = 0; i < nb; ++i) {
     prefetch_ahead(WI, g, nb, i, BB);
     const uint8_t* p = WI + (g * nb + i) * BB;
+    const float* x = a.X + m0 * a.K + i * 32;
     __m512 lo[MT], hi[MT];
     for (int t = 0; t < MT; ++t) lo[t] = hi[t] = _mm512_setzero_ps();
-    auto fma_pair = [&](int64_t j, __m512 ql, __m512 qh) {
-      for (int t = 0; t < MT; ++t) {
-        const float* x = a.X + (m0 + t) * a.K + i * 32;
-        lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[j]), lo[t]);
-        hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[j + 16]), hi[t]);
-      }
-    };
-    if (TYPE == T_Q8_0) {
+    if constexpr (TYPE == T_Q8_0) {
       for (int64_t j = 0; j < 16; ++j) {
         __m512 ql, qh;
         q8_quants16(p + hdr, j, ql, qh);
-        fma_pair(j, ql, qh);
+        for (int t = 0; t < MT; ++t) {
+          lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[t * a.K + j]), lo[t]);
+          hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * a.K + j + 16]), hi[t]);
+        }
       }
+    } else if constexpr (rows16_q5(TYPE)) {
+      chunk_fmas<MT>(x, a.K, p + hdr, Q5Half{tb, tb16, p + rows16_scales_bytes(TYPE)}, lo, hi);
     } else {
-      const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
-      for (int64_t c = 0; c < 4; ++c) {
-        __m512i w[4];
-        if constexpr (rows16_q5(TYPE))
-          chunk_words(p + hdr + 64 * c, c, Q5Half{tb, tb16, p + rows16_scales_bytes(TYPE)}, w);
-        else
-          chunk_words(p + hdr + 64 * c, c, Q4Half{tb}, w);
-        for (int64_t jj = 0; jj < 4; ++jj)  // j in order, as the sums' order is part of the numerics;
-          fma_pair(4 * c + jj, _mm512_castsi512_ps(_mm512_slli_epi32(w[jj], 16)),  // a bf16 pair's
-                   _mm512_castsi512_ps(_mm512_and_si512(w[jj], top)));               // halves widen exactly
-      }
+      chunk_fmas<MT>(x, a.K, p + hdr, Q4Half{tb}, lo, hi);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(lo[t], hi[t]), d, acc[t]);
     if (rows16_has_min(TYPE)) {
       const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + i]), acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
+}
+
+// 16 bytes at p as floats (unsigned: Q4_K's / Q5_K's scales and mins; signed: Q6_K's)
+static inline __m512 u8x16_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m512 i8x16_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The K-quants' copies (the layouts above) on float activations: float32 engines on AVX-512 CPUs
+// without AVX512-BF16 (Skylake-SP .. Ice Lake), where the bf16 kernel's tiles do not run. Per
+// super-block d (and dmin), per sub-block the chains of rows16_tile and the packed kernels' w =
+// d sc q - dmin m: acc += (lo + hi) * (d sc), acc -= (dmin m) * (the sub-block's activation sum)
+// (Q4_K / Q5_K, sub-blocks of 32: Q4_1's / Q5_1's chunk loop); Q6_K (its byte layout only; the
+// six-bit one is read by the bf16 kernel), sub-blocks of 16: lo over the pairs' first elements
+// (2 p), hi over their second (2 p + 1), acc += (lo + hi) * (d sc). Prefetch: the bf16 tiles'.
+template <int TYPE, int MT>
+static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t m0) {
+  constexpr bool six = TYPE == T_Q6_K;
+  constexpr int64_t NSUB = six ? 16 : 8, AHEAD = 8 * 320;
+  const int64_t ns = a.K / 256, BB = rows16_block_bytes(TYPE), nb = a.K / 32;
+  const int64_t sub = TYPE == T_Q4_K ? Q4K_SUB : TYPE == T_Q5_K ? Q5K_SUB : Q6K_SUB;
+  const int64_t hdr = six ? Q6K_HDR : Q4K_HDR;
+  const Q4Tables tb = q4_tables(T_Q4_1), tb16 = q5_high_tables(T_Q5_1);  // unsigned 0 .. 15, 16 .. 31
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < ns; ++i) {
+    const uint8_t* p = WI + (g * ns + i) * BB;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    for (int64_t sb = 0; sb < NSUB; ++sb) {
+      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / NSUB) + AHEAD);
+      for (int64_t c = 0; c < BB / NSUB + 64; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+      const uint8_t* q = p + hdr + sub * sb;
+      __m512 lo[MT], hi[MT];
+      for (int t = 0; t < MT; ++t) lo[t] = hi[t] = _mm512_setzero_ps();
+      if constexpr (six) {
+        const float* x = a.X + m0 * a.K + i * 256 + sb * 16;
+        for (int64_t pr = 0; pr < 8; ++pr) {
+          const __m512 ql = i8x16_ps(q + 32 * pr), qh = i8x16_ps(q + 32 * pr + 16);
+          for (int t = 0; t < MT; ++t) {
+            lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[t * a.K + 2 * pr]), lo[t]);
+            hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * a.K + 2 * pr + 1]), hi[t]);
+          }
+        }
+        const __m512 scale = _mm512_mul_ps(d, i8x16_ps(p + 32 + 16 * sb));
+        for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(lo[t], hi[t]), scale, acc[t]);
+      } else {
+        const int64_t b = i * 8 + sb;  // the block of 32 along K
+        const float* x = a.X + m0 * a.K + b * 32;
+        if constexpr (TYPE == T_Q5_K)  // the sub-block's masks, then its nibbles
+          chunk_fmas<MT>(x, a.K, q + 64, Q5Half{tb, tb16, q}, lo, hi);
+        else
+          chunk_fmas<MT>(x, a.K, q, Q4Half{tb}, lo, hi);
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+        const __m512 scale = _mm512_mul_ps(d, u8x16_ps(p + 64 + 16 * sb));
+        const __m512 mn = _mm512_mul_ps(dmin, u8x16_ps(p + 192 + 16 * sb));
+        for (int t = 0; t < MT; ++t) {
+          acc[t] = _mm512_fmadd_ps(_mm512_add_ps(lo[t], hi[t]), scale, acc[t]);
+          acc[t] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
+        }
+      }
     }
   }
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
@@ -374,7 +450,10 @@ static void for_each_tile(int64_t M, int64_t g0, int64_t g1, const Tile& tile) {
 template <int TYPE>
 static void rows16_groups(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_t g1) {
   for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
-    rows16_tile<TYPE, decltype(MT)::value>(a, WI, g, m0);
+    if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K)
+      rows16_tile_k<TYPE, decltype(MT)::value>(a, WI, g, m0);
+    else
+      rows16_tile<TYPE, decltype(MT)::value>(a, WI, g, m0);
   });
 }
 
@@ -384,6 +463,9 @@ static void gemm_rows16(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_
     case T_Q4_1: return rows16_groups<T_Q4_1>(a, WI, g0, g1);
     case T_Q5_0: return rows16_groups<T_Q5_0>(a, WI, g0, g1);
     case T_Q5_1: return rows16_groups<T_Q5_1>(a, WI, g0, g1);
+    case T_Q4_K: return rows16_groups<T_Q4_K>(a, WI, g0, g1);
+    case T_Q5_K: return rows16_groups<T_Q5_K>(a, WI, g0, g1);
+    case T_Q6_K: return rows16_groups<T_Q6_K>(a, WI, g0, g1);
     default: return rows16_groups<T_Q8_0>(a, WI, g0, g1);
   }
 }
