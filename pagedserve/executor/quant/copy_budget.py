@@ -77,7 +77,7 @@ class CopyPolicy:
         the KV cache its core will allocate (engine_core._num_kv_blocks): the user's blocks,
         else the user's bytes or the CPU default, at most what every sequence at full length
         could fill; blocks at the KV dtype the runner will resolve, a rank's share of the KV
-        heads. (A draft model's own K/V, beside each block, is not counted in the cap.)"""
+        heads. (A draft model's own K/V beside each block is not counted.)"""
         return cls(config.model.weight_copies, kv_reserve_bytes(config, model_config), config.parallel.data_parallel_size * local_ranks)
 
     def budget(self) -> CopyBudget:

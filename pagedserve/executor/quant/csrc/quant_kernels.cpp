@@ -20,7 +20,7 @@
 //     Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows (interleave_rows16, quant_rows16.h: 16 rows' blocks side by
 //     side) the copy's kernel instead, ~2x, over groups of 16 output rows (a bf16 model's
 //     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps; the
-//     K-quants' copies (Q4_K, Q5_K, Q6_K) for it alone);
+//     K-quants' copies (Q4_K, Q5_K, Q6_K) for both, except Q6_K's six-bit one, the bf16 kernel's);
 //     many rows, AVX2: chunks of output rows are dequantized into an L2-resident float buffer
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
@@ -521,8 +521,8 @@ static int64_t rows16_copy_bytes(const torch::Tensor& w, int64_t type) {
 }
 
 // Bytes of interleave_rows16's copy of packed rows w, 0 where it does not apply (another type,
-// rows not a multiple of 16, no AVX-512; the K-quants, which only the bf16 kernel reads: no
-// AVX512-BF16)
+// rows not a multiple of 16, no AVX-512; Q6_K's six-bit copy, which only the bf16 kernel reads:
+// no AVX512-BF16)
 int64_t rows16_copy_size(torch::Tensor w, int64_t type, int64_t K) {
   check_packed(w, type, K);
   const int64_t N = w.size(0);

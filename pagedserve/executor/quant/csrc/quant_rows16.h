@@ -1,5 +1,6 @@
 // AVX-512 few-row products (decode at batch 1-11, speculative verification rows) on a
-// row-interleaved copy of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights. Included once by quant_kernels.cpp inside
+// row-interleaved copy of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K (its byte layout)
+// weights, float activations. Included once by quant_kernels.cpp inside
 // namespace avx512_rows16 within the AVX-512 target region (the block structs, GemmArgs and the
 // type codes are the file's). No include guard on purpose.
 //
@@ -30,22 +31,23 @@
 // in one of two tables, chosen by the mask (vpshufb under a mask): 0 .. 15 and 16 .. 31 (Q5_0:
 // minus 16), so a 5-bit quant costs one masked lookup more than a 4-bit one.
 
-// Q4_K (the bf16 kernel only, quant_rows16_bf16.h), per (group of 16 rows, super-block of 256
+// Q4_K (the bf16 kernel, quant_rows16_bf16.h, and the float one, rows16_tile_k), per (group of 16 rows, super-block of 256
 // along K): d[16] (fp16) | dmin[16] (fp16) | sc[8][16] | m[8][16] (each sub-block's 6-bit scale
 // and min, a byte each) | 8 sub-blocks of 32 elements, each's quants in Q4_1's 4 chunks of 64
 // bytes. 2,368 bytes against the 16 packed blocks' 2,304: the scales unpacked.
 constexpr int64_t Q4K_HDR = 320, Q4K_SUB = 256;
-// Q6_K (the bf16 kernel only), per (group of 16 rows, super-block of 256): d[16] (fp16) |
-// sc[16][16] (each sub-block of 16's int8 scale, [sub-block][row]) | 16 sub-blocks of 16
-// elements, each's quants in one of two layouts (q6k_six_bits(): where the CPU has AVX512-VBMI):
+// Q6_K, per (group of 16 rows, super-block of 256): d[16] (fp16) | sc[16][16] (each sub-block
+// of 16's int8 scale, [sub-block][row]) | 16 sub-blocks of 16 elements, each's quants in one of
+// two layouts (q6k_six_bits(): where the CPU has AVX512-VBMI and AVX512-BF16):
 //   six bits: 8 runs of 24 bytes; run p holds the element pairs (2 p, 2 p + 1) of the 16 rows as
 //   a little-endian stream of 32 six-bit fields, field 2 r + h = row r's quant 2 p + h (0 .. 63,
-//   unsigned as in ql / qh). 3,360 bytes, the 16 packed blocks' size (quant_rows16_q6k_vbmi.h);
+//   unsigned as in ql / qh). 3,360 bytes, the 16 packed blocks' size; the bf16 kernel reads it
+//   (quant_rows16_q6k_vbmi.h);
 //   a byte: the quants minus 32 as int8, byte [e][r] = row r's element e (Q8_0's order). 4,384
-//   bytes (+30%).
+//   bytes (+30%); both kernels read it.
 constexpr int64_t Q6K_HDR = 288, Q6K_SUB = 256, Q6K_SUB6 = 192;
 static inline int64_t q6k_sub_bytes() { return ::q6k_six_bits() ? Q6K_SUB6 : Q6K_SUB; }
-// Q5_K (the bf16 kernel only), per (group of 16 rows, super-block of 256): Q4_K's header (d,
+// Q5_K (both kernels, as Q4_K), per (group of 16 rows, super-block of 256): Q4_K's header (d,
 // dmin, the sub-blocks' scales and mins a byte each: 320 bytes), then 8 sub-blocks of 32, each
 // as a Q5_0 / Q5_1 block's quants: its 8 fifth-bit masks (64 bytes), then Q4's 4 chunks of
 // nibbles. 2,880 bytes against the 16 packed blocks' 2,816 (+2.3%: the scales unpacked). Until
@@ -374,11 +376,11 @@ static inline __m512 i8x16_ps(const uint8_t* p) {
 // (2 p), hi over their second (2 p + 1), acc += (lo + hi) * (d sc). Prefetch: the bf16 tiles'.
 template <int TYPE, int MT>
 static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t m0) {
-  constexpr bool six = TYPE == T_Q6_K;
-  constexpr int64_t NSUB = six ? 16 : 8, AHEAD = 8 * 320;
+  constexpr bool q6k = TYPE == T_Q6_K;
+  constexpr int64_t NSUB = q6k ? 16 : 8, AHEAD = 8 * 320;
   const int64_t ns = a.K / 256, BB = rows16_block_bytes(TYPE), nb = a.K / 32;
   const int64_t sub = TYPE == T_Q4_K ? Q4K_SUB : TYPE == T_Q5_K ? Q5K_SUB : Q6K_SUB;
-  const int64_t hdr = six ? Q6K_HDR : Q4K_HDR;
+  const int64_t hdr = q6k ? Q6K_HDR : Q4K_HDR;
   const Q4Tables tb = q4_tables(T_Q4_1), tb16 = q5_high_tables(T_Q5_1);  // unsigned 0 .. 15, 16 .. 31
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
@@ -391,7 +393,7 @@ static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64
       const uint8_t* q = p + hdr + sub * sb;
       __m512 lo[MT], hi[MT];
       for (int t = 0; t < MT; ++t) lo[t] = hi[t] = _mm512_setzero_ps();
-      if constexpr (six) {
+      if constexpr (q6k) {
         const float* x = a.X + m0 * a.K + i * 256 + sb * 16;
         for (int64_t pr = 0; pr < 8; ++pr) {
           const __m512 ql = i8x16_ps(q + 32 * pr), qh = i8x16_ps(q + 32 * pr + 16);

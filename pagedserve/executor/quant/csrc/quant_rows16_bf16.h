@@ -5,8 +5,8 @@
 // row r's qs[j]; Q4_K per super-block of 256: d, dmin, the sub-blocks' scales and mins, then
 // each sub-block's quants as Q4_1's (Q5_K's as Q5_1's, with its fifth bits' masks); Q6_K's
 // quants a byte each per sub-block of 16 where the CPU has no AVX512-VBMI, else six bits, read by
-// quant_rows16_q6k_vbmi.h; only this kernel reads the K-quants). Included once by quant_kernels.cpp inside namespace avx512_bf16_rows16 within
-// the AVX512-BF16 target region. No include guard on purpose.
+// quant_rows16_q6k_vbmi.h). Included once by quant_kernels.cpp inside namespace
+// avx512_bf16_rows16 within the AVX512-BF16 target region. No include guard on purpose.
 //
 // quant_rows16.h multiplies float activations by float quants, two FMAs of 16 lanes per row for
 // each element pair (j, j + 16) of a block. Here the activations stay in the model's bf16 and

@@ -6,13 +6,14 @@
 //
 // A run of 24 bytes holds one element pair of 16 rows, row r's fields 2 r and 2 r + 1 (bits
 // 12 r .. 12 r + 11). Decoding a run into the 16 dwords vdpbf16ps takes (lane r: bf16(q[2 p] -
-// 32) | bf16(q[2 p + 1] - 32) << 16), four instructions, no widening:
+// 32) | bf16(q[2 p + 1] - 32) << 16), three permutes after the load, no widening:
 //   vpermb          the 3 bytes of rows 2 j, 2 j + 1 into qword j;
-//   vpmultishiftqb  both bytes of word w of the qword get the bits from 6 w (field w in bits 0-5);
-//   vpermb          (the low 6 bits index a 64-byte table) low bytes of bf16(v - 32) into all bytes,
-//   vpermb, masked  the high bytes into the odd ones.
+//   vpmultishiftqb  the low byte of word w of the qword gets the bits from 6 w (field w in bits
+//                   0-5; the high bytes are not read);
+//   vpermt2w        word v of a 64-word table (the low 6 bits of each word index it): bf16(v - 32).
 // These are the words i8_pair_quants builds from the byte layout, taken in the same order by the
-// same chains: the same bits as tile_q6k (tested against it), with 23% fewer bytes read.
+// same chains: the same bits as tile_q6k (tested against it), with 23% fewer bytes read. (Two
+// vpermb lookups, low and high bytes, measured 4-8% slower at 4-8 rows on a Zen 4.)
 
 struct SixBitTables {
   __m512i gather;  // qword j's bytes 0-2 = the run's bytes 3 j .. 3 j + 2
