@@ -6,8 +6,6 @@ set this CPU has (the others are skipped with the reason): the float kernels on 
 avx512, the int8-activation ones also on avx512_vnni (bit-equal to avx2's), the bf16 many-row
 products of bfloat16 models on avx512_bf16; the AMX levels' refusal path simulated."""
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -442,7 +440,7 @@ ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # the K-quants: the bf16 kernel only
 K_QUANT_COPIES = {Q.Q4_K: (144, 148), Q.Q5_K: (176, 180), Q.Q6_K: (210, 274)}  # a row's super-block -> its copy's bytes
 Q6K_SIX_BITS_COPY = (210, 210)  # Q6_K's six-bit copy (CPUs with AVX512-VBMI): the packed size
-HAVE_VBMI = HAVE_KERNELS and HAVE_BF16 and kernels.q6k_six_bits()  # the default where the CPU has it
+HAVE_VBMI = HAVE_KERNELS and HAVE_AVX512 and kernels.q6k_six_bits()  # the default where the CPU has it
 
 
 # the two few-row kernels on interleaved copies: float activations (quant_rows16.h) and bf16
@@ -468,20 +466,6 @@ def rows16_product(kernel, x, w, qtype, out, col0, wi):
             assert kernels.load().rows16_calls() == before + 1, "the float kernel did not read the copy"
     finally:
         kernels.set_isa(prev)
-
-
-@contextlib.contextmanager
-def copy_layout(kernel, qtype):
-    """Q6_K's byte layout for the float kernel, which does not read the six-bit one (the
-    default with AVX512-VBMI and AVX512-BF16); every other case as it is."""
-    if kernel == "float" and qtype == Q.Q6_K and kernels.q6k_six_bits():
-        kernels.set_q6k_six_bits(False)
-        try:
-            yield
-        finally:
-            kernels.set_q6k_six_bits(True)
-    else:
-        yield
 
 
 def kernel_types(types):
@@ -510,11 +494,6 @@ def test_interleaved_few_rows_match_the_dequantized_matmul(kernel, qtype, n):
     """Every few-row count (1-11: tiles of 1-8 rows, pairs of groups for 1-2 rows), into its
     output columns only, within float32 summation of the float64 reference (the bf16 kernel:
     of the bf16 activations against the unrounded weights)."""
-    with copy_layout(kernel, qtype):
-        check_interleaved_few_rows(kernel, qtype, n)
-
-
-def check_interleaved_few_rows(kernel, qtype, n):
     for k in (256, 768) if qtype in K_QUANT_COPIES else (96, 576):
         raw = random_packed(qtype, n, k, seed=n + k)
         w = torch.from_numpy(raw)
@@ -537,29 +516,29 @@ def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(kernel, qtype)
     """A k-token verification (k + 1 rows) computes what 1-row decode steps compute: each row's
     sums are the same whatever the row count (tiles of 1-8 rows, one or two groups; up to the
     float kernel's 11 few rows, the bf16 kernel's 16)."""
-    with copy_layout(kernel, qtype):
-        n, k, rows = 48, 768 if qtype in K_QUANT_COPIES else 576, 16 if kernel == "bf16" else 11
-        w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
-        wi = kernels.interleave_rows16(w, int(qtype), k)
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
-        if kernel == "bf16":
-            x = x.bfloat16()
-        together = torch.zeros(rows, n)
-        rows16_product(kernel, x, w, qtype, together, 0, wi)
-        for r in (0, 4, 10, rows - 1):
-            for lo in {0, max(0, r - 2), r}:  # the row alone, and inside tiles of 1-3 and 5-16 rows
-                part = torch.zeros(r + 1 - lo, n)
-                rows16_product(kernel, x[lo : r + 1].contiguous(), w, qtype, part, 0, wi)
-                assert torch.equal(part[-1], together[r]), (r, lo)
+    n, k, rows = 48, 768 if qtype in K_QUANT_COPIES else 576, 16 if kernel == "bf16" else 11
+    w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
+    wi = kernels.interleave_rows16(w, int(qtype), k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
+    if kernel == "bf16":
+        x = x.bfloat16()
+    together = torch.zeros(rows, n)
+    rows16_product(kernel, x, w, qtype, together, 0, wi)
+    for r in (0, 4, 10, rows - 1):
+        for lo in {0, max(0, r - 2), r}:  # the row alone, and inside tiles of 1-3 and 5-16 rows
+            part = torch.zeros(r + 1 - lo, n)
+            rows16_product(kernel, x[lo : r + 1].contiguous(), w, qtype, part, 0, wi)
+            assert torch.equal(part[-1], together[r]), (r, lo)
 
 
-@pytest.mark.skipif(not HAVE_VBMI, reason="this CPU lacks avx512_vbmi (Q6_K's six-bit copies) or avx512_bf16")
-def test_q6k_six_bit_copies_give_the_byte_copies_bits():
-    """Q6_K's six-bit copy (quant_rows16_q6k_vbmi.h) holds the packed bytes' count and its
-    kernel decodes the words the byte copy's kernel builds, summed in the same order: equal
-    outputs for every row count 1-16 (tiles of 1-8 rows, one to ten groups; K of one to three
-    super-blocks, so the last run's masked load ends the copy). A copy of the other layout is
-    refused, not misread."""
+@pytest.mark.skipif(not HAVE_VBMI, reason="this CPU lacks avx512_vbmi (Q6_K's six-bit copies)")
+@pytest.mark.parametrize("kernel", ROWS16_KERNELS)
+def test_q6k_six_bit_copies_give_the_byte_copies_bits(kernel):
+    """Q6_K's six-bit copy (quant_rows16_q6k_vbmi*.h) holds the packed bytes' count and both
+    kernels decode the words their byte-copy tiles build, summed in the same order: equal outputs
+    for every few-row count (bf16: 1-16, float: 1-11; one to ten groups; K of one to three
+    super-blocks, so the last run's masked load ends the copy). The bf16 kernel refuses a copy of
+    the other layout; the float one falls back to the packed rows (no copy read)."""
     qt = int(Q.Q6_K)
     prev = kernels.set_q6k_six_bits(True)
     try:
@@ -570,23 +549,28 @@ def test_q6k_six_bit_copies_give_the_byte_copies_bits():
             kernels.set_q6k_six_bits(False)
             byte = kernels.interleave_rows16(w, qt, k)
             assert six.numel() == w.numel() and byte.numel() == w.numel() // 210 * 274
-            for m in range(1, 17):
-                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+            for m in range(1, 17 if kernel == "bf16" else 12):  # the float kernel's few rows: 1-11
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                x = x.bfloat16() if kernel == "bf16" else x
                 outs = []
                 for on, wi in ((True, six), (False, byte)):
                     kernels.set_q6k_six_bits(on)
                     out = torch.zeros(m, n)
-                    rows16_product("bf16", x, w, Q.Q6_K, out, 0, wi)
+                    rows16_product(kernel, x, w, Q.Q6_K, out, 0, wi)
                     outs.append(out)
                 assert torch.equal(outs[0], outs[1]), (n, k, m)
-            kernels.set_q6k_six_bits(True)
-            with pytest.raises(RuntimeError, match="interleave_rows16 copy"):  # byte copy, six-bit setting
-                rows16_product("bf16", x, w, Q.Q6_K, torch.zeros(m, n), 0, byte)
+            kernels.set_q6k_six_bits(True)  # a byte copy under the six-bit setting
+            if kernel == "bf16":
+                with pytest.raises(RuntimeError, match="interleave_rows16 copy"):
+                    rows16_product(kernel, x, w, Q.Q6_K, torch.zeros(m, n), 0, byte)
+            else:
+                with pytest.raises(AssertionError, match="did not read the copy"):
+                    rows16_product(kernel, x, w, Q.Q6_K, torch.zeros(m, n), 0, byte)
     finally:
         kernels.set_q6k_six_bits(prev)
 
 
-@pytest.mark.skipif(not HAVE_KERNELS or HAVE_VBMI, reason="this CPU has avx512_vbmi and avx512_bf16 (six bits apply)")
+@pytest.mark.skipif(not HAVE_KERNELS or HAVE_VBMI, reason="this CPU has avx512_vbmi (six bits apply)")
 def test_q6k_six_bits_refused_without_vbmi():
     """Without AVX512-VBMI, Q6_K's copies keep a byte a quant and six bits cannot be asked for."""
     assert not kernels.q6k_six_bits()

@@ -262,7 +262,7 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
 def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, monkeypatch, qtype):
     """Q4_K / Q5_K / Q6_K layers get row-interleaved copies in a bfloat16 engine on a
     native-bf16 path (the bf16 few-row kernel's) and in float32 or below avx512_bf16 (the float
-    kernel's), except Q6_K's six-bit copy, which only the bf16 kernel reads. A bf16 engine's
+    kernel's). A bf16 engine's
     decode steps on them give the greedy tokens of the same engine with the bf16 few-row kernel
     off (the float kernel), and a float32 engine's those of one without copies (the packed
     blocks), logits within 1% of the largest."""
@@ -277,13 +277,12 @@ def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, m
         return sum(m.rows16_everywhere for m in quant_layers(converted, dtype))
 
     every = 4 * 2  # qkv, o, gate_up, down x 2 layers (the head: 1,001 rows)
-    float_copies = 0 if qtype == Q.Q6_K and kernels.q6k_six_bits() else every
     isa = kernels.set_isa("avx512_bf16")
     try:
         assert with_copies(torch.bfloat16) == every
-        assert with_copies(torch.float32) == float_copies
+        assert with_copies(torch.float32) == every
         kernels.set_isa("avx512")
-        assert with_copies(torch.bfloat16) == float_copies
+        assert with_copies(torch.bfloat16) == every
         kernels.set_isa("avx512_bf16")
         before = kernels.load().bf16_calls()[2]
         got = run(path, None, "bfloat16")
@@ -291,11 +290,10 @@ def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, m
         assert kernels.set_rows16_bf16(False) is True
         assert_same(got, run(path, None, "bfloat16"), 1e-2)
         kernels.set_rows16_bf16(True)
-        if float_copies:
-            before = kernels.load().rows16_calls()
-            got = run(path, None, "float32")
-            assert kernels.load().rows16_calls() > before
-            assert_same(got, run(path, None, "float32", weight_copies=CopyPolicy("none")), 1e-2)
+        before = kernels.load().rows16_calls()
+        got = run(path, None, "float32")
+        assert kernels.load().rows16_calls() > before
+        assert_same(got, run(path, None, "float32", weight_copies=CopyPolicy("none")), 1e-2)
     finally:
         kernels.set_rows16_bf16(True)
         kernels.set_isa(isa)

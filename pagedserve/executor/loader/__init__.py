@@ -106,7 +106,7 @@ def build_model(
         from pagedserve.executor.quant.layers import bf16_copies, rows16_copies
 
         budget = (weight_copies or CopyPolicy()).budget()
-        rows16_copies(model, dtype, budget)  # first: a layer with them gets its bf16 copy from more rows
+        rows16_copies(model, budget)  # first: a layer with them gets its bf16 copy from more rows
         if quant == "gguf":
             bf16_copies(model, dtype, budget)
         budget.log()

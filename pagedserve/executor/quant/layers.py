@@ -16,7 +16,7 @@ from pagedserve import envs
 from pagedserve.executor import onednn_linear
 from pagedserve.executor.quant import kernels
 from pagedserve.executor.quant.copy_budget import CopyBudget
-from pagedserve.executor.quant.formats import F32, NAMES, Q6_K, QUANTIZERS, PackedWeight
+from pagedserve.executor.quant.formats import F32, NAMES, QUANTIZERS, PackedWeight
 
 
 class QuantLinear(nn.Module):
@@ -97,18 +97,17 @@ class QuantLinear(nn.Module):
         self._dense_min = max(1, min_rows) * k
         return True
 
-    def attach_rows16(self, bf16: bool = False, budget: CopyBudget | None = None) -> bool:
+    def attach_rows16(self, budget: CopyBudget | None = None) -> bool:
         """Keep beside each block-type segment (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
         Q6_K) its row-interleaved copy, which the AVX-512 few-row products (decode at batch 1-11
         in float32, 1-8 in bf16; verification rows) read at ~2x the packed rows' kernel
         (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55). Costs the segments'
         packed bytes again (Q4_K +2.8%, its scales unpacked; Q5_K +2.3%, the same; Q6_K +0% in
-        six bits where the CPU has AVX512-VBMI and AVX512-BF16, else +30%, a byte a quant). Q6_K's
-        six-bit copy only the bf16 kernel reads: none without `bf16` (a float32 engine). False
-        (nothing kept) where no segment takes it or `budget` has no room for the layer's copies."""
+        six bits where the CPU has AVX512-VBMI, else +30%, a byte a quant); both kernels read every
+        copy. False (nothing kept) where no segment takes it or `budget` has no room for the
+        layer's copies."""
         k = self.in_features
-        six = kernels.q6k_six_bits()
-        sizes = [0 if t == Q6_K and six and not bf16 else kernels.rows16_copy_size(d, t, k) for t, d, _ in self.segments]
+        sizes = [kernels.rows16_copy_size(d, t, k) for t, d, _ in self.segments]
         if not any(sizes) or (budget is not None and not budget.take("row-interleaved", sum(sizes))):
             return False
         empty = torch.empty(0, dtype=torch.uint8)
@@ -258,19 +257,17 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
     return n
 
 
-def rows16_copies(model: nn.Module, dtype: torch.dtype = torch.float32, budget: CopyBudget | None = None) -> int:
+def rows16_copies(model: nn.Module, budget: CopyBudget | None = None) -> int:
     """The packed layers (not `gguf_q8`'s act_q8 ones, whose few-row products are integer)
     get their row-interleaved copies for the AVX-512 few-row kernel (`attach_rows16`) where
     the kernels run on AVX-512 or above (PAGEDSERVE_CPU_ISA=avx2 and below: none), as far as
-    `budget` allows (None: no bound); Q6_K's six-bit copies only in a bfloat16 model on a
-    native-bf16 path (their kernel's). Returns how many layers."""
+    `budget` allows (None: no bound). Returns how many layers."""
     if kernels.current_isa() in ("scalar", "avx2"):
         return 0
-    bf16 = dtype == torch.bfloat16 and kernels.native_bf16_in_use()
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
-            n += mod.attach_rows16(bf16, budget)
+            n += mod.attach_rows16(budget)
     return n
 
 

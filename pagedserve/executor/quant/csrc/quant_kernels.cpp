@@ -100,10 +100,9 @@ static inline float fp16_to_f32(uint16_t h) {
 }
 
 // Q6_K's row-interleaved copy (quant_rows16.h) keeps six bits a quant where the CPU has
-// AVX512-VBMI, whose byte permutes and multishift the bf16 kernel decodes them with
-// (quant_rows16_q6k_vbmi.h), and AVX512-BF16 (that kernel's); else a byte a quant, which the
-// float kernel reads too (float32 engines on Skylake-SP .. Ice Lake). set_q6k_six_bits switches
-// (tests, A/B): a copy written under the other setting has the other size, so no kernel takes it.
+// AVX512-VBMI, whose byte permutes and multishift both few-row kernels decode them with
+// (quant_rows16_q6k_vbmi.h), else a byte a quant. set_q6k_six_bits switches (tests, A/B): a copy
+// written under the other setting has the other size, so no kernel takes it.
 static int g_q6k_six_bits = -1;
 static bool q6k_six_bits();  // (after the CPUID helpers)
 
@@ -168,11 +167,18 @@ namespace avx512_bf16_rows16 {
 }  // namespace avx512_bf16_rows16
 ISA_TARGET_END()
 
-// AVX512-VBMI beside AVX512-BF16: Q6_K's six-bit copy (quant_rows16_q6k_vbmi.h); not a level of
-// the ladder below (Cooper Lake has AVX512-BF16 without it), chosen by q6k_six_bits()
+// AVX512-VBMI: Q6_K's six-bit copy, its run decoder and the float kernel's tile
+// (quant_rows16_q6k_vbmi.h), and beside AVX512-BF16 the bf16 kernel's tile
+// (quant_rows16_q6k_vbmi_bf16.h). Not a level of the ladder below (Ice Lake has VBMI without
+// AVX512-BF16, Cooper Lake the reverse): chosen by q6k_six_bits()
+ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")
+namespace avx512_vbmi {
+#include "quant_rows16_q6k_vbmi.h"
+}  // namespace avx512_vbmi
+ISA_TARGET_END()
 ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi,avx2,fma,f16c")
 namespace avx512_bf16_vbmi {
-#include "quant_rows16_q6k_vbmi.h"
+#include "quant_rows16_q6k_vbmi_bf16.h"
 }  // namespace avx512_bf16_vbmi
 ISA_TARGET_END()
 #endif  // QK_X86
@@ -288,7 +294,7 @@ static bool cpu_has_vbmi() {
 #endif
 }
 static bool q6k_six_bits() {
-  if (g_q6k_six_bits < 0) g_q6k_six_bits = cpu_has_vbmi() && cpu_has(ISA_AVX512_BF16);
+  if (g_q6k_six_bits < 0) g_q6k_six_bits = cpu_has_vbmi();
   return g_q6k_six_bits == 1;
 }
 
@@ -341,8 +347,7 @@ int64_t set_isa(int64_t isa) {
 int64_t get_isa() { return current_isa(); }
 bool set_q6k_six_bits(bool on) {
   const bool prev = q6k_six_bits();
-  TORCH_CHECK(!on || (cpu_has_vbmi() && cpu_has(ISA_AVX512_BF16)),
-              "Q6_K's six-bit copies need AVX512-VBMI and AVX512-BF16, which this CPU lacks");
+  TORCH_CHECK(!on || cpu_has_vbmi(), "Q6_K's six-bit copies need AVX512-VBMI, which this CPU lacks");
   g_q6k_six_bits = on;
   return prev;
 }
@@ -500,14 +505,11 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
   return out;
 }
 
-// The types quant_rows16.h's float kernel reads (Q6_K's byte layout only); the bf16 one
-// (quant_rows16_bf16.h, quant_rows16_q6k_vbmi.h) every one
+// The types with a row-interleaved copy, which both few-row kernels read (float activations:
+// quant_rows16.h; bf16 ones: quant_rows16_bf16.h; Q6_K's six-bit copy: quant_rows16_q6k_vbmi*.h)
 static bool rows16_type(int64_t type) {
   return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 || type == T_Q4_K ||
-         type == T_Q5_K || (type == T_Q6_K && !q6k_six_bits());
-}
-static bool rows16_bf16_type(int64_t type) {
-  return rows16_type(type) || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+         type == T_Q5_K || type == T_Q6_K;
 }
 
 // Bytes of the row-interleaved copy of packed rows w (N a multiple of 16): per 16 rows and block
@@ -521,12 +523,11 @@ static int64_t rows16_copy_bytes(const torch::Tensor& w, int64_t type) {
 }
 
 // Bytes of interleave_rows16's copy of packed rows w, 0 where it does not apply (another type,
-// rows not a multiple of 16, no AVX-512; Q6_K's six-bit copy, which only the bf16 kernel reads:
-// no AVX512-BF16)
+// rows not a multiple of 16, no AVX-512)
 int64_t rows16_copy_size(torch::Tensor w, int64_t type, int64_t K) {
   check_packed(w, type, K);
   const int64_t N = w.size(0);
-  const bool fits = rows16_type(type) ? cpu_has(ISA_AVX512) : rows16_bf16_type(type) && cpu_has(ISA_AVX512_BF16);
+  const bool fits = rows16_type(type) && cpu_has(ISA_AVX512);
   return fits && N % 16 == 0 && N > 0 ? rows16_copy_bytes(w, type) : 0;
 }
 
@@ -549,7 +550,7 @@ torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
 // wi is w's copy and the float kernel (bf16: the bf16 kernel) reads it on the ISA path now set
 static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::Tensor& w, int64_t type, bool bf16 = false) {
 #if QK_X86
-  return (bf16 ? current_isa() >= ISA_AVX512_BF16 && rows16_bf16_type(type) : current_isa() >= ISA_AVX512 && rows16_type(type)) &&
+  return current_isa() >= (bf16 ? ISA_AVX512_BF16 : ISA_AVX512) && rows16_type(type) &&
          wi.has_value() && wi->defined() && w.size(0) % 16 == 0 &&
          wi->numel() == rows16_copy_bytes(w, type) &&
          wi->scalar_type() == at::kByte && wi->is_contiguous();
@@ -654,8 +655,13 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
     ++g_rows16_calls;
 #if QK_X86
     const uint8_t* WI = wi->data_ptr<uint8_t>();
-    at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16),
-                     [&](int64_t g0, int64_t g1) { avx512_rows16::gemm_rows16(g, WI, g0, g1); });
+    const bool six = type == T_Q6_K && q6k_six_bits();
+    at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16), [&](int64_t g0, int64_t g1) {
+      if (six)
+        avx512_vbmi::gemm_rows16_q6k_six(g, WI, g0, g1);
+      else
+        avx512_rows16::gemm_rows16(g, WI, g0, g1);
+    });
 #endif
     return;
   }
