@@ -367,6 +367,17 @@ static inline __m512 i8x16_ps(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// The K-quant tiles' prefetch (both kernels): a fixed distance ahead in the group's stream (about
+// the other types' 8 blocks), at sub-block sb of nsub the lines of its share of the super-block
+// at p (BB bytes), and one more
+static inline void prefetch_sub_block(const uint8_t* p, int64_t BB, int64_t nsub, int64_t sb) {
+  const char* pf = reinterpret_cast<const char*>(p + sb * (BB / nsub) + 8 * 320);
+  for (int64_t c = 0; c < BB / nsub + 64; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+}
+
+// Q6_K's sub-block sb: the 16 rows' d * sc (exact in float32: 11 x 8 bits), d the super-block's
+static inline __m512 q6k_scale(const uint8_t* p, __m512 d, int64_t sb) { return _mm512_mul_ps(d, i8x16_ps(p + 32 + 16 * sb)); }
+
 // The K-quants' copies (the layouts above) on float activations: float32 engines on AVX-512 CPUs
 // without AVX512-BF16 (Skylake-SP .. Ice Lake), where the bf16 kernel's tiles do not run. Per
 // super-block d (and dmin), per sub-block the chains of rows16_tile and the packed kernels' w =
@@ -377,7 +388,7 @@ static inline __m512 i8x16_ps(const uint8_t* p) {
 template <int TYPE, int MT>
 static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t m0) {
   constexpr bool q6k = TYPE == T_Q6_K;
-  constexpr int64_t NSUB = q6k ? 16 : 8, AHEAD = 8 * 320;
+  constexpr int64_t NSUB = q6k ? 16 : 8;
   const int64_t ns = a.K / 256, BB = rows16_block_bytes(TYPE), nb = a.K / 32;
   const int64_t sub = TYPE == T_Q4_K ? Q4K_SUB : TYPE == T_Q5_K ? Q5K_SUB : Q6K_SUB;
   const int64_t hdr = q6k ? Q6K_HDR : Q4K_HDR;
@@ -388,8 +399,7 @@ static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64
     const uint8_t* p = WI + (g * ns + i) * BB;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int64_t sb = 0; sb < NSUB; ++sb) {
-      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / NSUB) + AHEAD);
-      for (int64_t c = 0; c < BB / NSUB + 64; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+      prefetch_sub_block(p, BB, NSUB, sb);
       const uint8_t* q = p + hdr + sub * sb;
       __m512 lo[MT], hi[MT];
       for (int t = 0; t < MT; ++t) lo[t] = hi[t] = _mm512_setzero_ps();
@@ -402,7 +412,7 @@ static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64
             hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * a.K + 2 * pr + 1]), hi[t]);
           }
         }
-        const __m512 scale = _mm512_mul_ps(d, i8x16_ps(p + 32 + 16 * sb));
+        const __m512 scale = q6k_scale(p, d, sb);
         for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(lo[t], hi[t]), scale, acc[t]);
       } else {
         const int64_t b = i * 8 + sb;  // the block of 32 along K

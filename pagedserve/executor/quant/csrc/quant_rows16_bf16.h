@@ -147,7 +147,6 @@ static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, in
   const int64_t sub = TYPE == T_Q4_K ? avx512_rows16::Q4K_SUB : avx512_rows16::Q5K_SUB;
   const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(T_Q4_1);         // unsigned nibbles 0 .. 15
   const avx512_rows16::Q4Tables tb16 = avx512_rows16::q5_high_tables(T_Q5_1);  // Q5_K's 16 .. 31
-  constexpr int64_t AHEAD = 8 * 320;  // bytes: about the other types' 8 blocks
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < ns; ++i) {
@@ -155,8 +154,7 @@ static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, in
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
     for (int64_t sb = 0; sb < 8; ++sb) {
-      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / 8) + AHEAD);
-      for (int64_t c = 0; c < BB / 8 + 64; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+      avx512_rows16::prefetch_sub_block(p, BB, 8, sb);
       const int64_t b = i * 8 + sb;  // the block of 32 along K
       auto bytes16 = [&](int64_t off) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off))));
@@ -185,17 +183,14 @@ static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, in
 template <int MT>
 static void tile_q6k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
   const int64_t ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(T_Q6_K);
-  constexpr int64_t AHEAD = 8 * 320;
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < ns; ++i) {
     const uint8_t* p = WI + (g * ns + i) * BB;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int64_t sb = 0; sb < 16; ++sb) {
-      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / 16) + AHEAD);
-      for (int64_t c = 0; c < 320; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
-      const __m512 scale = _mm512_mul_ps(
-          d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * sb)))));
+      avx512_rows16::prefetch_sub_block(p, BB, 16, sb);
+      const __m512 scale = avx512_rows16::q6k_scale(p, d, sb);
       __m512 s[2][MT];
       for (int e = 0; e < 2; ++e)
         for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();

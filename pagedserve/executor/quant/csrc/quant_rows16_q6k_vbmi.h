@@ -59,7 +59,6 @@ template <int MT>
 static void rows16_tile_q6k_six(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t m0, const SixBitTables& tb) {
   using avx512_rows16::Q6K_HDR, avx512_rows16::Q6K_SUB6;
   const int64_t ns = a.K / 256, BB = Q6K_HDR + 16 * Q6K_SUB6;
-  constexpr int64_t AHEAD = 8 * 320;
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
@@ -67,8 +66,7 @@ static void rows16_tile_q6k_six(const GemmArgs& a, const uint8_t* WI, int64_t g,
     const uint8_t* p = WI + (g * ns + i) * BB;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int64_t sb = 0; sb < 16; ++sb) {
-      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / 16) + AHEAD);
-      for (int64_t c = 0; c < BB / 16 + 64; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
+      avx512_rows16::prefetch_sub_block(p, BB, 16, sb);
       const uint8_t* q = p + Q6K_HDR + Q6K_SUB6 * sb;
       const float* x = a.X + m0 * a.K + i * 256 + sb * 16;
       __m512 lo[MT], hi[MT];
@@ -82,7 +80,7 @@ static void rows16_tile_q6k_six(const GemmArgs& a, const uint8_t* WI, int64_t g,
           hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * a.K + 2 * pr + 1]), hi[t]);
         }
       }
-      const __m512 scale = _mm512_mul_ps(d, avx512_rows16::i8x16_ps(p + 32 + 16 * sb));
+      const __m512 scale = avx512_rows16::q6k_scale(p, d, sb);
       for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(lo[t], hi[t]), scale, acc[t]);
     }
   }

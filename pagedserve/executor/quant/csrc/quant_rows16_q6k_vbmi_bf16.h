@@ -11,17 +11,14 @@ static void tile_q6k_six(const avx512_bf16_rows16::Rows16Bf16Args& a, const uint
                          const avx512_vbmi::SixBitTables& tb) {
   using avx512_rows16::Q6K_HDR, avx512_rows16::Q6K_SUB6;
   const int64_t ns = a.K / 256, BB = Q6K_HDR + 16 * Q6K_SUB6;
-  constexpr int64_t AHEAD = 8 * 320;
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < ns; ++i) {
     const uint8_t* p = WI + (g * ns + i) * BB;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int64_t sb = 0; sb < 16; ++sb) {
-      const char* pf = reinterpret_cast<const char*>(p + sb * (BB / 16) + AHEAD);
-      for (int64_t c = 0; c < 256; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
-      const __m512 scale = _mm512_mul_ps(
-          d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * sb)))));
+      avx512_rows16::prefetch_sub_block(p, BB, 16, sb);
+      const __m512 scale = avx512_rows16::q6k_scale(p, d, sb);
       __m512 s[2][MT];
       for (int e = 0; e < 2; ++e)
         for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
