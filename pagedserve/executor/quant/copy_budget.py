@@ -51,7 +51,8 @@ def kv_reserve_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
     if cc.num_kv_blocks is not None:
         return cc.num_kv_blocks * per_block
     budget = cc.kv_cache_memory_bytes if cc.kv_cache_memory_bytes is not None else kv_cache.DEFAULT_CPU_KV_BYTES
-    if sc.max_model_len is None or config.speculative is not None and config.speculative.method == "draft_model":
+    drafts_kv = config.speculative is not None and config.speculative.method == "draft_model"
+    if sc.max_model_len is None or drafts_kv:  # (a draft model's K/V rides on every block)
         return budget
     useful = kv_cache.max_useful_blocks(sc.max_num_seqs, sc.max_model_len, cc.block_size, layout.num_groups)
     return min(budget, useful * per_block)
@@ -78,7 +79,8 @@ class CopyPolicy:
         else the user's bytes or the CPU default, at most what every sequence at full length
         could fill; blocks at the KV dtype the runner will resolve, a rank's share of the KV
         heads. (A draft model's own K/V beside each block is not counted.)"""
-        return cls(config.model.weight_copies, kv_reserve_bytes(config, model_config), config.parallel.data_parallel_size * local_ranks)
+        processes = config.parallel.data_parallel_size * local_ranks
+        return cls(config.model.weight_copies, kv_reserve_bytes(config, model_config), processes)
 
     def budget(self) -> CopyBudget:
         """The budget from the memory free now (read once: call it after the packed weights

@@ -216,8 +216,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: 
 def interleave_rows16(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
     """Packed rows -> the copy the AVX-512 few-row kernels read (16 rows' blocks side by side,
     csrc/quant_rows16.h: the same bytes again; Q4_K's 2.8% and Q5_K's 2.3% more, their scales
-    unpacked; Q6_K's the same where the CPU has AVX512-VBMI and AVX512-BF16, else 30% more, a
-    byte a quant), or None where it does not apply (types other than Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+    unpacked; Q6_K's the same where the CPU has AVX512-VBMI, else 30% more, a byte a quant), or
+    None where it does not apply (types other than Q4_0 / Q4_1 / Q5_0 / Q5_1 /
     Q8_0 / Q4_K / Q5_K / Q6_K, rows not a multiple of 16, a CPU without AVX-512)."""
     out = load().interleave_rows16(w, int(qtype), int(k))
     return out if out.numel() else None
