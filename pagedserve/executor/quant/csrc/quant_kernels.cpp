@@ -6,8 +6,8 @@
 // (AVX2+FMA+F16C), quant_avx512.h (AVX-512 F/BW/VL/DQ), and on top of the AVX-512 one
 // quant_rows16.h (row-interleaved few-row products), quant_vnni.h (AVX512-VNNI integer
 // products), quant_bf16.h (AVX512-BF16 many-row products), quant_rows16_bf16.h (AVX512-BF16
-// few-row products of bf16 models on the row-interleaved copies) and quant_rows16_q6k_vbmi.h
-// (the same for Q6_K's six-bit copy, AVX512-VBMI beside AVX512-BF16). The first three share the
+// few-row products of bf16 models on the row-interleaved copies) and quant_rows16_q6k_vbmi.h /
+// quant_rows16_q6k_vbmi_bf16.h (both few-row kernels on Q6_K's six-bit copy, AVX512-VBMI). The first three share the
 // ISA-neutral block code (quant_dequant.h) and loops (quant_loops.h), compiled into each; a new
 // ISA is one more file and one more region here. The path is chosen at run time from what the
 // CPU has (CPUID; or forced with set_isa, which the Python side drives from
@@ -20,7 +20,7 @@
 //     Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows (interleave_rows16, quant_rows16.h: 16 rows' blocks side by
 //     side) the copy's kernel instead, ~2x, over groups of 16 output rows (a bf16 model's
 //     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps; the
-//     K-quants' copies (Q4_K, Q5_K, Q6_K) for both, except Q6_K's six-bit one, the bf16 kernel's);
+//     K-quants' copies (Q4_K, Q5_K, Q6_K) for both);
 //     many rows, AVX2: chunks of output rows are dequantized into an L2-resident float buffer
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
@@ -561,7 +561,7 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 }
 
 // Float few-row products that read an interleaved copy so far (tests: a copy given but not
-// usable, e.g. Q6_K's six-bit one, falls back to the packed rows silently)
+// usable, e.g. Q6_K's in the other layout, falls back to the packed rows silently)
 static int64_t g_rows16_calls = 0;
 int64_t rows16_calls() { return g_rows16_calls; }
 
