@@ -31,20 +31,19 @@
 // in one of two tables, chosen by the mask (vpshufb under a mask): 0 .. 15 and 16 .. 31 (Q5_0:
 // minus 16), so a 5-bit quant costs one masked lookup more than a 4-bit one.
 
-// Q4_K (the bf16 kernel, quant_rows16_bf16.h, and the float one, rows16_tile_k), per (group of 16 rows, super-block of 256
-// along K): d[16] (fp16) | dmin[16] (fp16) | sc[8][16] | m[8][16] (each sub-block's 6-bit scale
-// and min, a byte each) | 8 sub-blocks of 32 elements, each's quants in Q4_1's 4 chunks of 64
-// bytes. 2,368 bytes against the 16 packed blocks' 2,304: the scales unpacked.
+// Q4_K (the bf16 kernel, quant_rows16_bf16.h, and the float one, rows16_tile_k), per (group of
+// 16 rows, super-block of 256 along K): d[16] (fp16) | dmin[16] (fp16) | sc[8][16] | m[8][16]
+// (each sub-block's 6-bit scale and min, a byte each) | 8 sub-blocks of 32 elements, each's
+// quants in Q4_1's 4 chunks of 64 bytes. 2,368 bytes against the 16 packed blocks' 2,304: the scales unpacked.
 constexpr int64_t Q4K_HDR = 320, Q4K_SUB = 256;
 // Q6_K, per (group of 16 rows, super-block of 256): d[16] (fp16) | sc[16][16] (each sub-block
 // of 16's int8 scale, [sub-block][row]) | 16 sub-blocks of 16 elements, each's quants in one of
-// two layouts (q6k_six_bits(): where the CPU has AVX512-VBMI and AVX512-BF16):
+// two layouts (q6k_six_bits(): where the CPU has AVX512-VBMI), both read by both kernels:
 //   six bits: 8 runs of 24 bytes; run p holds the element pairs (2 p, 2 p + 1) of the 16 rows as
 //   a little-endian stream of 32 six-bit fields, field 2 r + h = row r's quant 2 p + h (0 .. 63,
-//   unsigned as in ql / qh). 3,360 bytes, the 16 packed blocks' size; the bf16 kernel reads it
-//   (quant_rows16_q6k_vbmi.h);
+//   unsigned as in ql / qh). 3,360 bytes, the 16 packed blocks' size (quant_rows16_q6k_vbmi*.h);
 //   a byte: the quants minus 32 as int8, byte [e][r] = row r's element e (Q8_0's order). 4,384
-//   bytes (+30%); both kernels read it.
+//   bytes (+30%).
 constexpr int64_t Q6K_HDR = 288, Q6K_SUB = 256, Q6K_SUB6 = 192;
 static inline int64_t q6k_sub_bytes() { return ::q6k_six_bits() ? Q6K_SUB6 : Q6K_SUB; }
 // Q5_K (both kernels, as Q4_K), per (group of 16 rows, super-block of 256): Q4_K's header (d,
@@ -300,6 +299,17 @@ static inline void prefetch_ahead(const uint8_t* WI, int64_t g, int64_t nb, int6
   for (int64_t c = 0; c < BB; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
 }
 
+// lo[t] += ql * x[t K + jl], hi[t] += qh * x[t K + jh] for the MT activation rows at x (rows K
+// apart): one element pair of 16 weight rows, the float kernel's two chains
+template <int MT>
+static inline void fma_rows(__m512 ql, __m512 qh, const float* x, int64_t K, int64_t jl, int64_t jh,
+                            __m512 (&lo)[MT], __m512 (&hi)[MT]) {
+  for (int t = 0; t < MT; ++t) {
+    lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[t * K + jl]), lo[t]);
+    hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * K + jh]), hi[t]);
+  }
+}
+
 // lo[t] / hi[t] += the pairs (j, j + 16) of a block of 32 (its quants at q in Q4's 4 chunks, words
 // by half) times activation row m0 + t's x[j] / x[j + 16] (x: the block's first element in row
 // m0), j in order, as the sums' order is part of the numerics
@@ -314,10 +324,7 @@ static inline void chunk_fmas(const float* x, int64_t K, const uint8_t* q, const
       const int64_t j = 4 * c + jj;
       const __m512 ql = _mm512_castsi512_ps(_mm512_slli_epi32(w[jj], 16));  // a bf16 pair's halves
       const __m512 qh = _mm512_castsi512_ps(_mm512_and_si512(w[jj], top));  // widen exactly
-      for (int t = 0; t < MT; ++t) {
-        lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[t * K + j]), lo[t]);
-        hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * K + j + 16]), hi[t]);
-      }
+      fma_rows<MT>(ql, qh, x, K, j, j + 16, lo, hi);
     }
   }
 }
@@ -339,10 +346,7 @@ static void rows16_tile(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t
       for (int64_t j = 0; j < 16; ++j) {
         __m512 ql, qh;
         q8_quants16(p + hdr, j, ql, qh);
-        for (int t = 0; t < MT; ++t) {
-          lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[t * a.K + j]), lo[t]);
-          hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * a.K + j + 16]), hi[t]);
-        }
+        fma_rows<MT>(ql, qh, x, a.K, j, j + 16, lo, hi);
       }
     } else if constexpr (rows16_q5(TYPE)) {
       chunk_fmas<MT>(x, a.K, p + hdr, Q5Half{tb, tb16, p + rows16_scales_bytes(TYPE)}, lo, hi);
@@ -407,10 +411,7 @@ static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64
         const float* x = a.X + m0 * a.K + i * 256 + sb * 16;
         for (int64_t pr = 0; pr < 8; ++pr) {
           const __m512 ql = i8x16_ps(q + 32 * pr), qh = i8x16_ps(q + 32 * pr + 16);
-          for (int t = 0; t < MT; ++t) {
-            lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[t * a.K + 2 * pr]), lo[t]);
-            hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * a.K + 2 * pr + 1]), hi[t]);
-          }
+          fma_rows<MT>(ql, qh, x, a.K, 2 * pr, 2 * pr + 1, lo, hi);
         }
         const __m512 scale = q6k_scale(p, d, sb);
         for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(lo[t], hi[t]), scale, acc[t]);

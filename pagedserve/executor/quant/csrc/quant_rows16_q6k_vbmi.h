@@ -75,10 +75,7 @@ static void rows16_tile_q6k_six(const GemmArgs& a, const uint8_t* WI, int64_t g,
       for (int64_t pr = 0; pr < 8; ++pr) {
         const __m512i w = six_bit_run(q, pr, tb);
         const __m512 ql = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), qh = _mm512_castsi512_ps(_mm512_and_si512(w, top));
-        for (int t = 0; t < MT; ++t) {
-          lo[t] = _mm512_fmadd_ps(ql, _mm512_set1_ps(x[t * a.K + 2 * pr]), lo[t]);
-          hi[t] = _mm512_fmadd_ps(qh, _mm512_set1_ps(x[t * a.K + 2 * pr + 1]), hi[t]);
-        }
+        avx512_rows16::fma_rows<MT>(ql, qh, x, a.K, 2 * pr, 2 * pr + 1, lo, hi);
       }
       const __m512 scale = avx512_rows16::q6k_scale(p, d, sb);
       for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(lo[t], hi[t]), scale, acc[t]);
