@@ -6,6 +6,8 @@ set this CPU has (the others are skipped with the reason): the float kernels on 
 avx512, the int8-activation ones also on avx512_vnni (bit-equal to avx2's), the bf16 many-row
 products of bfloat16 models on avx512_bf16; the AMX levels' refusal path simulated."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -433,9 +435,11 @@ def test_amx_refusal_falls_back_with_a_log_line(caplog):
         mod.request_amx_permission(again=True)  # the real answer again (no AMX here: unavailable)
 
 
-# ---- the AVX-512 few-row kernel on row-interleaved copies (csrc/quant_rows16.h) ----
+# ---- the few-row kernels on row-interleaved copies (csrc/quant_rows16*.h) ----
 HAVE_AVX512 = HAVE_KERNELS and "avx512" in kernels.available_isas()
+HAVE_AVX2 = HAVE_KERNELS and "avx2" in kernels.available_isas()
 needs_avx512 = pytest.mark.skipif(not HAVE_AVX512, reason="this CPU lacks avx512 (the interleaved kernel's ISA)")
+needs_avx2 = pytest.mark.skipif(not HAVE_AVX2, reason="this CPU lacks avx2 (the AVX2 interleaved kernel's ISA)")
 ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # the K-quants: the bf16 kernel only
 K_QUANT_COPIES = {Q.Q4_K: (144, 148), Q.Q5_K: (176, 180), Q.Q6_K: (210, 274)}  # a row's super-block -> its copy's bytes
@@ -443,20 +447,24 @@ Q6K_SIX_BITS_COPY = (210, 210)  # Q6_K's six-bit copy (CPUs with AVX512-VBMI): t
 HAVE_VBMI = HAVE_KERNELS and HAVE_AVX512 and kernels.q6k_six_bits()  # the default where the CPU has it
 
 
-# the two few-row kernels on interleaved copies: float activations (quant_rows16.h) and bf16
-# ones on the bf16 units (quant_rows16_bf16.h)
+# the few-row kernels on interleaved copies: float activations on AVX-512 (quant_rows16.h) and
+# on AVX2 (quant_rows16_avx2.h), bf16 ones on the bf16 units (quant_rows16_bf16.h)
 ROWS16_KERNELS = [
     pytest.param("float", marks=needs_avx512),
+    pytest.param("avx2", marks=needs_avx2),
     pytest.param(
         "bf16", marks=pytest.mark.skipif(not HAVE_BF16, reason="this CPU lacks avx512_bf16 (the bf16 few-row kernel's ISA)")
     ),
 ]
 
 
+KERNEL_ISAS = {"float": "avx512", "avx2": "avx2", "bf16": "avx512_bf16"}
+
+
 def rows16_product(kernel, x, w, qtype, out, col0, wi):
-    """out[:, col0:] = x @ w.T on the interleaved copy wi, by the float or the bf16 kernel (on
-    its ISA path, whatever PAGEDSERVE_CPU_ISA chose)."""
-    prev = kernels.set_isa("avx512_bf16" if kernel == "bf16" else "avx512")
+    """out[:, col0:] = x @ w.T on the interleaved copy wi, by the AVX-512 float, the AVX2 float or
+    the bf16 kernel (on its ISA path, whatever PAGEDSERVE_CPU_ISA chose)."""
+    prev = kernels.set_isa(KERNEL_ISAS[kernel])
     try:
         if kernel == "bf16":
             kernels.gemm_bf16(x, w, int(qtype), out, col0, interleaved=wi)
@@ -466,6 +474,17 @@ def rows16_product(kernel, x, w, qtype, out, col0, wi):
             assert kernels.load().rows16_calls() == before + 1, "the float kernel did not read the copy"
     finally:
         kernels.set_isa(prev)
+
+
+@contextlib.contextmanager
+def copy_layout(kernel):
+    """The copies `kernel` reads: the AVX2 one, Q6_K's byte layout (six bits need AVX512-VBMI)."""
+    prev = kernels.set_q6k_six_bits(False) if kernel == "avx2" and kernels.q6k_six_bits() else None
+    try:
+        yield
+    finally:
+        if prev is not None:
+            kernels.set_q6k_six_bits(prev)
 
 
 def kernel_types(types):
@@ -491,9 +510,14 @@ def copy_bytes(qtype, w):
 @pytest.mark.parametrize(("kernel", "qtype"), kernel_types(ROWS16_BF16_TYPES))
 @pytest.mark.parametrize("n", [16, 48, 160])  # one group; three (a pair and a single); ten
 def test_interleaved_few_rows_match_the_dequantized_matmul(kernel, qtype, n):
-    """Every few-row count (1-11: tiles of 1-8 rows, pairs of groups for 1-2 rows), into its
-    output columns only, within float32 summation of the float64 reference (the bf16 kernel:
-    of the bf16 activations against the unrounded weights)."""
+    """Every few-row count (1-11: tiles of 1-8 rows, AVX2's of 1-4), into its output columns
+    only, within float32 summation of the float64 reference (the bf16 kernel: of the bf16
+    activations against the unrounded weights)."""
+    with copy_layout(kernel):
+        _interleaved_few_rows_match(kernel, qtype, n)
+
+
+def _interleaved_few_rows_match(kernel, qtype, n):
     for k in (256, 768) if qtype in K_QUANT_COPIES else (96, 576):
         raw = random_packed(qtype, n, k, seed=n + k)
         w = torch.from_numpy(raw)
@@ -516,6 +540,11 @@ def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(kernel, qtype)
     """A k-token verification (k + 1 rows) computes what 1-row decode steps compute: each row's
     sums are the same whatever the row count (tiles of 1-8 rows, one or two groups; up to the
     float kernel's 11 few rows, the bf16 kernel's 16)."""
+    with copy_layout(kernel):
+        _rows_bits_alone(kernel, qtype)
+
+
+def _rows_bits_alone(kernel, qtype):
     n, k, rows = 48, 768 if qtype in K_QUANT_COPIES else 576, 16 if kernel == "bf16" else 11
     w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
     wi = kernels.interleave_rows16(w, int(qtype), k)
@@ -531,8 +560,29 @@ def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(kernel, qtype)
             assert torch.equal(part[-1], together[r]), (r, lo)
 
 
+@needs_avx512
+@pytest.mark.parametrize("qtype", ROWS16_BF16_TYPES, ids=lambda t: t.name)
+def test_avx2_interleaved_kernel_gives_the_avx512_kernels_bits(qtype):
+    """The AVX2 kernel (quant_rows16_avx2.h: a group's two halves of 8 rows) sums each row as the
+    AVX-512 float kernel does, so both give the same bits: every few-row count (1-11: its tiles
+    of 1-4 rows, both halves a walk for 1-2), one to ten groups, K of one to three blocks' worth.
+    On AVX-512 CPUs without AVX512-VBMI Q6_K's copy is the byte layout both read; with it, the
+    byte copy read by both equals the six-bit copy read by AVX-512 (test_q6k_six_bit_copies...)."""
+    with copy_layout("avx2"):
+        for n, k in ((16, 256), (48, 768), (160, 512)):
+            raw = random_packed(qtype, n, k, seed=n + k)
+            w = torch.from_numpy(raw)
+            wi = kernels.interleave_rows16(w, int(qtype), k)
+            for m in range(1, 12):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                outs = [torch.zeros(m, n), torch.zeros(m, n)]
+                rows16_product("float", x, w, qtype, outs[0], 0, wi)
+                rows16_product("avx2", x, w, qtype, outs[1], 0, wi)
+                assert torch.equal(outs[0], outs[1]), (n, k, m, (outs[0] - outs[1]).abs().max())
+
+
 @pytest.mark.skipif(not HAVE_VBMI, reason="this CPU lacks avx512_vbmi (Q6_K's six-bit copies)")
-@pytest.mark.parametrize("kernel", ROWS16_KERNELS)
+@pytest.mark.parametrize("kernel", [p for p in ROWS16_KERNELS if p.values[0] != "avx2"])  # AVX2: byte copies
 def test_q6k_six_bit_copies_give_the_byte_copies_bits(kernel):
     """Q6_K's six-bit copy (quant_rows16_q6k_vbmi*.h) holds the packed bytes' count and both
     kernels decode the words their byte-copy tiles build, summed in the same order: equal outputs
@@ -632,22 +682,43 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
         kernels.set_isa(prev)
 
 
-@needs_avx512
+@needs_avx2
 def test_interleaved_copies_only_where_they_apply():
     k = 64
     assert kernels.interleave_rows16(torch.from_numpy(random_packed(Q.Q4_1, 40, k)), int(Q.Q4_1), k) is None  # 40 rows
     f16_rows = torch.randn(32, k, generator=torch.Generator().manual_seed(0)).half().view(torch.uint8)
     assert kernels.interleave_rows16(f16_rows, int(Q.F16), k) is None  # type
-    # below AVX-512 the packed rows' kernel runs even when a copy is given: its own bits
+    # on the scalar path the packed rows' kernel runs even when a copy is given: its own bits
     raw = torch.from_numpy(random_packed(Q.Q4_1, 32, k))
     wi = kernels.interleave_rows16(raw, int(Q.Q4_1), k)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(1))
-    prev = kernels.set_isa("avx2")
+    prev = kernels.set_isa("scalar")
     try:
+        assert kernels.interleave_rows16(raw, int(Q.Q4_1), k) is None
         a, b = torch.zeros(2, 32), torch.zeros(2, 32)
         kernels.gemm(x, raw, int(Q.Q4_1), a, 0)
         kernels.gemm(x, raw, int(Q.Q4_1), b, 0, interleaved=wi)
         assert torch.equal(a, b)
+    finally:
+        kernels.set_isa(prev)
+
+
+@pytest.mark.skipif(not HAVE_VBMI, reason="this CPU lacks avx512_vbmi (Q6_K's six-bit copies)")
+def test_q6k_six_bit_copies_not_on_the_avx2_path():
+    """The AVX2 kernel reads Q6_K's byte copies only: on the AVX2 path no six-bit copy is made,
+    and one given falls back to the packed rows (their bits)."""
+    k, qt = 256, int(Q.Q6_K)
+    raw = torch.from_numpy(random_packed(Q.Q6_K, 32, k))
+    six = kernels.interleave_rows16(raw, qt, k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(1))
+    prev = kernels.set_isa("avx2")
+    try:
+        assert kernels.q6k_six_bits() and kernels.rows16_copy_size(raw, qt, k) == 0
+        a, b = torch.zeros(2, 32), torch.zeros(2, 32)
+        kernels.gemm(x, raw, qt, a, 0)
+        before = kernels.load().rows16_calls()
+        kernels.gemm(x, raw, qt, b, 0, interleaved=six)
+        assert kernels.load().rows16_calls() == before and torch.equal(a, b)
     finally:
         kernels.set_isa(prev)
 

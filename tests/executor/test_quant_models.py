@@ -390,14 +390,26 @@ def test_float_checkpoints_run_their_linears_on_the_kernel_where_it_has_the_path
 
 
 HAVE_AVX512 = not WHY and "avx512" in kernels.available_isas()
+HAVE_AVX2 = not WHY and "avx2" in kernels.available_isas()
 
 
-@pytest.mark.skipif(not HAVE_AVX512, reason=WHY or "this CPU lacks avx512 (the interleaved kernel's ISA)")
+def layer_without_copies(layer, x):
+    """The layer's product on its packed rows alone (its copies set aside for the call)."""
+    copies = list(layer._rows16)
+    layer._rows16[:] = []
+    try:
+        return layer(x)
+    finally:
+        layer._rows16[:] = copies
+
+
+@pytest.mark.skipif(not HAVE_AVX2, reason=WHY or "this CPU lacks avx2 (the interleaved kernels' ISA)")
 def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_path, monkeypatch):
-    """A GGUF engine keeps row-interleaved copies (the AVX-512 few-row kernel's) of its
-    Q4_0 / Q4_1 / Q8_0 layers whose rows come in 16s: in float32 and bf16, not under gguf_q8
-    (integer products), not with PAGEDSERVE_CPU_ISA=avx2. A layer with three segments (Q4_1,
-    Q6_K, float rows) gives, at 1-11 rows, the packed kernels' products within float rounding."""
+    """A GGUF engine keeps row-interleaved copies (the few-row kernels') of its Q4_0 / Q4_1 /
+    Q8_0 layers whose rows come in 16s: in float32 and bf16, with PAGEDSERVE_CPU_ISA=avx2 too,
+    not under gguf_q8 (integer products), not on the scalar path. A layer with three segments
+    (Q4_1, Q6_K, float rows) gives, at 1-11 rows, the packed kernels' products within float
+    rounding."""
     from pagedserve.executor.quant.formats import PackedWeight
     from pagedserve.executor.quant.layers import rows16_copies
     from tests.executor.test_quant_kernels import random_packed
@@ -416,6 +428,8 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
     assert copies(torch.bfloat16)[0] == fit and copies(torch.float32, "gguf_q8")[0] == 0
     isa = kernels.set_isa("avx2")
     try:
+        assert copies(torch.float32)[0] == fit
+        kernels.set_isa("scalar")
         assert copies(torch.float32)[0] == 0
     finally:
         kernels.set_isa(isa)
@@ -425,14 +439,21 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
     layer.set_part(0, PackedWeight(int(Q.Q4_1), torch.from_numpy(random_packed(Q.Q4_1, 32, k, seed=1)), (32, k)))
     layer.set_part(1, PackedWeight(int(Q.Q6_K), torch.from_numpy(random_packed(Q.Q6_K, 13, k, seed=2)), (13, k)))
     layer.set_part(2, torch.randn(5, k, generator=torch.Generator().manual_seed(3)) * 0.05)
-    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 4, 11)}
-    plain = {m: layer(x) for m, x in xs.items()}
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 4, 11)]
     wrapper = torch.nn.Sequential(layer)
     assert rows16_copies(wrapper) == 1 and layer.rows16_bytes == 32 * k // 32 * 20  # the Q4_1 segment only
-    for m, x in xs.items():
-        got = layer(x)
-        torch.testing.assert_close(got, plain[m], rtol=1e-5, atol=1e-5)
-        assert torch.equal(got[:, 32:], plain[m][:, 32:])  # Q6_K and float rows: their own kernels
+    for path in {kernels.current_isa(), "avx2"}:  # the AVX-512 kernel where the CPU has it, the AVX2 one
+        isa = kernels.set_isa(path)
+        try:
+            for x in xs:
+                plain_m = layer_without_copies(layer, x)
+                before = kernels.load().rows16_calls()
+                got = layer(x)
+                assert kernels.load().rows16_calls() == before + 1  # the Q4_1 segment's copy, read
+                torch.testing.assert_close(got, plain_m, rtol=1e-5, atol=1e-5)
+                assert torch.equal(got[:, 32:], plain_m[:, 32:])  # Q6_K and float rows: their own kernels
+        finally:
+            kernels.set_isa(isa)
 
 
 @pytest.mark.skipif(not HAVE_AVX512 or "avx512_bf16" not in kernels.available_isas(), reason="this CPU lacks avx512_bf16")

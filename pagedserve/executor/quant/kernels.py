@@ -209,16 +209,17 @@ def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: 
     """out[:, col0:col0+N] = x @ dequant(w).T; act_q8: activations quantized to int8 blocks first
     (Q4_0 / Q4_1 / Q8_0 with fewer rows than the prefill threshold; others ignore it);
     interleaved: w's interleave_rows16 copy, which the few-row float products then read on
-    AVX-512 and above."""
+    AVX2 and above (Q6_K's six-bit copy: AVX-512 and above)."""
     load().gemm(x, w, int(qtype), out, int(col0), bool(act_q8), interleaved)
 
 
 def interleave_rows16(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor | None:
-    """Packed rows -> the copy the AVX-512 few-row kernels read (16 rows' blocks side by side,
-    csrc/quant_rows16.h: the same bytes again; Q4_K's 2.8% and Q5_K's 2.3% more, their scales
-    unpacked; Q6_K's the same where the CPU has AVX512-VBMI, else 30% more, a byte a quant), or
-    None where it does not apply (types other than Q4_0 / Q4_1 / Q5_0 / Q5_1 /
-    Q8_0 / Q4_K / Q5_K / Q6_K, rows not a multiple of 16, a CPU without AVX-512)."""
+    """Packed rows -> the copy the few-row kernels read (16 rows' blocks side by side,
+    csrc/quant_rows16_layout.h: the same bytes again; Q4_K's 2.8% and Q5_K's 2.3% more, their
+    scales unpacked; Q6_K's the same where the CPU has AVX512-VBMI, else 30% more, a byte a
+    quant), or None where it does not apply (types other than Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
+    Q4_K / Q5_K / Q6_K, rows not a multiple of 16, the scalar path; Q6_K's six-bit copy on the
+    AVX2 path, whose kernel reads the byte layout only)."""
     out = load().interleave_rows16(w, int(qtype), int(k))
     return out if out.numel() else None
 

@@ -99,9 +99,9 @@ class QuantLinear(nn.Module):
 
     def attach_rows16(self, budget: CopyBudget | None = None) -> bool:
         """Keep beside each block-type segment (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
-        Q6_K) its row-interleaved copy, which the AVX-512 few-row products (decode at batch 1-11
-        in float32, 1-8 in bf16; verification rows) read at ~2x the packed rows' kernel
-        (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55). Costs the segments'
+        Q6_K) its row-interleaved copy, which the few-row products (decode at batch 1-11 in
+        float32, 1-8 in bf16; verification rows) read at ~2x the packed rows' kernel on AVX-512
+        (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55) and on AVX2 (section 56). Costs the segments'
         packed bytes again (Q4_K +2.8%, its scales unpacked; Q5_K +2.3%, the same; Q6_K +0% in
         six bits where the CPU has AVX512-VBMI, else +30%, a byte a quant); both kernels read every
         copy. False (nothing kept) where no segment takes it or `budget` has no room for the
@@ -259,10 +259,10 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
 
 def rows16_copies(model: nn.Module, budget: CopyBudget | None = None) -> int:
     """The packed layers (not `gguf_q8`'s act_q8 ones, whose few-row products are integer)
-    get their row-interleaved copies for the AVX-512 few-row kernel (`attach_rows16`) where
-    the kernels run on AVX-512 or above (PAGEDSERVE_CPU_ISA=avx2 and below: none), as far as
-    `budget` allows (None: no bound). Returns how many layers."""
-    if kernels.current_isa() in ("scalar", "avx2"):
+    get their row-interleaved copies for the few-row kernels (`attach_rows16`) where the
+    kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far as `budget` allows
+    (None: no bound). Returns how many layers."""
+    if kernels.current_isa() == "scalar":
         return 0
     n = 0
     for mod in model.modules():

@@ -3,7 +3,9 @@
 //
 // One kernel file per instruction set, each compiled in its own namespace and target region of
 // this one translation unit (ISA_TARGET_BEGIN): quant_scalar.h (portable), quant_avx2.h
-// (AVX2+FMA+F16C), quant_avx512.h (AVX-512 F/BW/VL/DQ), and on top of the AVX-512 one
+// (AVX2+FMA+F16C) with quant_rows16_avx2.h (its few-row products on the row-interleaved copies,
+// whose layouts and writer are quant_rows16_layout.h, portable), quant_avx512.h (AVX-512
+// F/BW/VL/DQ), and on top of the AVX-512 one
 // quant_rows16.h (row-interleaved few-row products), quant_vnni.h (AVX512-VNNI integer
 // products), quant_bf16.h (AVX512-BF16 many-row products), quant_rows16_bf16.h (AVX512-BF16
 // few-row products of bf16 models on the row-interleaved copies) and quant_rows16_q6k_vbmi.h /
@@ -16,9 +18,10 @@
 //   gemm(x [M,K] f32, w uint8 [N, row_bytes], type, out [M, ldo] f32, col0)
 //       out[:, col0:col0+N] = x @ dequant(w).T
 //     few rows (M < prefill_rows): every packed row is read once for all M activation rows,
-//     OpenMP (at::parallel_for) over output rows; on AVX-512 with a row-interleaved copy of
-//     Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows (interleave_rows16, quant_rows16.h: 16 rows' blocks side by
-//     side) the copy's kernel instead, ~2x, over groups of 16 output rows (a bf16 model's
+//     OpenMP (at::parallel_for) over output rows; with a row-interleaved copy of Q4_0 / Q4_1 /
+//     Q5_0 / Q5_1 / Q8_0 rows (interleave_rows16, quant_rows16_layout.h: 16 rows' blocks side by
+//     side) the copy's kernel instead (AVX-512: quant_rows16.h, ~2x; AVX2: quant_rows16_avx2.h,
+//     1.1-1.5x, the same bits), over groups of 16 output rows (a bf16 model's
 //     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps; the
 //     K-quants' copies (Q4_K, Q5_K, Q6_K) for both);
 //     many rows, AVX2: chunks of output rows are dequantized into an L2-resident float buffer
@@ -131,10 +134,20 @@ namespace scalar {
 }  // namespace scalar
 
 #if QK_X86
+// the row-interleaved copies' layouts and the code that writes them, portable (quant_rows16_layout.h)
+namespace rows16_layout {
+#include "quant_rows16_layout.h"
+}  // namespace rows16_layout
+
 ISA_TARGET_BEGIN("avx2,fma,f16c")
 namespace avx2 {
 #include "quant_avx2.h"
 }  // namespace avx2
+// few-row products on the row-interleaved copies (quant_rows16_avx2.h), same target
+namespace avx2_rows16 {
+using namespace rows16_layout;
+#include "quant_rows16_avx2.h"
+}  // namespace avx2_rows16
 ISA_TARGET_END()
 
 ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -143,6 +156,7 @@ namespace avx512 {
 }  // namespace avx512
 // few-row products on row-interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights (quant_rows16.h), same target
 namespace avx512_rows16 {
+using namespace rows16_layout;
 #include "quant_rows16.h"
 }  // namespace avx512_rows16
 ISA_TARGET_END()
@@ -515,23 +529,29 @@ static bool rows16_type(int64_t type) {
 // Bytes of the row-interleaved copy of packed rows w (N a multiple of 16): per 16 rows and block
 static int64_t rows16_copy_bytes(const torch::Tensor& w, int64_t type) {
 #if QK_X86
-  return w.size(0) / 16 * (w.size(1) / block_bytes((int)type)) * avx512_rows16::rows16_block_bytes((int)type);
+  return w.size(0) / 16 * (w.size(1) / block_bytes((int)type)) * rows16_layout::rows16_block_bytes((int)type);
 #else
   (void)w, (void)type;
   return 0;
 #endif
 }
 
+// Whether a kernel on the ISA path now set reads `type`'s copy: AVX2 and up, but Q6_K's six-bit
+// copy (AVX512-VBMI CPUs) only on the AVX-512 paths
+static bool rows16_readable(int64_t type) {
+  const int isa = current_isa();
+  return rows16_type(type) && isa >= ISA_AVX2 && (isa >= ISA_AVX512 || type != T_Q6_K || !q6k_six_bits());
+}
+
 // Bytes of interleave_rows16's copy of packed rows w, 0 where it does not apply (another type,
-// rows not a multiple of 16, no AVX-512)
+// rows not a multiple of 16, no kernel on the path now set reads it)
 int64_t rows16_copy_size(torch::Tensor w, int64_t type, int64_t K) {
   check_packed(w, type, K);
   const int64_t N = w.size(0);
-  const bool fits = rows16_type(type) && cpu_has(ISA_AVX512);
-  return fits && N % 16 == 0 && N > 0 ? rows16_copy_bytes(w, type) : 0;
+  return rows16_readable(type) && N % 16 == 0 && N > 0 ? rows16_copy_bytes(w, type) : 0;
 }
 
-// The row-interleaved copy of packed rows w (quant_rows16.h) for the AVX-512 few-row kernels, or
+// The row-interleaved copy of packed rows w (quant_rows16_layout.h) for the few-row kernels, or
 // an empty tensor where it does not apply (rows16_copy_size 0)
 torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
   const int64_t size = rows16_copy_size(w, type, K);
@@ -542,7 +562,7 @@ torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
   const uint8_t* W = w.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   const int64_t rb = w.size(1);
-  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) { avx512_rows16::interleave16((int)type, W, rb, K, g0, g1, o); });
+  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) { rows16_layout::interleave16((int)type, W, rb, K, g0, g1, o); });
 #endif
   return out;
 }
@@ -550,7 +570,7 @@ torch::Tensor interleave_rows16(torch::Tensor w, int64_t type, int64_t K) {
 // wi is w's copy and the float kernel (bf16: the bf16 kernel) reads it on the ISA path now set
 static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::Tensor& w, int64_t type, bool bf16 = false) {
 #if QK_X86
-  return current_isa() >= (bf16 ? ISA_AVX512_BF16 : ISA_AVX512) && rows16_type(type) &&
+  return (bf16 ? current_isa() >= ISA_AVX512_BF16 : rows16_readable(type)) && rows16_type(type) &&
          wi.has_value() && wi->defined() && w.size(0) % 16 == 0 &&
          wi->numel() == rows16_copy_bytes(w, type) &&
          wi->scalar_type() == at::kByte && wi->is_contiguous();
@@ -655,9 +675,11 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
     ++g_rows16_calls;
 #if QK_X86
     const uint8_t* WI = wi->data_ptr<uint8_t>();
-    const bool six = type == T_Q6_K && q6k_six_bits();
+    const bool six = type == T_Q6_K && q6k_six_bits(), avx512 = current_isa() >= ISA_AVX512;
     at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16), [&](int64_t g0, int64_t g1) {
-      if (six)
+      if (!avx512)
+        avx2_rows16::gemm_rows16(g, WI, g0, g1);
+      else if (six)
         avx512_vbmi::gemm_rows16_q6k_six(g, WI, g0, g1);
       else
         avx512_rows16::gemm_rows16(g, WI, g0, g1);
