@@ -441,7 +441,7 @@ HAVE_AVX2 = HAVE_KERNELS and "avx2" in kernels.available_isas()
 needs_avx512 = pytest.mark.skipif(not HAVE_AVX512, reason="this CPU lacks avx512 (the interleaved kernel's ISA)")
 needs_avx2 = pytest.mark.skipif(not HAVE_AVX2, reason="this CPU lacks avx2 (the AVX2 interleaved kernel's ISA)")
 ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
-ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # the K-quants: the bf16 kernel only
+ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # every type, on every kernel
 K_QUANT_COPIES = {Q.Q4_K: (144, 148), Q.Q5_K: (176, 180), Q.Q6_K: (210, 274)}  # a row's super-block -> its copy's bytes
 Q6K_SIX_BITS_COPY = (210, 210)  # Q6_K's six-bit copy (CPUs with AVX512-VBMI): the packed size
 HAVE_VBMI = HAVE_KERNELS and HAVE_AVX512 and kernels.q6k_six_bits()  # the default where the CPU has it
@@ -477,18 +477,21 @@ def rows16_product(kernel, x, w, qtype, out, col0, wi):
 
 
 @contextlib.contextmanager
-def copy_layout(kernel):
-    """The copies `kernel` reads: the AVX2 one, Q6_K's byte layout (six bits need AVX512-VBMI)."""
+def kernel_path(kernel):
+    """`kernel`'s ISA path (whatever PAGEDSERVE_CPU_ISA chose), so that the copies made inside are
+    the ones it reads: the AVX2 kernel's Q6_K copies in the byte layout (six bits need AVX512-VBMI)."""
+    prev_isa = kernels.set_isa(KERNEL_ISAS[kernel])
     prev = kernels.set_q6k_six_bits(False) if kernel == "avx2" and kernels.q6k_six_bits() else None
     try:
         yield
     finally:
         if prev is not None:
             kernels.set_q6k_six_bits(prev)
+        kernels.set_isa(prev_isa)
 
 
 def kernel_types(types):
-    """(kernel, qtype) params: every type on both kernels."""
+    """(kernel, qtype) params: every type on every kernel."""
     return [
         pytest.param(kp.values[0], t, marks=kp.marks, id=f"{kp.values[0]}-{t.name}")
         for kp in ROWS16_KERNELS
@@ -513,7 +516,7 @@ def test_interleaved_few_rows_match_the_dequantized_matmul(kernel, qtype, n):
     """Every few-row count (1-11: tiles of 1-8 rows, AVX2's of 1-4), into its output columns
     only, within float32 summation of the float64 reference (the bf16 kernel: of the bf16
     activations against the unrounded weights)."""
-    with copy_layout(kernel):
+    with kernel_path(kernel):
         _interleaved_few_rows_match(kernel, qtype, n)
 
 
@@ -538,9 +541,9 @@ def _interleaved_few_rows_match(kernel, qtype, n):
 @pytest.mark.parametrize(("kernel", "qtype"), kernel_types(ROWS16_BF16_TYPES))
 def test_an_interleaved_rows_bits_do_not_depend_on_the_other_rows(kernel, qtype):
     """A k-token verification (k + 1 rows) computes what 1-row decode steps compute: each row's
-    sums are the same whatever the row count (tiles of 1-8 rows, one or two groups; up to the
-    float kernel's 11 few rows, the bf16 kernel's 16)."""
-    with copy_layout(kernel):
+    sums are the same whatever the row count (tiles of 1-8 rows, AVX2's of 1-4 with both halves
+    a walk for 1-2; up to the float kernels' 11 few rows, the bf16 kernel's 16)."""
+    with kernel_path(kernel):
         _rows_bits_alone(kernel, qtype)
 
 
@@ -568,7 +571,7 @@ def test_avx2_interleaved_kernel_gives_the_avx512_kernels_bits(qtype):
     of 1-4 rows, both halves a walk for 1-2), one to ten groups, K of one to three blocks' worth.
     On AVX-512 CPUs without AVX512-VBMI Q6_K's copy is the byte layout both read; with it, the
     byte copy read by both equals the six-bit copy read by AVX-512 (test_q6k_six_bit_copies...)."""
-    with copy_layout("avx2"):
+    with kernel_path("avx2"):
         for n, k in ((16, 256), (48, 768), (160, 512)):
             raw = random_packed(qtype, n, k, seed=n + k)
             w = torch.from_numpy(raw)
@@ -589,6 +592,11 @@ def test_q6k_six_bit_copies_give_the_byte_copies_bits(kernel):
     for every few-row count (bf16: 1-16, float: 1-11; one to ten groups; K of one to three
     super-blocks, so the last run's masked load ends the copy). The bf16 kernel refuses a copy of
     the other layout; the float one falls back to the packed rows (no copy read)."""
+    with kernel_path(kernel):
+        _six_bit_copies_give_the_byte_copies_bits(kernel)
+
+
+def _six_bit_copies_give_the_byte_copies_bits(kernel):
     qt = int(Q.Q6_K)
     prev = kernels.set_q6k_six_bits(True)
     try:
@@ -697,8 +705,9 @@ def test_interleaved_copies_only_where_they_apply():
         assert kernels.interleave_rows16(raw, int(Q.Q4_1), k) is None
         a, b = torch.zeros(2, 32), torch.zeros(2, 32)
         kernels.gemm(x, raw, int(Q.Q4_1), a, 0)
+        before = kernels.load().rows16_calls()
         kernels.gemm(x, raw, int(Q.Q4_1), b, 0, interleaved=wi)
-        assert torch.equal(a, b)
+        assert kernels.load().rows16_calls() == before and torch.equal(a, b)
     finally:
         kernels.set_isa(prev)
 
@@ -709,10 +718,12 @@ def test_q6k_six_bit_copies_not_on_the_avx2_path():
     and one given falls back to the packed rows (their bits)."""
     k, qt = 256, int(Q.Q6_K)
     raw = torch.from_numpy(random_packed(Q.Q6_K, 32, k))
-    six = kernels.interleave_rows16(raw, qt, k)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(1))
-    prev = kernels.set_isa("avx2")
+    prev = kernels.set_isa("avx512")  # (whatever PAGEDSERVE_CPU_ISA chose)
     try:
+        six = kernels.interleave_rows16(raw, qt, k)
+        assert six is not None and six.numel() == raw.numel()
+        kernels.set_isa("avx2")
         assert kernels.q6k_six_bits() and kernels.rows16_copy_size(raw, qt, k) == 0
         a, b = torch.zeros(2, 32), torch.zeros(2, 32)
         kernels.gemm(x, raw, qt, a, 0)
@@ -723,10 +734,10 @@ def test_q6k_six_bit_copies_not_on_the_avx2_path():
         kernels.set_isa(prev)
 
 
-@needs_avx512
+@needs_avx2
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
 def test_interleaved_q4_copy_holds_the_documented_layout(qtype):
-    """quant_rows16.h's layout, byte for byte: per (group of 16 rows, block of 32) the rows'
+    """quant_rows16_layout.h's layout, byte for byte: per (group of 16 rows, block of 32) the rows'
     d, Q4_1's m, then 4 chunks of 64 bytes whose byte 16 L + 8 h + 2 i + s holds row 4 L + i's
     elements e = 4 c + 2 h + 16 s (low nibble) and e + 1 (high nibble)."""
     k, n = 64, 32

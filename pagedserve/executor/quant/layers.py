@@ -101,11 +101,12 @@ class QuantLinear(nn.Module):
         """Keep beside each block-type segment (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
         Q6_K) its row-interleaved copy, which the few-row products (decode at batch 1-11 in
         float32, 1-8 in bf16; verification rows) read at ~2x the packed rows' kernel on AVX-512
-        (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55) and on AVX2 (section 56). Costs the segments'
-        packed bytes again (Q4_K +2.8%, its scales unpacked; Q5_K +2.3%, the same; Q6_K +0% in
-        six bits where the CPU has AVX512-VBMI, else +30%, a byte a quant); both kernels read every
-        copy. False (nothing kept) where no segment takes it or `budget` has no room for the
-        layer's copies."""
+        (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55), 1.2-2.1x at 1 row on
+        AVX2 (section 56). Costs the segments' packed bytes again (Q4_K +2.8%, its scales
+        unpacked; Q5_K +2.3%, the same; Q6_K +0% in six bits where the CPU has AVX512-VBMI,
+        else +30%, a byte a quant). Every few-row kernel reads every copy, except that the AVX2
+        path (no six-bit copy is made on it) reads Q6_K's byte layout only. False (nothing
+        kept) where no segment takes it or `budget` has no room for the layer's copies."""
         k = self.in_features
         sizes = [kernels.rows16_copy_size(d, t, k) for t, d, _ in self.segments]
         if not any(sizes) or (budget is not None and not budget.take("row-interleaved", sum(sizes))):

@@ -21,7 +21,7 @@
 //     OpenMP (at::parallel_for) over output rows; with a row-interleaved copy of Q4_0 / Q4_1 /
 //     Q5_0 / Q5_1 / Q8_0 rows (interleave_rows16, quant_rows16_layout.h: 16 rows' blocks side by
 //     side) the copy's kernel instead (AVX-512: quant_rows16.h, ~2x; AVX2: quant_rows16_avx2.h,
-//     1.1-1.5x, the same bits), over groups of 16 output rows (a bf16 model's
+//     1.2-1.6x at 1 row, the same bits), over groups of 16 output rows (a bf16 model's
 //     activations on avx512_bf16: gemm_bf16 with the copy, the same layout on vdpbf16ps; the
 //     K-quants' copies (Q4_K, Q5_K, Q6_K) for both);
 //     many rows, AVX2: chunks of output rows are dequantized into an L2-resident float buffer
@@ -102,8 +102,8 @@ static inline float fp16_to_f32(uint16_t h) {
   return f;
 }
 
-// Q6_K's row-interleaved copy (quant_rows16.h) keeps six bits a quant where the CPU has
-// AVX512-VBMI, whose byte permutes and multishift both few-row kernels decode them with
+// Q6_K's row-interleaved copy (quant_rows16_layout.h) keeps six bits a quant where the CPU has
+// AVX512-VBMI, whose byte permutes and multishift both AVX-512 few-row kernels decode them with
 // (quant_rows16_q6k_vbmi.h), else a byte a quant. set_q6k_six_bits switches (tests, A/B): a copy
 // written under the other setting has the other size, so no kernel takes it.
 static int g_q6k_six_bits = -1;
@@ -519,8 +519,9 @@ torch::Tensor dequant(torch::Tensor w, int64_t type, int64_t K, c10::optional<to
   return out;
 }
 
-// The types with a row-interleaved copy, which both few-row kernels read (float activations:
-// quant_rows16.h; bf16 ones: quant_rows16_bf16.h; Q6_K's six-bit copy: quant_rows16_q6k_vbmi*.h)
+// The types with a row-interleaved copy, which the few-row kernels read (float activations:
+// quant_rows16.h, quant_rows16_avx2.h; bf16 ones: quant_rows16_bf16.h; Q6_K's six-bit copy:
+// quant_rows16_q6k_vbmi*.h, AVX-512 only)
 static bool rows16_type(int64_t type) {
   return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0 || type == T_Q4_K ||
          type == T_Q5_K || type == T_Q6_K;
@@ -883,7 +884,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type"), py::arg("out"), py::arg("col0"), py::arg("act_q8") = false, py::arg("wi") = py::none());
   m.def("rows16_copy_size", &rows16_copy_size, "bytes of interleave_rows16's copy (0: none)", py::arg("w"),
         py::arg("type"), py::arg("K"));
-  m.def("interleave_rows16", &interleave_rows16, "packed rows -> the row-interleaved copy of the AVX-512 few-row kernel",
+  m.def("interleave_rows16", &interleave_rows16, "packed rows -> the row-interleaved copy the few-row kernels read",
         py::arg("w"), py::arg("type"), py::arg("K"));
   m.def("dequant", &dequant, "packed rows -> float32", py::arg("w"), py::arg("type"), py::arg("K"),
         py::arg("rows") = py::none());

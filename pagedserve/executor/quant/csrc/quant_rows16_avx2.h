@@ -6,10 +6,12 @@
 // structs, GemmArgs and the type codes are the file's, the layout's names come with `using
 // namespace rows16_layout`). No include guard on purpose.
 //
-// A group of 16 rows is two halves of 8, each one 256-bit register's dwords. A tile walks the
-// group's blocks once per half: the first walk brings the whole stream in (a half is 32 bytes
-// of each 64-byte line), the second finds it in L1 / L2 (a group's stream is K / 32 blocks of
-// 320-544 bytes). Per half, the AVX-512 kernel's (quant_rows16.h) steps on 8 lanes instead of
+// A group of 16 rows is two halves of 8, each one 256-bit register's dwords. A tile of 1-2
+// rows walks the group's blocks once for both halves (an activation's broadcast serves both);
+// one of 3-4 rows once per half (both at once spill), the second walk finding the stream in
+// L1 / L2 (a half is 32 bytes of each 64-byte line; a group's stream is K / 32 blocks of 288-544
+// bytes, the K-quants' K / 256 super-blocks of 2,368-4,384). Per half, the AVX-512 kernel's
+// (quant_rows16.h) steps on 8 lanes instead of
 // 16: the same nibble lookups (vpshufb works per 128-bit lane, and a lane's 4 dwords are 4 rows
 // in both), Q5's fifth bits as a byte mask and a blend instead of a mask register, and per
 // lane the same FMAs in the same order, so the same bits as the AVX-512 float kernel.
@@ -120,8 +122,8 @@ static inline __m256 f16x8_ps(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Halves a tile of MT rows computes in one walk: both for 1 row (its broadcasts serve both; 6
-// chains), else one
+// Halves a tile of MT rows computes in one walk: both for 1-2 rows (their broadcasts serve both;
+// 6-12 chains), else one (1 row, Q4_1 [1536, 576]: 30 -> 23 us with both; 3 rows 39 -> 54 us)
 template <int MT>
 constexpr int halves_a_walk() { return MT <= 2 ? 2 : 1; }
 
@@ -190,6 +192,11 @@ static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64
       for (int t = 0; t < MT; ++t) acc[h][t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < ns; ++i) {
       const uint8_t* p = WI + (g * ns + i) * BB;
+      __m256 d[NH], dmin[NH];  // the super-block's, per half (Q6_K: no dmin)
+      for (int h = 0; h < NH; ++h) {
+        d[h] = f16x8_ps(p + 16 * (H0 + h));
+        dmin[h] = q6k ? d[h] : f16x8_ps(p + 32 + 16 * (H0 + h));
+      }
       for (int64_t sb = 0; sb < NSUB; ++sb) {
         if (H0 == 0) prefetch_sub_block(p, BB, NSUB, sb);
         const uint8_t* q = p + hdr + sub * sb;
@@ -207,7 +214,7 @@ static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64
             fma_rows<NH, MT>(ql, qh, x, a.K, 2 * pr, 2 * pr + 1, lo, hi);
           }
           for (int h = 0; h < NH; ++h) {
-            const __m256 scale = _mm256_mul_ps(f16x8_ps(p + 16 * (H0 + h)), i8x8_ps(p + 32 + 16 * sb + 8 * (H0 + h)));
+            const __m256 scale = _mm256_mul_ps(d[h], i8x8_ps(p + 32 + 16 * sb + 8 * (H0 + h)));
             for (int t = 0; t < MT; ++t)
               acc[h][t] = _mm256_fmadd_ps(_mm256_add_ps(lo[h][t], hi[h][t]), scale, acc[h][t]);
           }
@@ -219,9 +226,9 @@ static void rows16_tile_k(const GemmArgs& a, const uint8_t* WI, int64_t g, int64
           else
             chunk_fmas<NH, MT>(x, a.K, q, H0, Q4Half{tb}, lo, hi);
           for (int h = 0; h < NH; ++h) {
-            const int64_t o = 8 * (H0 + h);  // this half's first row
-            const __m256 scale = _mm256_mul_ps(f16x8_ps(p + 2 * o), u8x8_ps(p + 64 + 16 * sb + o));
-            const __m256 mn = _mm256_mul_ps(f16x8_ps(p + 32 + 2 * o), u8x8_ps(p + 192 + 16 * sb + o));
+            const int64_t row = 8 * (H0 + h);  // this half's first row
+            const __m256 scale = _mm256_mul_ps(d[h], u8x8_ps(p + 64 + 16 * sb + row));
+            const __m256 mn = _mm256_mul_ps(dmin[h], u8x8_ps(p + 192 + 16 * sb + row));
             for (int t = 0; t < MT; ++t) {
               acc[h][t] = _mm256_fmadd_ps(_mm256_add_ps(lo[h][t], hi[h][t]), scale, acc[h][t]);
               acc[h][t] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[h][t]);

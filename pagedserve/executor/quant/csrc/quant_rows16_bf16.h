@@ -1,6 +1,6 @@
 // AVX512-BF16 few-row products of bfloat16 models (decode at batch 1-8, speculative
 // verification rows) on the row-interleaved copy of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights that
-// quant_rows16.h writes (its layout comment holds: per group of 16 rows and block of 32, the 16
+// quant_rows16_layout.h writes (its layout comment holds: per group of 16 rows and block of 32, the 16
 // rows' d, Q4_1's m, then the quants: Q4's in chunks of four element pairs, Q8_0's byte [j][r] =
 // row r's qs[j]; Q4_K per super-block of 256: d, dmin, the sub-blocks' scales and mins, then
 // each sub-block's quants as Q4_1's (Q5_K's as Q5_1's, with its fifth bits' masks); Q6_K's
@@ -67,7 +67,7 @@ static inline __m512 dp_bcast(__m512 acc, __m512bh w, const uint32_t* x) {
 }
 
 // s[e][t] += pair j of block i's 32 elements in activation row m0 + t, for each chunk of Q4
-// quants at q (quant_rows16.h's chunk layout): the low nibbles' pairs (j = 4 c, 4 c + 2: chain
+// quants at q (quant_rows16_layout.h's chunk layout): the low nibbles' pairs (j = 4 c, 4 c + 2: chain
 // 0), then the high ones' (chain 1), a chain taking its pairs in j order; half the words live at
 // a time, so 8 rows' chains stay in registers. half(v, c, high, w): chunk c's words
 // (avx512_rows16::Q4Half, or Q5Half under the chunk's masks).
@@ -108,26 +108,26 @@ static inline void i8_pairs(const Rows16Bf16Args& a, const uint8_t* q, const uin
 // quant_rows16.h's tiles)
 template <int TYPE, int MT>
 static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
-  const int64_t nb = a.K / 32, BB = avx512_rows16::rows16_block_bytes(TYPE), hdr = avx512_rows16::rows16_quants_at(TYPE);
+  const int64_t nb = a.K / 32, BB = rows16_layout::rows16_block_bytes(TYPE), hdr = rows16_layout::rows16_quants_at(TYPE);
   const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(TYPE);        // (unused for Q8_0)
   const avx512_rows16::Q4Tables tb16 = avx512_rows16::q5_high_tables(TYPE);  // Q5's fifth bits
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
-    avx512_rows16::prefetch_ahead(WI, g, nb, i, BB);  // the float kernel's, same distance
+    rows16_layout::prefetch_ahead(WI, g, nb, i, BB);  // the float kernel's, same distance
     const uint8_t* p = WI + (g * nb + i) * BB;
     __m512 s[2][MT];
     for (int e = 0; e < 2; ++e)
       for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
     if constexpr (TYPE == T_Q8_0)
       i8_pairs<MT, 16, 16, 256>(a, p + hdr, a.XP + i * 16, m0, s);
-    else if constexpr (avx512_rows16::rows16_q5(TYPE))
-      chunk_pairs<MT>(a, p + hdr, avx512_rows16::Q5Half{tb, tb16, p + avx512_rows16::rows16_scales_bytes(TYPE)}, m0, i, s);
+    else if constexpr (rows16_layout::rows16_q5(TYPE))
+      chunk_pairs<MT>(a, p + hdr, avx512_rows16::Q5Half{tb, tb16, p + rows16_layout::rows16_scales_bytes(TYPE)}, m0, i, s);
     else
       chunk_pairs<MT>(a, p + hdr, avx512_rows16::Q4Half{tb}, m0, i, s);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), d, acc[t]);
-    if (avx512_rows16::rows16_has_min(TYPE)) {
+    if (rows16_layout::rows16_has_min(TYPE)) {
       const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(m0 + t) * nb + i]), acc[t]);
     }
@@ -135,7 +135,7 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
 }
 
-// Q4_K's and Q5_K's tile (quant_rows16.h's layouts): per super-block d and dmin, then per
+// Q4_K's and Q5_K's tile (quant_rows16_layout.h's layouts): per super-block d and dmin, then per
 // sub-block of 32 its pairs' sums (Q4_K: Q4_1's chunk loop on its nibbles; Q5_K: Q5_1's, the
 // nibbles looked up by the fifth bits' masks: quants 0 .. 31) and Q4_1's arithmetic with d = d * sc and m = -dmin * m, both exact in
 // float32 (11 x 6 bits): acc += (s_even + s_odd) * (d sc), then acc -= (dmin m) * (the sub-block's
@@ -143,8 +143,8 @@ static void tile(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t 
 // the group's stream, the lines of an eighth of a super-block each sub-block.
 template <int TYPE, int MT>
 static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
-  const int64_t nb = a.K / 32, ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(TYPE);
-  const int64_t sub = TYPE == T_Q4_K ? avx512_rows16::Q4K_SUB : avx512_rows16::Q5K_SUB;
+  const int64_t nb = a.K / 32, ns = a.K / 256, BB = rows16_layout::rows16_block_bytes(TYPE);
+  const int64_t sub = TYPE == T_Q4_K ? rows16_layout::Q4K_SUB : rows16_layout::Q5K_SUB;
   const avx512_rows16::Q4Tables tb = avx512_rows16::q4_tables(T_Q4_1);         // unsigned nibbles 0 .. 15
   const avx512_rows16::Q4Tables tb16 = avx512_rows16::q5_high_tables(T_Q5_1);  // Q5_K's 16 .. 31
   __m512 acc[MT];
@@ -154,7 +154,7 @@ static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, in
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
     for (int64_t sb = 0; sb < 8; ++sb) {
-      avx512_rows16::prefetch_sub_block(p, BB, 8, sb);
+      rows16_layout::prefetch_sub_block(p, BB, 8, sb);
       const int64_t b = i * 8 + sb;  // the block of 32 along K
       auto bytes16 = [&](int64_t off) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off))));
@@ -163,7 +163,7 @@ static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, in
       __m512 s[2][MT];
       for (int e = 0; e < 2; ++e)
         for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
-      const uint8_t* q = p + avx512_rows16::Q4K_HDR + sub * sb;
+      const uint8_t* q = p + rows16_layout::Q4K_HDR + sub * sb;
       if constexpr (TYPE == T_Q4_K)
         chunk_pairs<MT>(a, q, avx512_rows16::Q4Half{tb}, m0, b, s);
       else  // the sub-block's masks, then its nibbles
@@ -177,24 +177,24 @@ static void tile_k_min(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, in
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
 }
 
-// Q6_K's tile (quant_rows16.h's Q6_K layout): per sub-block of 16 elements, i8_pairs over its
+// Q6_K's tile (quant_rows16_layout.h's Q6_K layout): per sub-block of 16 elements, i8_pairs over its
 // quants (q - 32), then acc += (s_even + s_odd) * (d * sc), d * sc exact in float32 (11 x 8
 // bits): the packed kernels' w = d sc (q - 32).
 template <int MT>
 static void tile_q6k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
-  const int64_t ns = a.K / 256, BB = avx512_rows16::rows16_block_bytes(T_Q6_K);
+  const int64_t ns = a.K / 256, BB = rows16_layout::rows16_block_bytes(T_Q6_K);
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t i = 0; i < ns; ++i) {
     const uint8_t* p = WI + (g * ns + i) * BB;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int64_t sb = 0; sb < 16; ++sb) {
-      avx512_rows16::prefetch_sub_block(p, BB, 16, sb);
+      rows16_layout::prefetch_sub_block(p, BB, 16, sb);
       const __m512 scale = avx512_rows16::q6k_scale(p, d, sb);
       __m512 s[2][MT];
       for (int e = 0; e < 2; ++e)
         for (int t = 0; t < MT; ++t) s[e][t] = _mm512_setzero_ps();
-      i8_pairs<MT, 8, 32, 16>(a, p + avx512_rows16::Q6K_HDR + avx512_rows16::Q6K_SUB * sb, a.X2 + (i * 256 + sb * 16) / 2, m0, s);
+      i8_pairs<MT, 8, 32, 16>(a, p + rows16_layout::Q6K_HDR + rows16_layout::Q6K_SUB * sb, a.X2 + (i * 256 + sb * 16) / 2, m0, s);
       for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[0][t], s[1][t]), scale, acc[t]);
     }
   }
@@ -204,7 +204,7 @@ static void tile_q6k(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int6
 // Groups g0 .. g1 of every activation row, in the float kernel's tiles
 template <int TYPE>
 static void groups(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
-  avx512_rows16::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
+  rows16_layout::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
     if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K)
       tile_k_min<TYPE, decltype(MT)::value>(a, WI, g, m0);
     else if constexpr (TYPE == T_Q6_K)

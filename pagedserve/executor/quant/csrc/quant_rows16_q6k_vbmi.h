@@ -1,4 +1,4 @@
-// Q6_K's six-bit row-interleaved copy (quant_rows16.h's Q6_K layout, six bits a quant: the packed
+// Q6_K's six-bit row-interleaved copy (quant_rows16_layout.h's Q6_K layout, six bits a quant: the packed
 // blocks' size) on CPUs with AVX512-VBMI (Ice Lake, Zen 4, Sapphire Rapids and later; Skylake-SP,
 // Cascade Lake and Cooper Lake have none and keep the byte layout): the run decoder, and the float
 // kernel's tile (float32 engines); the bf16 kernel's tile is quant_rows16_q6k_vbmi_bf16.h. Included
@@ -57,7 +57,7 @@ static inline __m512i six_bit_run(const uint8_t* q, int64_t p, const SixBitTable
 // widened to floats as the byte layout's int8 quants are (exact), in the same order
 template <int MT>
 static void rows16_tile_q6k_six(const GemmArgs& a, const uint8_t* WI, int64_t g, int64_t m0, const SixBitTables& tb) {
-  using avx512_rows16::Q6K_HDR, avx512_rows16::Q6K_SUB6;
+  using rows16_layout::Q6K_HDR, rows16_layout::Q6K_SUB6;
   const int64_t ns = a.K / 256, BB = Q6K_HDR + 16 * Q6K_SUB6;
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   __m512 acc[MT];
@@ -66,7 +66,7 @@ static void rows16_tile_q6k_six(const GemmArgs& a, const uint8_t* WI, int64_t g,
     const uint8_t* p = WI + (g * ns + i) * BB;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int64_t sb = 0; sb < 16; ++sb) {
-      avx512_rows16::prefetch_sub_block(p, BB, 16, sb);
+      rows16_layout::prefetch_sub_block(p, BB, 16, sb);
       const uint8_t* q = p + Q6K_HDR + Q6K_SUB6 * sb;
       const float* x = a.X + m0 * a.K + i * 256 + sb * 16;
       __m512 lo[MT], hi[MT];
@@ -87,7 +87,7 @@ static void rows16_tile_q6k_six(const GemmArgs& a, const uint8_t* WI, int64_t g,
 // Groups g0 .. g1 of every activation row, in the other kernels' tiles
 static void gemm_rows16_q6k_six(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_t g1) {
   const SixBitTables tb = six_bit_tables();
-  avx512_rows16::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
+  rows16_layout::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
     rows16_tile_q6k_six<decltype(MT)::value>(a, WI, g, m0, tb);
   });
 }

@@ -9,7 +9,7 @@
 template <int MT>
 static void tile_q6k_six(const avx512_bf16_rows16::Rows16Bf16Args& a, const uint8_t* WI, int64_t g, int64_t m0,
                          const avx512_vbmi::SixBitTables& tb) {
-  using avx512_rows16::Q6K_HDR, avx512_rows16::Q6K_SUB6;
+  using rows16_layout::Q6K_HDR, rows16_layout::Q6K_SUB6;
   const int64_t ns = a.K / 256, BB = Q6K_HDR + 16 * Q6K_SUB6;
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
@@ -17,7 +17,7 @@ static void tile_q6k_six(const avx512_bf16_rows16::Rows16Bf16Args& a, const uint
     const uint8_t* p = WI + (g * ns + i) * BB;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     for (int64_t sb = 0; sb < 16; ++sb) {
-      avx512_rows16::prefetch_sub_block(p, BB, 16, sb);
+      rows16_layout::prefetch_sub_block(p, BB, 16, sb);
       const __m512 scale = avx512_rows16::q6k_scale(p, d, sb);
       __m512 s[2][MT];
       for (int e = 0; e < 2; ++e)
@@ -39,7 +39,7 @@ static void tile_q6k_six(const avx512_bf16_rows16::Rows16Bf16Args& a, const uint
 // Groups g0 .. g1 of every activation row, in the other kernels' tiles
 static void gemm_q6k_six(const avx512_bf16_rows16::Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
   const avx512_vbmi::SixBitTables tb = avx512_vbmi::six_bit_tables();
-  avx512_rows16::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
+  rows16_layout::for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
     tile_q6k_six<decltype(MT)::value>(a, WI, g, m0, tb);
   });
 }
