@@ -7,7 +7,7 @@ two engines in this process, alternated round by round.
     PAGEDSERVE_CPU_ISA=avx2 .venv/bin/python benchmarks/avx2_rows16_decode.py [--model default|FILE.gguf]
         [--batch 1 4] [--tokens 64] [--rounds 3]
 
-Q6_K's copies are the byte layout (set_q6k_six_bits(False), as on a CPU without AVX512-VBMI). Prints
+Q6_K's copies are the byte layout (a path forced below avx512 gets it, as a CPU without AVX512-VBMI). Prints
 one JSON line per batch size: output tokens/s of `LLM.generate` (greedy, ignore_eos), median of
 --rounds, without and with the copies.
 """
@@ -43,8 +43,6 @@ def main() -> None:
     a = ap.parse_args()
     if os.environ.get("PAGEDSERVE_CPU_ISA") != "avx2":
         raise SystemExit("run with PAGEDSERVE_CPU_ISA=avx2")
-    if kernels.q6k_six_bits():
-        kernels.set_q6k_six_bits(False)
     model = default_model_path() if a.model == "default" else a.model
     engines = {c: LLM(model=model, dtype="float32", max_model_len=512, weight_copies=c) for c in ("none", "auto")}
     for llm in engines.values():

@@ -8,7 +8,7 @@ Q5_K, Q6_K, Q4_0, Q5_0, Q5_1, from memory), the best of 10 runs.
     [PAGEDSERVE_CPU_ISA=avx2] python benchmarks/rows16_ab.py [--kquants]
 
 Prints "packed -> interleaved [-> bf16] us" a layer. On the AVX2 path Q6_K's copy is the byte
-layout (set_q6k_six_bits(False), as on a CPU without AVX512-VBMI)."""
+layout (as on a CPU without AVX512-VBMI)."""
 
 import argparse
 
@@ -66,8 +66,6 @@ def main() -> None:
     a = ap.parse_args()
     torch.manual_seed(0)
     bf16 = kernels.native_bf16_in_use()
-    if kernels.current_isa() == "avx2" and kernels.q6k_six_bits():
-        kernels.set_q6k_six_bits(False)
     print("isa", kernels.current_isa(), flush=True)
     if a.kquants:
         for qt in RANDOM_BLOCKS:

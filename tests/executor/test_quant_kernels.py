@@ -7,6 +7,9 @@ avx512, the int8-activation ones also on avx512_vnni (bit-equal to avx2's), the 
 products of bfloat16 models on avx512_bf16; the AMX levels' refusal path simulated."""
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -444,7 +447,19 @@ ROWS16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 ROWS16_BF16_TYPES = [*ROWS16_TYPES, Q.Q4_K, Q.Q5_K, Q.Q6_K]  # every type, on every kernel
 K_QUANT_COPIES = {Q.Q4_K: (144, 148), Q.Q5_K: (176, 180), Q.Q6_K: (210, 274)}  # a row's super-block -> its copy's bytes
 Q6K_SIX_BITS_COPY = (210, 210)  # Q6_K's six-bit copy (CPUs with AVX512-VBMI): the packed size
-HAVE_VBMI = HAVE_KERNELS and HAVE_AVX512 and kernels.q6k_six_bits()  # the default where the CPU has it
+def _cpu_has_vbmi() -> bool:
+    """Whether six-bit Q6_K copies may be asked for (the CPU has AVX512-VBMI), whatever the
+    default (PAGEDSERVE_CPU_ISA below avx512: the byte layout)."""
+    prev = kernels.q6k_six_bits()
+    try:
+        kernels.set_q6k_six_bits(True)
+    except RuntimeError:
+        return False
+    kernels.set_q6k_six_bits(prev)
+    return True
+
+
+HAVE_VBMI = HAVE_KERNELS and HAVE_AVX512 and _cpu_has_vbmi()
 
 
 # the few-row kernels on interleaved copies: float activations on AVX-512 (quant_rows16.h) and
@@ -720,6 +735,7 @@ def test_q6k_six_bit_copies_not_on_the_avx2_path():
     raw = torch.from_numpy(random_packed(Q.Q6_K, 32, k))
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(1))
     prev = kernels.set_isa("avx512")  # (whatever PAGEDSERVE_CPU_ISA chose)
+    prev_six = kernels.set_q6k_six_bits(True)
     try:
         six = kernels.interleave_rows16(raw, qt, k)
         assert six is not None and six.numel() == raw.numel()
@@ -731,7 +747,26 @@ def test_q6k_six_bit_copies_not_on_the_avx2_path():
         kernels.gemm(x, raw, qt, b, 0, interleaved=six)
         assert kernels.load().rows16_calls() == before and torch.equal(a, b)
     finally:
+        kernels.set_q6k_six_bits(prev_six)
         kernels.set_isa(prev)
+
+
+@pytest.mark.skipif(not HAVE_VBMI, reason="this CPU lacks avx512_vbmi (Q6_K's six-bit copies)")
+def test_a_path_forced_below_avx512_writes_q6k_byte_copies():
+    """PAGEDSERVE_CPU_ISA=avx2 on a CPU with AVX512-VBMI behaves as a CPU without it: Q6_K's
+    copies in the byte layout (which the AVX2 kernel reads), not six bits (which it cannot)."""
+    code = (
+        "import torch; from pagedserve.executor.quant import kernels; "
+        "from tests.executor.test_quant_kernels import random_packed, Q; "
+        "w = torch.from_numpy(random_packed(Q.Q6_K, 16, 256)); "
+        "wi = kernels.interleave_rows16(w, int(Q.Q6_K), 256); "
+        "print(kernels.q6k_six_bits(), wi.numel(), w.numel())"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PAGEDSERVE_CPU_ISA": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
+    six, copy, packed = out.stdout.split()
+    assert six == "False" and int(copy) == int(packed) // 210 * 274, out.stdout + out.stderr
 
 
 @needs_avx2

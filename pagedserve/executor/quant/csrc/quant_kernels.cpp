@@ -307,8 +307,11 @@ static bool cpu_has_vbmi() {
   return false;
 #endif
 }
+static int current_isa();
 static bool q6k_six_bits() {
-  if (g_q6k_six_bits < 0) g_q6k_six_bits = cpu_has_vbmi();
+  // first asked (the first Q6_K copy, after PAGEDSERVE_CPU_ISA's set_isa): a path forced below
+  // AVX-512 gets the byte layout, as a CPU without VBMI
+  if (g_q6k_six_bits < 0) g_q6k_six_bits = cpu_has_vbmi() && current_isa() >= ISA_AVX512;
   return g_q6k_six_bits == 1;
 }
 
