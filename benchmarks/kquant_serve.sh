@@ -8,11 +8,13 @@
 # (setup_anchors.sh, setup_llamacpp.sh; ANCHORS_DIR: their folder, default ../shared/anchors beside
 # the checkout). Run from the project's root; one JSON line a run.
 #   MODEL=/tmp/q4k.gguf ROUNDS=2 NPROMPTS=6 bash benchmarks/kquant_serve.sh
+# The AVX2 path (section 56): PAGEDSERVE_CPU_ISA=avx2 and LLAMA_BIN=<a llama.cpp build's bin folder
+# configured with -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF>.
 set -u
 ROOT=${ANCHORS_ROOT:-$HOME/.cache/pagedserve-anchors}
 MODEL=${MODEL:-/tmp/q4k.gguf}; ROUNDS=${ROUNDS:-2}; NP=${NPROMPTS:-6}; PORT=${PORT:-8741}
 TOK=$ROOT/models/smollm2
-LB=$(ls -d "$ROOT"/llamacpp/*/vendor/llama.cpp/build/bin 2>/dev/null | head -1)
+LB=${LLAMA_BIN:-$(ls -d "$ROOT"/llamacpp/*/vendor/llama.cpp/build/bin 2>/dev/null | head -1)}
 CLIENT=${ANCHORS_DIR:-$(cd "$(dirname "$0")/../../shared/anchors" 2>/dev/null && pwd)}/vllm_bench_serve.py
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 [ -f "$MODEL" ] || { echo "no $MODEL: write it with benchmarks/kquant_decode.py --out $MODEL"; exit 2; }
@@ -43,6 +45,7 @@ serve() {  # $1: name, then the server's command line
   kill $pid; wait $pid 2>/dev/null
 }
 for _ in $(seq "$ROUNDS"); do
-  serve pagedserve .venv/bin/pagedserve serve "$MODEL" --port $PORT --served-model-name smollm2 --max-num-seqs 4
+  # shellcheck disable=SC2086  # PAGEDSERVE_EXTRA: more server flags, e.g. "--weight-copies none"
+  serve pagedserve .venv/bin/pagedserve serve "$MODEL" --port $PORT --served-model-name smollm2 --max-num-seqs 4 ${PAGEDSERVE_EXTRA:-}
   serve llamacpp "$LB/llama-server" -m "$MODEL" --port $PORT -a smollm2 -np 1 -c 2048 -t 2 -tb 2
 done

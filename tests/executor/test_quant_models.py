@@ -299,6 +299,32 @@ def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, m
         kernels.set_isa(isa)
 
 
+@pytest.mark.skipif(bool(WHY) or "avx2" not in kernels.available_isas(), reason=WHY or "this CPU lacks avx2")
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
+    """On the AVX2 path (a CPU without AVX-512, or PAGEDSERVE_CPU_ISA=avx2) a float32 engine keeps
+    the row-interleaved copies (Q6_K's in the byte layout) and its decode steps read them
+    (quant_rows16_avx2.h): the greedy tokens of the same engine without copies (the packed
+    rows' kernels), logits within 1% of the largest."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    if qtype in K_QUANTS:
+        real = gguf.quants.quantize
+        monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
+    hf_dir = kquant_checkpoint if qtype in K_QUANTS else checkpoint("llama")
+    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    isa = kernels.set_isa("avx2")
+    six = kernels.set_q6k_six_bits(False)
+    try:
+        assert sum(m.rows16_everywhere for m in quant_layers(resolve_model_path(path), torch.float32)) > 0
+        before = kernels.load().rows16_calls()
+        got = run(path, None, "float32")
+        assert kernels.load().rows16_calls() > before
+        assert_same(got, run(path, None, "float32", weight_copies=CopyPolicy("none")), 1e-2)
+    finally:
+        kernels.set_q6k_six_bits(six)
+        kernels.set_isa(isa)
+
+
 def test_packed_tied_embeddings(tmp_path, monkeypatch):
     # tied lm_head shares the packed embedding
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
