@@ -9,7 +9,7 @@ is A/B'd too). The old sources come from `git show REV:...` (rev_sources.py), bu
 Kernel cases: Q4_1 [1536, 576] and [576, 1536] (the default model's gate_up and down), 30 layers
 cycling (in L3), and 120 layers of the first (66 MB: from memory), 1-8 activation rows, bf16
 activations on the bf16 kernel (--float: float32 ones on the float kernel; --q8: gguf_q8's integer
-products on the packed rows, no copy). --engine-model: a
+products on the packed rows, no copy; --packed: float32 ones on the packed rows, no copy). --engine-model: a
 bf16 engine's decode steps at batch 1, 4 and 7 (context ~320), every QuantLinear's op and copies
 swapped each round. Prints one JSON line per case: median us a layer (engine: ms a step), old
 and new.
@@ -67,7 +67,7 @@ def weights(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
 
 def kernel_case(mods, n, k, layers, rows, rounds, kind, same_bits, qtype):
     ws = [weights(qtype, n, k, i) for i in range(layers)]
-    wis = {name: [m.interleave_rows16(w, qtype, k) for w in ws] for name, m in mods.items()}
+    wis = {name: [None if kind == "packed" else m.interleave_rows16(w, qtype, k) for w in ws] for name, m in mods.items()}
     x = torch.randn(rows, k)
     x = x if kind else x.bfloat16()
     outs = {name: torch.zeros(rows, n) for name in mods}
@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--rev", required=True)
     ap.add_argument("--float", action="store_true", help="float32 activations on the float kernel")
     ap.add_argument("--q8", action="store_true", help="gguf_q8's integer products (act_q8) on the packed rows")
+    ap.add_argument("--packed", action="store_true", help="float32 activations on the packed rows (no copy)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--same-bits", action="store_true", help="check the outputs equal before timing")
@@ -152,10 +153,10 @@ def main() -> None:
     torch.manual_seed(0)
     for n, k, layers in shapes:
         for rows in a.rows:
-            kind = "q8" if a.q8 else a.float
+            kind = "q8" if a.q8 else "packed" if a.packed else a.float
             res = kernel_case(mods, n, k, layers, rows, a.rounds, kind, a.same_bits, qtype)
             print(json.dumps({"case": f"{a.type} {n}x{k} x{layers} layers", "rows": rows,
-                              "kernel": "gguf_q8" if a.q8 else "float" if a.float else "bf16",
+                              "kernel": "gguf_q8" if a.q8 else "packed" if a.packed else "float" if a.float else "bf16",
                               "us_a_layer": res}), flush=True)
     if a.engine_model:
         for b, res in engine_case(mods, a.engine_model, a.batches, a.rounds).items():

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, help="the target's (both engines'), e.g. gguf_q8")
     ap.add_argument("--kv-cache-dtype", default="auto", help="both engines' KV cache (auto, float16, bfloat16)")
+    ap.add_argument("--weight-copies", default="auto", help="both engines' (CPU, packed weights): auto | all | none")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--batch-load", type=int, default=0, help="also N random prompts at once (0: skip)")
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         spec_cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": a.k}
         if a.draft_quantization:
             spec_cfg["quantization"] = a.draft_quantization
-    kw = dict(dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+    kw = dict(dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, weight_copies=a.weight_copies)
     base = LLM(a.model, **kw)
     spec = LLM(a.model, **kw, speculative_config=spec_cfg)
     tok = base.get_tokenizer()
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         "method": a.method,
         "quantization": a.quantization,
         "kv_cache_dtype": a.kv_cache_dtype,
+        "weight_copies": a.weight_copies,
         "draft": {k: v for k, v in spec_cfg.items() if k in ("model", "quantization")} or None,
         "draft_layers": a.draft_layers or None,
         "batch1": {

@@ -129,12 +129,12 @@ def test_gemm_matches_dequantized_matmul(isa, qtype, m):
             assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)  # only its columns
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_tiled_few_rows_bits_do_not_depend_on_the_other_rows(isa, qtype):
-    """The K-quants' and Q5_0 / Q5_1's few-row float products (quant_kquant_avx2.h on AVX2 and
-    AVX-512; the dequantized row elsewhere) give each activation row the bits it gets alone,
-    whatever the tile (1-8 rows) it falls in: a verification of k tokens computes what 1-row
-    steps do."""
+    """Every type's few-row float products on the packed rows (no copy: quant_avx2.h's fused
+    tiles for Q4_0 / Q4_1 / Q8_0, quant_kquant_avx2.h's for the K-quants and Q5_0 / Q5_1, the
+    AVX-512 ones, the scalar code) give each activation row the bits it gets alone, whatever the
+    tile (1-8 rows) it falls in: a verification of k tokens computes what 1-row steps do."""
     n, k, rows = 21, 512, 11
     w = torch.from_numpy(random_packed(qtype, n, k, seed=7))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9))

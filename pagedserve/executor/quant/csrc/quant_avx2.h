@@ -1,8 +1,7 @@
 // The AVX2 + FMA + F16C kernels, included by quant_kernels.cpp inside `namespace avx2` and its
 // target region:
 //   few rows, Q4_0 / Q4_1 / Q8_0: each weight block expanded into registers and used for every
-//     activation row, as scale * sum(x * q) + min * sum(x) (1-3 rows) or with scale and min
-//     folded into the expanded weights (4-8 rows); Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1:
+//     activation row, as scale * sum(x * q) + min * sum(x); Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1:
 //     quant_kquant_avx2.h's fused tiles; other types: a row dequantized, then dot();
 //   many rows (gemm_many_rows, any type): chunks of weight rows dequantized into an L2-sized float
 //     buffer and multiplied by a 3x4 register-blocked micro-kernel;
@@ -29,8 +28,7 @@ static inline float dot(const float* a, const float* b, int64_t K) {
 
 // ---- fused kernels: Q4_0, Q4_1, Q8_0 --------------------------------------------------------
 // Each block's 32 quants become float registers once and are used for up to MT activation
-// rows; per block and row: acc += d * sum(x * q) (+ m * sum(x) for Q4_1, from g.xsum), or
-// (4-8 rows) acc += x * (d * q + m).
+// rows; per block and row: acc += d * sum(x * q) (+ m * sum(x) for Q4_1, from g.xsum).
 template <int TYPE>
 static inline void unpack32(const uint8_t* blk, __m256* f) {
   if (TYPE == T_Q8_0) {
@@ -60,16 +58,14 @@ static inline void unpack32(const uint8_t* blk, __m256* f) {
   }
 }
 
-// 4-8 rows: the block's 32 weights dequantized in registers (q * d, + m for Q4_1: the same
-// FMA as deq_fast), so a row's products are plain FMAs. Each activation row keeps two accumulators
-// (up to 6 rows: 12 + the 4 weight vectors fill the 16 registers), so enough independent FMA
-// chains are in flight to keep both FMA pipes busy (one chain of 4-5 dependent FMAs per row
-// and block left a 5-row tile at half the machine's FMA rate).
-// 1-3 rows (a decode at batch 1 is this, and memory-bound): folding scale and min into the
-// weights would cost 4 FMAs a block for too few rows; instead each row's sum(x * q) is scaled
-// once (acc += d * s) and Q4_1's min term comes from the activations' block sums (g.xsum).
+// 1-8 rows, the same arithmetic at every row count (so a row's bits do not depend on the rows
+// computed with it: a k-token verification computes what 1-row decode steps do): per block and
+// row s = (q0 x0 + q1 x1) + (q2 x2 + q3 x3) over the 4 vectors of 8, two chains of a multiply
+// and an FMA (enough independent work in flight for 4-8 rows too), acc += d * s, and Q4_1's
+// min term m * sum(x) from the activations' block sums (g.xsum). Until section 57, 4-8 rows
+// folded d and m into the weights first (other bits than 1-3 rows').
 template <int TYPE, int MT>
-static void gemm_fused_tile_few(const GemmArgs& g, int64_t n, int64_t m0) {
+static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
   constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
   const int64_t nb = g.K / 32;
   const uint8_t* row = g.W + n * g.rb;
@@ -99,44 +95,6 @@ static void gemm_fused_tile_few(const GemmArgs& g, int64_t n, int64_t m0) {
     }
   }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
-}
-
-template <int TYPE, int MT>
-static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
-  if constexpr (MT <= 3) {
-    gemm_fused_tile_few<TYPE, MT>(g, n, m0);
-    return;
-  }
-  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
-  constexpr int NA = MT <= 6 ? 2 : 1;
-  const int64_t nb = g.K / 32;
-  const uint8_t* row = g.W + n * g.rb;
-  const float* X = g.X + m0 * g.K;
-  __m256 acc[MT][NA];
-  for (int t = 0; t < MT; ++t)
-    for (int a = 0; a < NA; ++a) acc[t][a] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* blk = row + i * BB;
-    __m256 f[4];
-    unpack32<TYPE>(blk, f);
-    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
-    const __m256 vd = _mm256_set1_ps(h2f(hdr[0]));
-    if (TYPE == T_Q4_1) {
-      const __m256 vm = _mm256_set1_ps(h2f(hdr[1]));
-      for (int j = 0; j < 4; ++j) f[j] = _mm256_fmadd_ps(f[j], vd, vm);
-    } else {
-      for (int j = 0; j < 4; ++j) f[j] = _mm256_mul_ps(f[j], vd);
-    }
-    for (int t = 0; t < MT; ++t) {
-      const float* x = X + t * g.K + i * 32;
-      for (int j = 0; j < 4; ++j) acc[t][j % NA] = _mm256_fmadd_ps(f[j], _mm256_loadu_ps(x + 8 * j), acc[t][j % NA]);
-    }
-  }
-  for (int t = 0; t < MT; ++t) {
-    __m256 s = acc[t][0];
-    if (NA == 2) s = _mm256_add_ps(s, acc[t][NA - 1]);
-    g.out[(m0 + t) * g.ldo + n] = hsum8(s);
-  }
 }
 
 // Q4_0 / Q4_1 / Q8_0 rows through the same register unpacking as the fused kernel
