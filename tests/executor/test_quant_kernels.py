@@ -160,16 +160,20 @@ def quantize_q8_reference(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+ACT_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K]  # gguf_q8's int8-activation types (Q4_K: sub-blocks as Q4_1)
+
+
+@pytest.mark.parametrize("qtype", ACT_Q8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 5, 9, 13, 14, 40, 64, 100])
 def test_gemm_act_q8_matches_quantized_activation_matmul(q8_isa, qtype, m):
     """act_q8 ("gguf_q8"): the integer paths (few rows; many rows over column-interleaved int8
     weights) equal (q8-quantized x) @ dequantized w up to float rounding, and stay near the
     float product. Odd N: whole groups of 8 columns, a pair and a single one, a partial last
-    group; K of 3 and 48 blocks; rows in tiles of 3 with 1- and 2-row tails (Q8_0 takes the
-    many-row kernel from 12 rows: 13 and 14 give its tails). Each row count through both nibble
-    kernels (the many-row one forced from 1 row, then never)."""
-    for (n, k), many_from in zip(((37, 576), (21, 96), (13, 1536), (37, 576)), (1, 1, 1, 10**9)):
+    group; K of 3 and 48 blocks (Q4_K: 1, 2 and 6 super-blocks); rows in tiles of 3 with 1- and
+    2-row tails (Q8_0 takes the many-row kernel from 12 rows: 13 and 14 give its tails). Each
+    row count through both nibble kernels (the many-row one forced from 1 row, then never)."""
+    ks = (512, 256, 1536, 512) if qtype == Q.Q4_K else (576, 96, 1536, 576)
+    for (n, k), many_from in zip(zip((37, 21, 13, 37), ks), (1, 1, 1, 10**9)):
         raw = random_packed(qtype, n, k, seed=m)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
         x[0, :32] = 0.0  # an all-zero block: scale 0
@@ -208,7 +212,7 @@ def _extreme_blocks(raw, qtype, rng):
     """Some blocks at the quants' extremes: nibbles all 15 or all 0, Q8_0 bytes -128 / -127 / 127."""
     be, bb = gguf.GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(raw.shape[0], -1, bb).copy()
-    first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2}[qtype]
+    first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2, Q.Q4_K: 16}[qtype]  # (Q4_K: its qs, past d, dmin, scales)
     values = (0x80, 0x81, 0x7F) if qtype == Q.Q8_0 else (0xFF, 0x00)
     pick = rng.random(blocks.shape[:2]) < 0.4
     blocks[pick, first:] = np.uint8(rng.choice(values))
@@ -216,7 +220,7 @@ def _extreme_blocks(raw, qtype, rng):
 
 
 @pytest.mark.skipif(not HAVE_KERNELS or "avx512_vnni" not in kernels.available_isas(), reason="this CPU lacks avx512_vnni")
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", ACT_Q8_TYPES, ids=lambda t: t.name)
 def test_act_q8_vnni_bit_equal_to_avx2(qtype):
     """vpdpbusd (AVX512-VNNI, few rows: 512-bit over column pairs and 256-bit for an odd one;
     many rows: 16 columns a register) gives the AVX2 kernels' exact integer block sums and
@@ -224,7 +228,8 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
     of 16 and 8 columns, a single column), K of 1 to 48 blocks, row tails of the 4-row
     micro-kernel, extreme quants against x at +-127 and at random, an all-zero block."""
     rng = np.random.default_rng(int(qtype))
-    for n, k in ((37, 576), (1, 32), (2, 64), (17, 96), (33, 1536)):
+    shapes = ((37, 512), (1, 256), (17, 768), (33, 1536)) if qtype == Q.Q4_K else ((37, 576), (1, 32), (2, 64), (17, 96), (33, 1536))
+    for n, k in shapes:
         raw = _extreme_blocks(random_packed(qtype, n, k, seed=n), qtype, rng)
         for m in (1, 2, 3, 5, 7, 13, 17, 64):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3
@@ -246,7 +251,7 @@ def test_q8_many_rows_sums_stay_in_range(q8_isa):
         raw = random_packed(qtype, n, k, seed=1)
         be, bb = gguf.GGML_QUANT_SIZES[qtype]
         blocks = raw.reshape(n, k // be, bb)
-        first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2}[qtype]
+        first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2, Q.Q4_K: 16}[qtype]  # (Q4_K: its qs, past d, dmin, scales)
         blocks[..., first:] = np.uint8(byte)  # nibbles 15 / int8 -127 / int8 -128
         raw = blocks.reshape(n, -1)
         x = torch.ones(m, k)

@@ -129,13 +129,18 @@ def test_packed_gguf_matches_dequantized(checkpoint, kquant_checkpoint, tmp_path
     assert_same(run(path, None), run(path, "none"), 1e-4)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda t: t.name)
-def test_gguf_q8_activations_close_to_float_activations(checkpoint, tmp_path, monkeypatch, qtype):
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+def test_gguf_q8_activations_close_to_float_activations(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
     """quantization="gguf_q8" (the named llama.cpp-style option): the same packed layers with
-    act_q8 set; logits within 5% of the largest logit of the float-activation path where the
-    inputs agree, and not equal to it (the option must change the arithmetic)."""
+    act_q8 set (Q4_K's too); logits within 5% of the largest logit of the float-activation path
+    where the inputs agree, and not equal to it (the option must change the arithmetic)."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(checkpoint("llama"), str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    hf_dir = checkpoint("llama")
+    if qtype in K_QUANTS:
+        real = gguf.quants.quantize
+        monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
+        hf_dir = kquant_checkpoint
+    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype)
     ref, got = run(path, None), run(path, "gguf_q8")
     worst = 0.0
     for (rid, pos), la in ref[1].items():
@@ -480,6 +485,35 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
                 assert torch.equal(got[:, 32:], plain_m[:, 32:])  # Q6_K and float rows: their own kernels
         finally:
             kernels.set_isa(isa)
+
+
+@pytest.mark.skipif(not HAVE_AVX2, reason=WHY or "this CPU lacks avx2 (the interleaved kernels' ISA)")
+def test_a_gguf_q8_layer_keeps_copies_of_its_float_segments_only():
+    """Under gguf_q8 (act_q8) a layer's Q4_1 / Q4_K segments run on int8 activations and get no
+    copy; its Q6_K segment keeps float activations and gets its copy, which its few-row
+    products read: the layer's output is the int8 products of the first two and the copy's
+    float product of the third."""
+    from pagedserve.executor.quant.formats import PackedWeight
+    from pagedserve.executor.quant.layers import rows16_copies
+    from tests.executor.test_quant_kernels import random_packed
+
+    k, parts = 512, [32, 16, 16]
+    raws = [random_packed(t, n, k, seed=i) for i, (t, n) in enumerate(zip((Q.Q4_1, Q.Q4_K, Q.Q6_K), parts))]
+    layer = QuantLinear(k, parts)
+    for i, (t, raw) in enumerate(zip((Q.Q4_1, Q.Q4_K, Q.Q6_K), raws)):
+        layer.set_part(i, PackedWeight(int(t), torch.from_numpy(raw), (parts[i], k)))
+    assert [t for t, _, _ in layer.segments] == [int(Q.Q4_1), int(Q.Q4_K), int(Q.Q6_K)]
+    layer.act_q8 = True
+    assert rows16_copies(torch.nn.Sequential(layer)) == 1
+    q6k_copy = kernels.rows16_copy_size(torch.from_numpy(raws[2]), int(Q.Q6_K), k)
+    assert q6k_copy > 0 and layer.rows16_bytes == q6k_copy
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
+    want = torch.zeros(3, sum(parts))
+    kernels.gemm(x, torch.from_numpy(raws[0]), int(Q.Q4_1), want, 0, act_q8=True)
+    kernels.gemm(x, torch.from_numpy(raws[1]), int(Q.Q4_K), want, 32, act_q8=True)
+    kernels.gemm(x, torch.from_numpy(raws[2]), int(Q.Q6_K), want, 48, interleaved=layer._rows16[2])
+    before = kernels.load().rows16_calls()
+    assert torch.equal(layer(x), want) and kernels.load().rows16_calls() == before + 1
 
 
 @pytest.mark.skipif(not HAVE_AVX512 or "avx512_bf16" not in kernels.available_isas(), reason="this CPU lacks avx512_bf16")

@@ -224,6 +224,12 @@ def interleave_rows16(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor | Non
     return out if out.numel() else None
 
 
+def act_q8_type(qtype: int) -> bool:
+    """Whether gguf_q8 (act_q8) runs this type's products on int8 activations (Q4_0, Q4_1, Q8_0,
+    Q4_K); the other types keep float activations in an act_q8 layer."""
+    return bool(load().act_q8_type(int(qtype)))
+
+
 def rows16_copy_size(w: torch.Tensor, qtype: int, k: int) -> int:
     """Bytes `interleave_rows16` would return (0: no copy applies)."""
     return int(load().rows16_copy_size(w, int(qtype), int(k)))

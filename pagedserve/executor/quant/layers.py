@@ -99,8 +99,9 @@ class QuantLinear(nn.Module):
 
     def attach_rows16(self, budget: CopyBudget | None = None) -> bool:
         """Keep beside each block-type segment (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
-        Q6_K) its row-interleaved copy, which the few-row products (decode at batch 1-11 in
-        float32, 1-8 in bf16; verification rows) read at ~2x the packed rows' kernel on AVX-512
+        Q6_K; under gguf_q8 only those whose products stay float, kernels.act_q8_type) its
+        row-interleaved copy, which the few-row products (decode at batch 1-11 in float32, 1-8
+        in bf16; verification rows) read at ~2x the packed rows' kernel on AVX-512
         (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55), 1.2-2.1x at 1 row on
         AVX2 (section 56). Costs the segments' packed bytes again (Q4_K +2.8%, its scales
         unpacked; Q5_K +2.3%, the same; Q6_K +0% in six bits where the CPU has AVX512-VBMI,
@@ -108,7 +109,8 @@ class QuantLinear(nn.Module):
         path (no six-bit copy is made on it) reads Q6_K's byte layout only. False (nothing
         kept) where no segment takes it or `budget` has no room for the layer's copies."""
         k = self.in_features
-        sizes = [kernels.rows16_copy_size(d, t, k) for t, d, _ in self.segments]
+        int8 = [self.act_q8 and kernels.act_q8_type(t) for t, _, _ in self.segments]  # integer products: no copy
+        sizes = [0 if i8 else kernels.rows16_copy_size(d, t, k) for (t, d, _), i8 in zip(self.segments, int8)]
         if not any(sizes) or (budget is not None and not budget.take("row-interleaved", sum(sizes))):
             return False
         empty = torch.empty(0, dtype=torch.uint8)
@@ -259,15 +261,15 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
 
 
 def rows16_copies(model: nn.Module, budget: CopyBudget | None = None) -> int:
-    """The packed layers (not `gguf_q8`'s act_q8 ones, whose few-row products are integer)
-    get their row-interleaved copies for the few-row kernels (`attach_rows16`) where the
-    kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far as `budget` allows
-    (None: no bound). Returns how many layers."""
+    """The packed layers get their row-interleaved copies for the few-row kernels
+    (`attach_rows16`; under `gguf_q8` only the segments whose products stay float: Q5_0 / Q5_1 /
+    Q5_K / Q6_K) where the kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far
+    as `budget` allows (None: no bound). Returns how many layers."""
     if kernels.current_isa() == "scalar":
         return 0
     n = 0
     for mod in model.modules():
-        if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
+        if isinstance(mod, QuantLinear) and mod.complete:
             n += mod.attach_rows16(budget)
     return n
 

@@ -213,6 +213,14 @@ static void q8_repack8(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint
         D[b * 8 + c] = Mn[b * 8 + c] = 0.f;
         continue;
       }
+      if constexpr (TYPE == T_Q4_K) {  // sub-block b % 8 of super-block b / 8, as a Q4_1 block
+        const bq4_K& kb = reinterpret_cast<const bq4_K*>(W + c * rb)[b / 8];
+        const int sb = int(b % 8);
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb.qs + 32 * (sb / 2)));
+        e[c] = _mm256_and_si256(sb % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(15));
+        q4k_sub_scales(kb, sb, &D[b * 8 + c], &Mn[b * 8 + c]);
+        continue;
+      }
       const uint8_t* blk = W + c * rb + b * BB;
       const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
       e[c] = quant_bytes32<TYPE>(blk);
@@ -360,6 +368,7 @@ static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
+    case T_Q4_K: gemm_q8_many_t<T_Q4_K>(g, n0, n1); break;  // its sub-blocks as Q4_1 blocks
     case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8_many_t<T_Q8_0>(g, n0, n1); break;

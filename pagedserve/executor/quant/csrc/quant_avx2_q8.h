@@ -102,3 +102,37 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
   }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
+
+// Q4_K with int8 activations: each super-block's 8 sub-blocks are Q4_1 blocks (q4k_sub_scales),
+// two of them a 32-byte load of qs (low, high nibbles); per sub-block the steps of
+// gemm_q8_tile<T_Q4_1>
+template <int MT>
+static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  const int64_t nb = g.K / 32, ns = g.K / 256;
+  const bq4_K* row = reinterpret_cast<const bq4_K*>(g.W + n * g.rb);
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(15);
+  for (int64_t i = 0; i < ns; ++i)
+    for (int p = 0; p < 4; ++p) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i].qs + 32 * p));
+      const __m256i w[2] = {_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)};
+      for (int h = 0; h < 2; ++h) {
+        float dw, mn;
+        q4k_sub_scales(row[i], 2 * p + h, &dw, &mn);
+        const int64_t blk = i * 8 + 2 * p + h;
+        for (int t = 0; t < MT; ++t) {
+          const int64_t r = (m0 + t) * nb + blk;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
+          const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(w[h], x), ones);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
+          accm[t] += mn * g.xs[r];
+        }
+      }
+    }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+}

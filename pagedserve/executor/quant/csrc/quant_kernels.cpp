@@ -28,7 +28,7 @@
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
 //     dequantized in row tiles into a float matrix and multiplied with at::mm (the BLAS GEMM).
-//     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0): the activations are quantized
+//     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0 / Q4_K): the activations are quantized
 //     to int8 per 32-element block first and meet the weights in integer multiply-adds, as
 //     llama.cpp's q8 dot products (faster, not float-exact): few rows, each packed row against
 //     every activation row; many rows (AVX2), chunks of weights repacked so that each 32-bit
@@ -118,7 +118,7 @@ struct GemmArgs {
   float* out;         // already offset by col0
 };
 
-struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 weights)
+struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 / Q4_K weights)
   int type;
   const uint8_t* W;
   int64_t rb, K, M, ldo;
@@ -428,7 +428,7 @@ static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void isa_gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 #if QK_X86
-  if (current_isa() >= ISA_AVX512_VNNI) return avx512_vnni::gemm_q8_many(g, n0, n1);
+  if (current_isa() >= ISA_AVX512_VNNI && g.type != T_Q4_K) return avx512_vnni::gemm_q8_many(g, n0, n1);
   avx2::gemm_q8_many(g, n0, n1);
 #endif
 }
@@ -584,6 +584,10 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 #endif
 }
 
+// The types whose products act_q8 ("gguf_q8") runs on int8 activations (Q4_K's sub-blocks as
+// Q4_1 blocks); the others keep float activations
+static bool act_q8_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K; }
+
 // Float few-row products that read an interleaved copy so far (tests: a copy given but not
 // usable, e.g. Q6_K's in the other layout, falls back to the packed rows silently)
 static int64_t g_rows16_calls = 0;
@@ -598,7 +602,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
   if (M == 0 || N == 0) return;
   const int64_t ldo = out.size(1);
-  const bool q8 = act_q8 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0);
+  const bool q8 = act_q8 && act_q8_type(type);
   if (q8) {
     // int8 activations (llama.cpp's q8_1 blocks), then integer products: the column-interleaved
     // many-row kernel (AVX2 code, which AVX-512 CPUs run too; 2.2-2.5x the float kernel at 12+
@@ -856,7 +860,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   for (size_t i = 0; i < ws.size(); ++i) {
     const int64_t t = types[i];
     const bool rows16 = !wis.empty() && wis[i].numel() > 0;
-    const bool int8 = act_q8 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0);
+    const bool int8 = act_q8 && act_q8_type(t);
     if (bf16 && M >= (rows16 ? g_rows16_bf16_rows : g_bf16_rows) && bf16_type(t) && !int8) {
       const bool onednn = M >= (current_isa() >= ISA_AMX_BF16 ? g_amx_onednn_rows : g_bf16_onednn_rows);
       gemm_bf16(xb, ws[i], t, out, cols[i], onednn, c10::nullopt);
@@ -885,6 +889,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("wis") = std::vector<torch::Tensor>());
   m.def("gemm", &gemm, "out[:, col0:col0+N] = x @ dequant(w).T (packed weights)", py::arg("x"), py::arg("w"),
         py::arg("type"), py::arg("out"), py::arg("col0"), py::arg("act_q8") = false, py::arg("wi") = py::none());
+  m.def("act_q8_type", &act_q8_type, "whether act_q8 runs this type's products on int8 activations", py::arg("type"));
   m.def("rows16_copy_size", &rows16_copy_size, "bytes of interleave_rows16's copy (0: none)", py::arg("w"),
         py::arg("type"), py::arg("K"));
   m.def("interleave_rows16", &interleave_rows16, "packed rows -> the row-interleaved copy the few-row kernels read",

@@ -57,6 +57,10 @@ static void gemm_q8(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
+    case T_Q4_K:
+      for (int64_t n = n0; n < n1; ++n)
+        row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile_q4k<decltype(mt)::value>(g, n, m0); });
+      break;
     case T_Q4_0: gemm_q8<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8<T_Q8_0>(g, n0, n1); break;

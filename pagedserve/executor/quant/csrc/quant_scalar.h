@@ -107,6 +107,33 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
 }
 
+// Q4_K with int8 activations: each super-block's 8 sub-blocks are Q4_1 blocks (q4k_sub_scales)
+// against the activations' q8 blocks of 32, as gemm_q8_tile's Q4_1
+template <int MT>
+static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  const int64_t nb = g.K / 32, ns = g.K / 256;
+  const bq4_K* row = reinterpret_cast<const bq4_K*>(g.W + n * g.rb);
+  float acc[MT], accm[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = accm[t] = 0.f;
+  for (int64_t i = 0; i < ns; ++i)
+    for (int sb = 0; sb < 8; ++sb) {
+      float dw, mn;
+      q4k_sub_scales(row[i], sb, &dw, &mn);
+      const uint8_t* qs = row[i].qs + 32 * (sb / 2);
+      const int sh = 4 * (sb % 2);
+      const int64_t blk = i * 8 + sb;
+      for (int t = 0; t < MT; ++t) {
+        const int64_t r = (m0 + t) * nb + blk;
+        const int8_t* x = g.xq + r * 32;
+        int32_t s = 0;
+        for (int j = 0; j < 32; ++j) s += (int32_t)((qs[j] >> sh) & 15) * (int32_t)x[j];
+        acc[t] += (float)s * (dw * g.xd[r]);
+        accm[t] += mn * g.xs[r];
+      }
+    }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
+}
+
 // no K-quant or Q5_0 / Q5_1 tiles here: their rows go through a dequantized row and dot()
 static bool gemm_avx2_tiles(const GemmArgs&, int64_t, int64_t) { return false; }
 

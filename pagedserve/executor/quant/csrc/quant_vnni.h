@@ -113,6 +113,7 @@ static void gemm_q8_vnni(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
+    case T_Q4_K: avx512::gemm_q8_rows(g, n0, n1); break;  // its vpmaddubsw tiles (quant_avx2_q8.h)
     case T_Q4_0: gemm_q8_vnni<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_vnni<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8_vnni<T_Q8_0>(g, n0, n1); break;
