@@ -308,7 +308,8 @@ def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, m
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
     """On the AVX2 path (a CPU without AVX-512, or PAGEDSERVE_CPU_ISA=avx2) a float32 engine keeps
-    the row-interleaved copies (Q6_K's in the byte layout) and its decode steps read them
+    the row-interleaved copies (Q6_K's in the byte layout; under gguf_q8 only the float types':
+    Q5_K, Q6_K) and its decode steps read them
     (quant_rows16_avx2.h): the greedy tokens of the same engine without copies (the packed
     rows' kernels), logits within 1% of the largest."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
@@ -320,7 +321,11 @@ def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_pa
     isa = kernels.set_isa("avx2")
     six = kernels.set_q6k_six_bits(False)
     try:
-        assert sum(m.rows16_everywhere for m in quant_layers(resolve_model_path(path), torch.float32)) > 0
+        converted = resolve_model_path(path)
+        assert sum(m.rows16_everywhere for m in quant_layers(converted, torch.float32)) > 0
+        # gguf_q8: no copy where the products are integer (Q4_1, Q4_K), the float types' kept
+        int8 = kernels.act_q8_type(int(qtype))
+        assert (sum(m.rows16_bytes > 0 for m in quant_layers(converted, torch.float32, "gguf_q8")) > 0) != int8
         before = kernels.load().rows16_calls()
         got = run(path, None, "float32")
         assert kernels.load().rows16_calls() > before

@@ -102,11 +102,12 @@ def build_model(
                 mod.quantize(QUANTIZERS[quant])
     elif quant == "none" and device.type == "cpu":
         _cpu_float_linears(model, dtype)
-    if quant in ("gguf", "int8", "int4") and device.type == "cpu":
+    if quant in ("gguf", "gguf_q8", "int8", "int4") and device.type == "cpu":
         from pagedserve.executor.quant.layers import bf16_copies, rows16_copies
 
         budget = (weight_copies or CopyPolicy()).budget()
-        rows16_copies(model, budget)  # first: a layer with them gets its bf16 copy from more rows
+        # first: a layer with them gets its bf16 copy from more rows (gguf_q8: the float segments' only)
+        rows16_copies(model, budget)
         if quant == "gguf":
             bf16_copies(model, dtype, budget)
         budget.log()
