@@ -207,7 +207,7 @@ def has_many_rows_kernel() -> bool:
 def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, act_q8: bool = False,
          interleaved: torch.Tensor | None = None) -> None:
     """out[:, col0:col0+N] = x @ dequant(w).T; act_q8: activations quantized to int8 blocks first
-    (Q4_0 / Q4_1 / Q8_0 with fewer rows than the prefill threshold; others ignore it);
+    (the act_q8_type ones: Q4_0 / Q4_1 / Q8_0 / Q4_K; others ignore it);
     interleaved: w's interleave_rows16 copy, which the few-row float products then read on
     AVX2 and above (Q6_K's six-bit copy: AVX-512 and above)."""
     load().gemm(x, w, int(qtype), out, int(col0), bool(act_q8), interleaved)
