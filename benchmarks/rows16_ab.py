@@ -5,9 +5,11 @@ bf16 kernel (quant_rows16_bf16.h: bf16 activations, as a bfloat16 model's), 1-11
 30 layers of weights cycling (the head: one; --kquants: 12 random [2048, 2048] layers of Q4_K,
 Q5_K, Q6_K, Q4_0, Q5_0, Q5_1, from memory), the best of 10 runs.
 
-    [PAGEDSERVE_CPU_ISA=avx2] python benchmarks/rows16_ab.py [--kquants]
+    [PAGEDSERVE_CPU_ISA=avx2] python benchmarks/rows16_ab.py [--kquants] [--act-q8]
 
-Prints "packed -> interleaved [-> bf16] us" a layer. On the AVX2 path Q6_K's copy is the byte
+Prints "packed -> interleaved [-> bf16] us" a layer; --act-q8 (section 58) adds gguf_q8's integer
+products on the packed rows ("q8 X us") for the types it covers, and 64 and 256 rows (the
+many-row kernels; the copy column is then the float many-row kernel too). On the AVX2 path Q6_K's copy is the byte
 layout (as on a CPU without AVX512-VBMI)."""
 
 import argparse
@@ -44,7 +46,7 @@ def random_packed(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(n, -1))
 
 
-def row(qt: int, ws: list, k: int, n: int, rows: tuple, bf16: bool) -> str:
+def row(qt: int, ws: list, k: int, n: int, rows: tuple, bf16: bool, act_q8: bool = False) -> str:
     wis = [kernels.interleave_rows16(w, qt, k) for w in ws]
     cols = []
     for m in rows:
@@ -56,6 +58,9 @@ def row(qt: int, ws: list, k: int, n: int, rows: tuple, bf16: bool) -> str:
         if bf16:
             bf = min(sample_times(lambda: [kernels.gemm_bf16(xb, w, qt, out, interleaved=wi) for w, wi in zip(ws, wis)], 10, warmup=2))  # noqa: B023
             col += f" -> {bf / len(ws) * 1e6:.0f}"
+        if act_q8 and kernels.act_q8_type(qt):
+            q8 = min(sample_times(lambda: [kernels.gemm(x, w, qt, out, act_q8=True) for w in ws], 10, warmup=2))  # noqa: B023
+            col += f", q8 {q8 / len(ws) * 1e6:.0f}"
         cols.append(col + " us")
     return " | ".join(cols)
 
@@ -63,6 +68,7 @@ def row(qt: int, ws: list, k: int, n: int, rows: tuple, bf16: bool) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kquants", action="store_true")
+    ap.add_argument("--act-q8", action="store_true", help="gguf_q8's integer products too, and 64 / 256 rows")
     a = ap.parse_args()
     torch.manual_seed(0)
     bf16 = kernels.native_bf16_in_use()
@@ -70,11 +76,13 @@ def main() -> None:
     if a.kquants:
         for qt in RANDOM_BLOCKS:
             ws = [random_packed(qt, 2048, 2048, seed) for seed in range(12)]
-            print(formats.NAMES[qt], "2048 x 2048", row(qt, ws, 2048, 2048, (1, 2, 4, 8), bf16), flush=True)
+            rows = (1, 2, 4, 8, 64, 256) if a.act_q8 else (1, 2, 4, 8)
+            print(formats.NAMES[qt], "2048 x 2048", row(qt, ws, 2048, 2048, rows, bf16, a.act_q8), flush=True)
         return
     for qt, quantize, n, k in CASES:
         ws = [quantize(torch.randn(n, k) * 0.1).data for _ in range(1 if n > 10000 else 30)]
-        print(formats.NAMES[qt], n, "x", k, row(qt, ws, k, n, (1, 2, 3, 4, 6, 8, 11), bf16), flush=True)
+        rows = (1, 2, 3, 4, 6, 8, 11, 64, 256) if a.act_q8 else (1, 2, 3, 4, 6, 8, 11)
+        print(formats.NAMES[qt], n, "x", k, row(qt, ws, k, n, rows, bf16, a.act_q8), flush=True)
 
 
 if __name__ == "__main__":

@@ -244,10 +244,10 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
 @pytest.mark.parametrize("q8_isa", isa_param(Q8_ISAS[1:]), indirect=True)
 def test_q8_many_rows_sums_stay_in_range(q8_isa):
     """The many-row integer kernel sums a block's nibble products in 16 bits: the largest
-    quants (15 against +-127 everywhere) must not overflow, for any sign pattern; Q8_0's
-    extremes (-127, and -128, which a file may hold) neither."""
+    quants (15 against +-127 everywhere; Q4_K's sub-blocks too) must not overflow, for any sign
+    pattern; Q8_0's extremes (-127, and -128, which a file may hold) neither."""
     n, k, m = 16, 256, 24
-    for qtype, byte in ((Q.Q4_1, 0xFF), (Q.Q4_0, 0xFF), (Q.Q8_0, 0x81), (Q.Q8_0, 0x80)):
+    for qtype, byte in ((Q.Q4_1, 0xFF), (Q.Q4_0, 0xFF), (Q.Q4_K, 0xFF), (Q.Q8_0, 0x81), (Q.Q8_0, 0x80)):
         raw = random_packed(qtype, n, k, seed=1)
         be, bb = gguf.GGML_QUANT_SIZES[qtype]
         blocks = raw.reshape(n, k // be, bb)

@@ -60,10 +60,10 @@ static inline void unpack32(const uint8_t* blk, __m256* f) {
 
 // 1-8 rows, the same arithmetic at every row count (so a row's bits do not depend on the rows
 // computed with it: a k-token verification computes what 1-row decode steps do): per block and
-// row s = (q0 x0 + q1 x1) + (q2 x2 + q3 x3) over the 4 vectors of 8, two chains of a multiply
-// and an FMA (enough independent work in flight for 4-8 rows too), acc += d * s, and Q4_1's
-// min term m * sum(x) from the activations' block sums (g.xsum). Until section 57, 4-8 rows
-// folded d and m into the weights first (other bits than 1-3 rows').
+// row s = q0 x0, then 3 FMAs over the other vectors of 8 (one dependent chain a row; a form of
+// two chains was slower, section 57), acc += d * s, and Q4_1's min term m * sum(x) from the
+// activations' block sums (g.xsum). Until section 57, 4-8 rows folded d and m into the weights
+// first (other bits than 1-3 rows', and 8-27% faster at 4-11 rows).
 template <int TYPE, int MT>
 static void gemm_fused_tile(const GemmArgs& g, int64_t n, int64_t m0) {
   constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
@@ -194,8 +194,9 @@ static void gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 // ---- many rows with int8 activations (the named option "gguf_q8"; AVX2, also run on AVX-512 CPUs) ----
 // A chunk of output columns is repacked into groups of 8: for each 32-element block and each of
 // its 8 steps of 4 elements, 32 bytes whose 32-bit lane c holds column c's 4 quants (unsigned:
-// Q4_0 / Q4_1 nibbles 0..15; Q8_0 keeps its signed bytes), beside the 8 columns' scales and
-// minimums as floats (Q4_0's min is -8 * scale: its quants are stored uncentred). Every step is
+// Q4_0 / Q4_1 / Q4_K nibbles 0..15; Q8_0 keeps its signed bytes), beside the 8 columns' scales and
+// minimums as floats (Q4_0's min is -8 * scale: its quants are stored uncentred; Q4_K's
+// sub-blocks of 32 are such blocks, q4k_sub_scales). Every step is
 // then one vpmaddubsw per (activation row, group) against 4 activation bytes broadcast to all
 // lanes: no horizontal sums, and each lane is an output column. Nibble products (|q x| <= 15 *
 // 127) are summed over a block's 8 steps in 16 bits (at most 16 * 1905 = 30480, no overflow);
@@ -219,14 +220,14 @@ static void q8_repack8(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb.qs + 32 * (sb / 2)));
         e[c] = _mm256_and_si256(sb % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(15));
         q4k_sub_scales(kb, sb, &D[b * 8 + c], &Mn[b * 8 + c]);
-        continue;
+      } else {
+        const uint8_t* blk = W + c * rb + b * BB;
+        const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+        e[c] = quant_bytes32<TYPE>(blk);
+        const float d = h2f(hdr[0]);
+        D[b * 8 + c] = d;
+        Mn[b * 8 + c] = TYPE == T_Q4_1 ? h2f(hdr[1]) : TYPE == T_Q4_0 ? -8.f * d : 0.f;
       }
-      const uint8_t* blk = W + c * rb + b * BB;
-      const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
-      e[c] = quant_bytes32<TYPE>(blk);
-      const float d = h2f(hdr[0]);
-      D[b * 8 + c] = d;
-      Mn[b * 8 + c] = TYPE == T_Q4_1 ? h2f(hdr[1]) : TYPE == T_Q4_0 ? -8.f * d : 0.f;
     }
     // transpose 8 x 8 dwords: column c's dword s -> step s's lane c
     const __m256i t0 = _mm256_unpacklo_epi32(e[0], e[1]), t1 = _mm256_unpackhi_epi32(e[0], e[1]);

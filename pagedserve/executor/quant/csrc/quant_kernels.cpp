@@ -428,7 +428,7 @@ static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void isa_gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 #if QK_X86
-  if (current_isa() >= ISA_AVX512_VNNI && g.type != T_Q4_K) return avx512_vnni::gemm_q8_many(g, n0, n1);
+  if (current_isa() >= ISA_AVX512_VNNI) return avx512_vnni::gemm_q8_many(g, n0, n1);
   avx2::gemm_q8_many(g, n0, n1);
 #endif
 }

@@ -3,7 +3,8 @@
 // AVX2 kernels take vpmaddubsw + vpmaddwd (few rows) or vpmaddubsw + 16-bit adds (many rows).
 // Included once by quant_kernels.cpp, inside namespace avx512_vnni and a target region that
 // adds avx512vnni to the AVX-512 set; the AVX-512 build's helpers (quant_bytes32, hsum8,
-// row_tiles, h2f) come from `using namespace avx512`. No include guard on purpose.
+// row_tiles, h2f) come from `using namespace avx512`. Q4_K (gguf_q8 since section 58) has no
+// vpdpbusd tiles yet: its products run the AVX2 code (the switches below). No include guard on purpose.
 //
 // Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
 // (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q8_0's at most 2 * 128 * 127,
@@ -279,6 +280,7 @@ static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
+    case T_Q4_K: avx2::gemm_q8_many(g, n0, n1); break;  // (the AVX2 kernel, Q4_1's steps)
     case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8_many_t<T_Q8_0>(g, n0, n1); break;
