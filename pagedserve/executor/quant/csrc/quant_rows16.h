@@ -218,14 +218,5 @@ static void rows16_groups(const GemmArgs& a, const uint8_t* WI, int64_t g0, int6
 }
 
 static void gemm_rows16(const GemmArgs& a, const uint8_t* WI, int64_t g0, int64_t g1) {
-  switch (a.type) {
-    case T_Q4_0: return rows16_groups<T_Q4_0>(a, WI, g0, g1);
-    case T_Q4_1: return rows16_groups<T_Q4_1>(a, WI, g0, g1);
-    case T_Q5_0: return rows16_groups<T_Q5_0>(a, WI, g0, g1);
-    case T_Q5_1: return rows16_groups<T_Q5_1>(a, WI, g0, g1);
-    case T_Q4_K: return rows16_groups<T_Q4_K>(a, WI, g0, g1);
-    case T_Q5_K: return rows16_groups<T_Q5_K>(a, WI, g0, g1);
-    case T_Q6_K: return rows16_groups<T_Q6_K>(a, WI, g0, g1);
-    default: return rows16_groups<T_Q8_0>(a, WI, g0, g1);
-  }
+  with_rows16_type(a.type, [&](auto T) { rows16_groups<decltype(T)::value>(a, WI, g0, g1); });
 }

@@ -215,14 +215,5 @@ static void groups(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64
 }
 
 static void gemm_rows16_bf16(const Rows16Bf16Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
-  switch (a.type) {
-    case T_Q4_0: return groups<T_Q4_0>(a, WI, g0, g1);
-    case T_Q4_1: return groups<T_Q4_1>(a, WI, g0, g1);
-    case T_Q5_0: return groups<T_Q5_0>(a, WI, g0, g1);
-    case T_Q5_1: return groups<T_Q5_1>(a, WI, g0, g1);
-    case T_Q4_K: return groups<T_Q4_K>(a, WI, g0, g1);
-    case T_Q5_K: return groups<T_Q5_K>(a, WI, g0, g1);
-    case T_Q6_K: return groups<T_Q6_K>(a, WI, g0, g1);
-    default: return groups<T_Q8_0>(a, WI, g0, g1);
-  }
+  rows16_layout::with_rows16_type(a.type, [&](auto T) { groups<decltype(T)::value>(a, WI, g0, g1); });
 }

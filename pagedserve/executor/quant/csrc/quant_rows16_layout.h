@@ -244,6 +244,23 @@ static inline void prefetch_sub_block(const uint8_t* p, int64_t BB, int64_t nsub
   for (int64_t c = 0; c < BB / nsub + 64; c += 64) _mm_prefetch(pf + c, _MM_HINT_T0);
 }
 
+// f(std::integral_constant<int, TYPE>) for a copy's type (Q8_0 for any other): the one switch
+// through which every interleaved kernel instantiates its walk per type
+template <class F>
+static void with_rows16_type(int type, const F& f) {
+  using std::integral_constant;
+  switch (type) {
+    case T_Q4_0: return f(integral_constant<int, T_Q4_0>{});
+    case T_Q4_1: return f(integral_constant<int, T_Q4_1>{});
+    case T_Q5_0: return f(integral_constant<int, T_Q5_0>{});
+    case T_Q5_1: return f(integral_constant<int, T_Q5_1>{});
+    case T_Q4_K: return f(integral_constant<int, T_Q4_K>{});
+    case T_Q5_K: return f(integral_constant<int, T_Q5_K>{});
+    case T_Q6_K: return f(integral_constant<int, T_Q6_K>{});
+    default: return f(integral_constant<int, T_Q8_0>{});
+  }
+}
+
 // Every (group, row tile) of groups g0 .. g1 and M activation rows, as tile(MT, g, m0) with MT a
 // std::integral_constant: tiles of up to MAXT rows (8; the AVX2 kernel's 4, for its 16 registers).
 // Every interleaved kernel walks its tiles so.
