@@ -189,8 +189,9 @@ def set_rows16_bf16(on: bool) -> bool:
 def set_q6k_six_bits(on: bool) -> bool:
     """Whether Q6_K's interleaved copies keep six bits a quant (the packed size; the default
     where the CPU has AVX512-VBMI, which their kernel needs: csrc/quant_rows16_q6k_vbmi.h, unless
-    PAGEDSERVE_CPU_ISA forced a path below avx512) or a byte (30% more). Copies written before a switch no longer fit the kernels (other size).
-    Returns the previous setting; RuntimeError asking for six bits without AVX512-VBMI."""
+    PAGEDSERVE_CPU_ISA forced a path below avx512) or a byte (30% more). Copies written before a
+    switch no longer fit the kernels (other size). Returns the previous setting; RuntimeError
+    asking for six bits without AVX512-VBMI."""
     return bool(load().set_q6k_six_bits(bool(on)))
 
 
