@@ -131,9 +131,10 @@ def engine_case(mods, model_path, batches, rounds):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", required=True)
-    ap.add_argument("--float", action="store_true", help="float32 activations on the float kernel")
-    ap.add_argument("--q8", action="store_true", help="gguf_q8's integer products (act_q8) on the packed rows")
-    ap.add_argument("--packed", action="store_true", help="float32 activations on the packed rows (no copy)")
+    kind = ap.add_mutually_exclusive_group()  # default: bf16 activations on the bf16 kernel
+    kind.add_argument("--float", action="store_true", help="float32 activations on the float kernel")
+    kind.add_argument("--q8", action="store_true", help="gguf_q8's integer products (act_q8) on the packed rows")
+    kind.add_argument("--packed", action="store_true", help="float32 activations on the packed rows (no copy)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--same-bits", action="store_true", help="check the outputs equal before timing")

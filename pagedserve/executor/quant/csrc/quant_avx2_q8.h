@@ -65,6 +65,26 @@ static inline __m256i quant_bytes32(const uint8_t* blk) {
                           _mm256_set1_epi8(15));
 }
 
+// One weight block (w: its 32 quants as bytes) in the few-row integer tiles, for MT activation
+// rows from m0: acc[t] += (dw * xd) * sum(w * xq) (vpmaddubsw multiplies unsigned by signed
+// bytes: SIGNED weights lend their sign to x), then (MIN: Q4_1's and Q4_K's minimum term)
+// accm[t] += mn * xs
+template <int MT, bool SIGNED, bool MIN>
+static inline void q8_block_step(const GemmQ8Args& g, __m256i w, float dw, float mn, int64_t m0, int64_t blk,
+                                 __m256 (&acc)[MT], float (&accm)[MT]) {
+  const int64_t nb = g.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1), wu = SIGNED ? _mm256_sign_epi8(w, w) : w;
+  for (int t = 0; t < MT; ++t) {
+    const int64_t r = (m0 + t) * nb + blk;
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
+    if (SIGNED) x = _mm256_sign_epi8(x, w);
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones);
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
+  }
+  if (MIN)
+    for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + blk];
+}
+
 // The activations were quantized per 32-element block to int8 (Q8A: scale xd = max|x| / 127,
 // quants xq, and xs = xd * sum(xq) for Q4_1's min term); each weight block's quants meet them in
 // integer multiply-adds, then acc += (d_w * xd) * dot + m_w * xs. Q4_0, Q4_1, Q8_0 only.
@@ -79,26 +99,13 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
     acc[t] = _mm256_setzero_ps();
     accm[t] = 0.f;
   }
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0; i < nb; ++i) {
     const uint8_t* blk = row + i * BB;
     const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
     __m256i w = quant_bytes32<TYPE>(blk);
     if (TYPE == T_Q4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
-    // maddubs multiplies unsigned by signed bytes: signed weights lend their sign to x
-    const __m256i wu = TYPE == T_Q4_1 ? w : _mm256_sign_epi8(w, w);
-    const float dw = h2f(hdr[0]);
-    for (int t = 0; t < MT; ++t) {
-      const int64_t r = (m0 + t) * nb + i;
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
-      if (TYPE != T_Q4_1) x = _mm256_sign_epi8(x, w);
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
-    }
-    if (TYPE == T_Q4_1) {
-      const float mn = h2f(hdr[1]);
-      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + i];
-    }
+    constexpr bool q41 = TYPE == T_Q4_1;
+    q8_block_step<MT, !q41, q41>(g, w, h2f(hdr[0]), q41 ? h2f(hdr[1]) : 0.f, m0, i, acc, accm);
   }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
@@ -116,7 +123,7 @@ static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
     acc[t] = _mm256_setzero_ps();
     accm[t] = 0.f;
   }
-  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(15);
+  const __m256i m4 = _mm256_set1_epi8(15);
   for (int64_t i = 0; i < ns; ++i)
     for (int p = 0; p < 4; ++p) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i].qs + 32 * p));
@@ -124,14 +131,7 @@ static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
       for (int h = 0; h < 2; ++h) {
         float dw, mn;
         q4k_sub_scales(row[i], 2 * p + h, &dw, &mn);
-        const int64_t blk = i * 8 + 2 * p + h;
-        for (int t = 0; t < MT; ++t) {
-          const int64_t r = (m0 + t) * nb + blk;
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
-          const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(w[h], x), ones);
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
-          accm[t] += mn * g.xs[r];
-        }
+        q8_block_step<MT, false, true>(g, w[h], dw, mn, m0, i * 8 + 2 * p + h, acc, accm);
       }
     }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];

@@ -16,9 +16,9 @@ static inline Q4Tables nibble_tables(int t) {
   return {_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(b.lo[t]))),
           _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(b.hi[t])))};
 }
-// a type's (lookup without the fifth bit, lookup with it); Q4's second is not used
-static inline Q4Tables q4_tables(int type) { return nibble_tables(type == T_Q4_0 ? 1 : type == T_Q5_0 ? 2 : 0); }
-static inline Q4Tables q5_high_tables(int type) { return nibble_tables(type == T_Q5_0 ? 0 : 3); }
+// a type's (lookup without the fifth bit, lookup with it): q4_table, q5_high_table
+static inline Q4Tables q4_tables(int type) { return nibble_tables(q4_table(type)); }
+static inline Q4Tables q5_high_tables(int type) { return nibble_tables(q5_high_table(type)); }
 
 // Chunk c of a Q4 block's interleaved quants (64 bytes, v), its low (high = false) or high
 // nibbles -> w[0], w[1]: for j = 4 c + high and j + 2, lane r = bfloat16 q[j] | bfloat16

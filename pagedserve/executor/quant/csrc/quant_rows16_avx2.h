@@ -28,9 +28,9 @@ static inline Tables nibble_tables(int t) {
   return {_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(b.lo[t]))),
           _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(b.hi[t])))};
 }
-// a type's (lookup without the fifth bit, lookup with it), as quant_rows16.h's
-static inline Tables q4_tables(int type) { return nibble_tables(type == T_Q4_0 ? 1 : type == T_Q5_0 ? 2 : 0); }
-static inline Tables q5_high_tables(int type) { return nibble_tables(type == T_Q5_0 ? 0 : 3); }
+// a type's (lookup without the fifth bit, lookup with it): q4_table, q5_high_table
+static inline Tables q4_tables(int type) { return nibble_tables(q4_table(type)); }
+static inline Tables q5_high_tables(int type) { return nibble_tables(q5_high_table(type)); }
 
 // 0xFF in each byte b (0 .. 31) whose bit b of m is set
 static inline __m256i byte_mask(uint32_t m) {

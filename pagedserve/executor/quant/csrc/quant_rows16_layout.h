@@ -219,6 +219,10 @@ static inline const Q4Bytes& q4_bytes() {
   static const Q4Bytes b;
   return b;
 }
+// Q4Bytes' row (offset) of a type's nibble lookup: without the fifth bit, and with it (Q5's;
+// Q4's second is not used); each kernel broadcasts the row to its vector width
+constexpr int q4_table(int type) { return type == T_Q4_0 ? 1 : type == T_Q5_0 ? 2 : 0; }
+constexpr int q5_high_table(int type) { return type == T_Q5_0 ? 0 : 3; }
 
 // A tile reads one group of 16 rows, block after block: one sequential stream, which the
 // hardware prefetchers follow. Two groups a tile (two streams 5.8 KB apart, the layout of

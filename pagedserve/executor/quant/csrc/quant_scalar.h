@@ -76,6 +76,24 @@ static void quantize_q8_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q
   }
 }
 
+// One weight block (w: its 32 quants) in the few-row integer tiles, for MT activation rows from
+// m0: acc[t] += (dw * xd) * sum(w * xq), then (MIN: Q4_1's and Q4_K's minimum term) accm[t] +=
+// mn * xs
+template <int MT, bool MIN>
+static inline void q8_block_step(const GemmQ8Args& g, const int8_t* w, float dw, float mn, int64_t m0, int64_t blk,
+                                 float (&acc)[MT], float (&accm)[MT]) {
+  const int64_t nb = g.K / 32;
+  for (int t = 0; t < MT; ++t) {
+    const int64_t r = (m0 + t) * nb + blk;
+    const int8_t* x = g.xq + r * 32;
+    int32_t s = 0;
+    for (int j = 0; j < 32; ++j) s += (int32_t)w[j] * (int32_t)x[j];
+    acc[t] += (float)s * (dw * g.xd[r]);
+  }
+  if (MIN)
+    for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + blk];
+}
+
 // The activations were quantized per 32-element block to int8 (Q8A: scale xd = max|x| / 127,
 // quants xq, and xs = xd * sum(xq) for Q4_1's min term); each weight block's quants meet them in
 // integer multiply-adds, then acc += (d_w * xd) * dot + m_w * xs. Q4_0, Q4_1, Q8_0 only.
@@ -91,18 +109,8 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
     const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
     int8_t w[32];
     quants32<TYPE>(blk, w);
-    const float dw = h2f(hdr[0]);
-    for (int t = 0; t < MT; ++t) {
-      const int64_t r = (m0 + t) * nb + i;
-      const int8_t* x = g.xq + r * 32;
-      int32_t s = 0;
-      for (int j = 0; j < 32; ++j) s += (int32_t)w[j] * (int32_t)x[j];
-      acc[t] += (float)s * (dw * g.xd[r]);
-    }
-    if (TYPE == T_Q4_1) {
-      const float mn = h2f(hdr[1]);
-      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + i];
-    }
+    constexpr bool q41 = TYPE == T_Q4_1;
+    q8_block_step<MT, q41>(g, w, h2f(hdr[0]), q41 ? h2f(hdr[1]) : 0.f, m0, i, acc, accm);
   }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
 }
@@ -120,16 +128,9 @@ static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
       float dw, mn;
       q4k_sub_scales(row[i], sb, &dw, &mn);
       const uint8_t* qs = row[i].qs + 32 * (sb / 2);
-      const int sh = 4 * (sb % 2);
-      const int64_t blk = i * 8 + sb;
-      for (int t = 0; t < MT; ++t) {
-        const int64_t r = (m0 + t) * nb + blk;
-        const int8_t* x = g.xq + r * 32;
-        int32_t s = 0;
-        for (int j = 0; j < 32; ++j) s += (int32_t)((qs[j] >> sh) & 15) * (int32_t)x[j];
-        acc[t] += (float)s * (dw * g.xd[r]);
-        accm[t] += mn * g.xs[r];
-      }
+      int8_t w[32];
+      for (int j = 0; j < 32; ++j) w[j] = int8_t((qs[j] >> (4 * (sb % 2))) & 15);
+      q8_block_step<MT, true>(g, w, dw, mn, m0, i * 8 + sb, acc, accm);
     }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
 }
