@@ -222,9 +222,10 @@ def _extreme_blocks(raw, qtype, rng):
 @pytest.mark.skipif(not HAVE_KERNELS or "avx512_vnni" not in kernels.available_isas(), reason="this CPU lacks avx512_vnni")
 @pytest.mark.parametrize("qtype", ACT_Q8_TYPES, ids=lambda t: t.name)
 def test_act_q8_vnni_bit_equal_to_avx2(qtype):
-    """vpdpbusd (AVX512-VNNI, few rows: 512-bit over column pairs and 256-bit for an odd one;
-    many rows: 16 columns a register) gives the AVX2 kernels' exact integer block sums and
-    then their float steps lane for lane: the outputs' bits are equal. Odd N (partial groups
+    """vpdpbusd (AVX512-VNNI, few rows: 512-bit over column pairs where rows are short, K up to
+    576 here, else 256-bit one column at a time; many rows: 16 columns a register, Q4_K's from 24
+    rows, m = 64) gives the AVX2 kernels' exact integer block sums and then their float steps
+    lane for lane: the outputs' bits are equal. Odd N (partial groups
     of 16 and 8 columns, a single column), K of 1 to 48 blocks, row tails of the 4-row
     micro-kernel, extreme quants against x at +-127 and at random, an all-zero block."""
     rng = np.random.default_rng(int(qtype))

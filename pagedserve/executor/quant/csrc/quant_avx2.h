@@ -205,7 +205,6 @@ static void gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 // acc += float(sum) * (d_w * d_x) + m_w * (d_x * sum(x quants)).
 template <int TYPE>
 static void q8_repack8(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint8_t* Q, float* D, float* Mn) {
-  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i e[8];
     for (int c = 0; c < 8; ++c) {
@@ -214,39 +213,14 @@ static void q8_repack8(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint
         D[b * 8 + c] = Mn[b * 8 + c] = 0.f;
         continue;
       }
-      if constexpr (TYPE == T_Q4_K) {  // sub-block b % 8 of super-block b / 8, as a Q4_1 block
-        const bq4_K& kb = reinterpret_cast<const bq4_K*>(W + c * rb)[b / 8];
-        const int sb = int(b % 8);
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb.qs + 32 * (sb / 2)));
-        e[c] = _mm256_and_si256(sb % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(15));
-        q4k_sub_scales(kb, sb, &D[b * 8 + c], &Mn[b * 8 + c]);
-      } else {
-        const uint8_t* blk = W + c * rb + b * BB;
-        const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
-        e[c] = quant_bytes32<TYPE>(blk);
-        const float d = h2f(hdr[0]);
-        D[b * 8 + c] = d;
-        Mn[b * 8 + c] = TYPE == T_Q4_1 ? h2f(hdr[1]) : TYPE == T_Q4_0 ? -8.f * d : 0.f;
-      }
+      const Q8Block k = q8_weight_block<TYPE>(W + c * rb, b);
+      e[c] = k.q;
+      D[b * 8 + c] = k.d;
+      Mn[b * 8 + c] = TYPE == T_Q4_0 ? -8.f * k.d : k.mn;
     }
-    // transpose 8 x 8 dwords: column c's dword s -> step s's lane c
-    const __m256i t0 = _mm256_unpacklo_epi32(e[0], e[1]), t1 = _mm256_unpackhi_epi32(e[0], e[1]);
-    const __m256i t2 = _mm256_unpacklo_epi32(e[2], e[3]), t3 = _mm256_unpackhi_epi32(e[2], e[3]);
-    const __m256i t4 = _mm256_unpacklo_epi32(e[4], e[5]), t5 = _mm256_unpackhi_epi32(e[4], e[5]);
-    const __m256i t6 = _mm256_unpacklo_epi32(e[6], e[7]), t7 = _mm256_unpackhi_epi32(e[6], e[7]);
-    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-    __m256i* o = reinterpret_cast<__m256i*>(Q + b * 256);
-    _mm256_storeu_si256(o + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
-    _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
-    _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
-    _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
-    _mm256_storeu_si256(o + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
-    _mm256_storeu_si256(o + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
-    _mm256_storeu_si256(o + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
-    _mm256_storeu_si256(o + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+    __m256i o[8];
+    transpose8x8_epi32(e, o);
+    for (int st = 0; st < 8; ++st) _mm256_storeu_si256(reinterpret_cast<__m256i*>(Q + b * 256) + st, o[st]);
   }
 }
 

@@ -65,10 +65,65 @@ static inline __m256i quant_bytes32(const uint8_t* blk) {
                           _mm256_set1_epi8(15));
 }
 
+// Block i of a weight row's 32-quant blocks in the integer kernels: its quants as bytes
+// (quant_bytes32's: Q4_0's uncentred), its scale and its minimum (Q4_1's and Q4_K's, else 0).
+// Q4_K's block i is sub-block i % 8 of super-block i / 8, an exact Q4_1 block (q4k_sub_scales):
+// the low (even) or high nibbles of 32 bytes of its qs. The many-row repacks and the few-row
+// tiles of the other types (Q4_K's few-row tile walks each super-block in pairs of sub-blocks
+// instead, one load of qs a pair: a block at a time made it 1.1-1.5x slower at 1-4 rows).
+struct Q8Block {
+  __m256i q;
+  float d, mn;
+};
+template <int TYPE>
+static inline Q8Block q8_weight_block(const uint8_t* row, int64_t i) {
+  Q8Block b;
+  if constexpr (TYPE == T_Q4_K) {
+    const bq4_K& kb = reinterpret_cast<const bq4_K*>(row)[i / 8];
+    const int sb = int(i % 8);
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb.qs + 32 * (sb / 2)));
+    b.q = _mm256_and_si256(sb % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(15));
+    q4k_sub_scales(kb, sb, &b.d, &b.mn);
+  } else {
+    constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+    const uint8_t* blk = row + i * BB;
+    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
+    b.q = quant_bytes32<TYPE>(blk);
+    b.d = h2f(hdr[0]);
+    b.mn = TYPE == T_Q4_1 ? h2f(hdr[1]) : 0.f;
+  }
+  return b;
+}
+
+// 8 x 8 dwords transposed (the many-row repacks: column c's dword s -> step s's lane c)
+static inline void transpose8x8_epi32(const __m256i* e, __m256i* o) {
+  const __m256i t0 = _mm256_unpacklo_epi32(e[0], e[1]), t1 = _mm256_unpackhi_epi32(e[0], e[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(e[2], e[3]), t3 = _mm256_unpackhi_epi32(e[2], e[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(e[4], e[5]), t5 = _mm256_unpackhi_epi32(e[4], e[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(e[6], e[7]), t7 = _mm256_unpackhi_epi32(e[6], e[7]);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+  o[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+  o[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+  o[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+  o[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+  o[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+  o[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+  o[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+  o[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// Weights with a minimum term (Q4_1, Q4_K) are unsigned nibbles; the others (Q4_0 centred, Q8_0)
+// signed bytes, which lend their sign to x in vpmaddubsw / vpdpbusd
+constexpr bool q8_has_min(int type) { return type == T_Q4_1 || type == T_Q4_K; }
+
 // One weight block (w: its 32 quants as bytes) in the few-row integer tiles, for MT activation
 // rows from m0: acc[t] += (dw * xd) * sum(w * xq) (vpmaddubsw multiplies unsigned by signed
 // bytes: SIGNED weights lend their sign to x), then (MIN: Q4_1's and Q4_K's minimum term)
-// accm[t] += mn * xs
+// accm[t] = fma(mn, xs, accm[t]) (written out: the VNNI tiles must round it alike, and the
+// compiler's own contraction differs between loops)
 template <int MT, bool SIGNED, bool MIN>
 static inline void q8_block_step(const GemmQ8Args& g, __m256i w, float dw, float mn, int64_t m0, int64_t blk,
                                  __m256 (&acc)[MT], float (&accm)[MT]) {
@@ -82,7 +137,7 @@ static inline void q8_block_step(const GemmQ8Args& g, __m256i w, float dw, float
     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
   }
   if (MIN)
-    for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + blk];
+    for (int t = 0; t < MT; ++t) accm[t] = std::fma(mn, g.xs[(m0 + t) * nb + blk], accm[t]);
 }
 
 // The activations were quantized per 32-element block to int8 (Q8A: scale xd = max|x| / 127,
@@ -90,7 +145,6 @@ static inline void q8_block_step(const GemmQ8Args& g, __m256i w, float dw, float
 // integer multiply-adds, then acc += (d_w * xd) * dot + m_w * xs. Q4_0, Q4_1, Q8_0 only.
 template <int TYPE, int MT>
 static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
-  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
   const int64_t nb = g.K / 32;
   const uint8_t* row = g.W + n * g.rb;
   __m256 acc[MT];
@@ -100,12 +154,9 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
     accm[t] = 0.f;
   }
   for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* blk = row + i * BB;
-    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
-    __m256i w = quant_bytes32<TYPE>(blk);
-    if (TYPE == T_Q4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
-    constexpr bool q41 = TYPE == T_Q4_1;
-    q8_block_step<MT, !q41, q41>(g, w, h2f(hdr[0]), q41 ? h2f(hdr[1]) : 0.f, m0, i, acc, accm);
+    Q8Block b = q8_weight_block<TYPE>(row, i);
+    if (TYPE == T_Q4_0) b.q = _mm256_sub_epi8(b.q, _mm256_set1_epi8(8));
+    q8_block_step<MT, !q8_has_min(TYPE), q8_has_min(TYPE)>(g, b.q, b.d, b.mn, m0, i, acc, accm);
   }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }

@@ -2,9 +2,10 @@
 // unsigned x signed byte products summed into each 32-bit lane in one instruction, where the
 // AVX2 kernels take vpmaddubsw + vpmaddwd (few rows) or vpmaddubsw + 16-bit adds (many rows).
 // Included once by quant_kernels.cpp, inside namespace avx512_vnni and a target region that
-// adds avx512vnni to the AVX-512 set; the AVX-512 build's helpers (quant_bytes32, hsum8,
-// row_tiles, h2f) come from `using namespace avx512`. Q4_K (gguf_q8 since section 58) has no
-// vpdpbusd tiles yet: its products run the AVX2 code (the switches below). No include guard on purpose.
+// adds avx512vnni to the AVX-512 set; the AVX-512 build's helpers (q8_weight_block, hsum8,
+// transpose8x8_epi32, row_tiles, h2f) come from `using namespace avx512`. Q4_0, Q4_1, Q8_0; Q4_K
+// (its sub-blocks of 32 as Q4_1 blocks) in the many-row kernel from 24 rows, its fewer rows on
+// the AVX2 code (the switches below). No include guard on purpose.
 //
 // Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
 // (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q8_0's at most 2 * 128 * 127,
@@ -18,7 +19,7 @@
 // summed at the end as the AVX2 kernel sums its register (hsum8).
 template <int TYPE, int MT>
 static void gemm_q8_tile2(const GemmQ8Args& g, int64_t n, int64_t m0) {
-  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  constexpr bool MIN = q8_has_min(TYPE);
   const int64_t nb = g.K / 32;
   const uint8_t* row0 = g.W + n * g.rb;
   const uint8_t* row1 = row0 + g.rb;
@@ -29,32 +30,26 @@ static void gemm_q8_tile2(const GemmQ8Args& g, int64_t n, int64_t m0) {
     accm0[t] = accm1[t] = 0.f;
   }
   for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* b0 = row0 + i * BB;
-    const uint8_t* b1 = row1 + i * BB;
-    const uint16_t* h0 = reinterpret_cast<const uint16_t*>(b0);
-    const uint16_t* h1 = reinterpret_cast<const uint16_t*>(b1);
-    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(quant_bytes32<TYPE>(b0)), quant_bytes32<TYPE>(b1), 1);
+    const Q8Block b0 = q8_weight_block<TYPE>(row0, i), b1 = q8_weight_block<TYPE>(row1, i);
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(b0.q), b1.q, 1);
     if (TYPE == T_Q4_0) w = _mm512_sub_epi8(w, _mm512_set1_epi8(8));
     // vpdpbusd multiplies unsigned by signed bytes: signed weights lend their sign to x
     // (abs(-128) is 0x80, read as unsigned 128: exact, as in the AVX2 kernel)
-    const __m512i wu = TYPE == T_Q4_1 ? w : _mm512_abs_epi8(w);
-    const __mmask64 neg = TYPE == T_Q4_1 ? 0 : _mm512_movepi8_mask(w);
-    const __m512 vdw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(h2f(h0[0]))),
-                                          _mm256_set1_ps(h2f(h1[0])), 1);
+    const __m512i wu = MIN ? w : _mm512_abs_epi8(w);
+    const __mmask64 neg = MIN ? 0 : _mm512_movepi8_mask(w);
+    const __m512 vdw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(b0.d)), _mm256_set1_ps(b1.d), 1);
     for (int t = 0; t < MT; ++t) {
       const int64_t r = (m0 + t) * nb + i;
       __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32)));
-      if (TYPE != T_Q4_1) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+      if (!MIN) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
       const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, x);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(vdw, _mm512_set1_ps(g.xd[r])), acc[t]);
     }
-    if (TYPE == T_Q4_1) {
-      const float mn0 = h2f(h0[1]), mn1 = h2f(h1[1]);
+    if (MIN)
       for (int t = 0; t < MT; ++t) {
-        accm0[t] += mn0 * g.xs[(m0 + t) * nb + i];
-        accm1[t] += mn1 * g.xs[(m0 + t) * nb + i];
+        accm0[t] = std::fma(b0.mn, g.xs[(m0 + t) * nb + i], accm0[t]);
+        accm1[t] = std::fma(b1.mn, g.xs[(m0 + t) * nb + i], accm1[t]);
       }
-    }
   }
   for (int t = 0; t < MT; ++t) {
     float* o = g.out + (m0 + t) * g.ldo + n;
@@ -63,11 +58,11 @@ static void gemm_q8_tile2(const GemmQ8Args& g, int64_t n, int64_t m0) {
   }
 }
 
-// One column (Q8_0's, or a nibble type's odd last one): the AVX2 kernel with vpdpbusd on
-// 256-bit registers (AVX512VL).
+// One column (Q8_0's, long rows', an odd last one): the AVX2 kernel with vpdpbusd on 256-bit
+// registers (AVX512VL).
 template <int TYPE, int MT>
 static void gemm_q8_tile1(const GemmQ8Args& g, int64_t n, int64_t m0) {
-  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
+  constexpr bool MIN = q8_has_min(TYPE);
   const int64_t nb = g.K / 32;
   const uint8_t* row = g.W + n * g.rb;
   __m256 acc[MT];
@@ -77,35 +72,35 @@ static void gemm_q8_tile1(const GemmQ8Args& g, int64_t n, int64_t m0) {
     accm[t] = 0.f;
   }
   for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* blk = row + i * BB;
-    const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
-    __m256i w = quant_bytes32<TYPE>(blk);
-    if (TYPE == T_Q4_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
-    const __m256i wu = TYPE == T_Q4_1 ? w : _mm256_sign_epi8(w, w);
-    const float dw = h2f(hdr[0]);
+    const Q8Block b = q8_weight_block<TYPE>(row, i);
+    const __m256i w = TYPE == T_Q4_0 ? _mm256_sub_epi8(b.q, _mm256_set1_epi8(8)) : b.q;
+    const __m256i wu = MIN ? w : _mm256_sign_epi8(w, w);
     for (int t = 0; t < MT; ++t) {
       const int64_t r = (m0 + t) * nb + i;
       __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
-      if (TYPE != T_Q4_1) x = _mm256_sign_epi8(x, w);
+      if (!MIN) x = _mm256_sign_epi8(x, w);
       const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(b.d * g.xd[r]), acc[t]);
     }
-    if (TYPE == T_Q4_1) {
-      const float mn = h2f(hdr[1]);
-      for (int t = 0; t < MT; ++t) accm[t] += mn * g.xs[(m0 + t) * nb + i];
-    }
+    if (MIN)
+      for (int t = 0; t < MT; ++t) accm[t] = std::fma(b.mn, g.xs[(m0 + t) * nb + i], accm[t]);
   }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
 
-// Nibble weights in column pairs; Q8_0 one column at a time: its pairs were faster with the
-// weights in cache (5 rows, 1536 x 576: 59 vs 76 us) but 2-3x slower streaming them from
-// memory (1 row, 49152 x 576, 28 MB: 1852 vs 663 us; AVX2 621), which is how decode meets
-// them (a Q8_0 model or LM head does not fit a cache), and software prefetch did not mend it.
+// Q4_0 / Q4_1 in column pairs where a row is short (rows 360 bytes apart, K = 576: 4-5 rows
+// 1.1-1.2x the AVX2 tile, 1-2 rows even), else one column at a time: with rows 960 bytes or more
+// apart the pairs stream their weights from memory 2x slower than the AVX2 tile at 1 row (Zen 4:
+// Q4_1 576 x 1536 49 vs 24 us, 5632 x 2048 609 vs 271 us), one column at a time 1.0-1.1x faster.
+// Q8_0's pairs were as slow from memory (the 49152 x 576 LM head at 1 row: 1852 vs 663 us; AVX2
+// 621), and software prefetch did not mend it. Q4_K's few rows run the AVX2 tile (one load of qs
+// a pair of sub-blocks; its column pairs were as slow from memory).
+constexpr int64_t Q8_PAIR_MAX_ROW_BYTES = 512;
+
 template <int TYPE>
 static void gemm_q8_vnni(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  if (TYPE != T_Q8_0)
+  if (TYPE != T_Q8_0 && g.rb <= Q8_PAIR_MAX_ROW_BYTES)
     for (; n + 2 <= n1; n += 2)
       row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile2<TYPE, decltype(mt)::value>(g, n, m0); });
   for (; n < n1; ++n)
@@ -114,7 +109,7 @@ static void gemm_q8_vnni(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
-    case T_Q4_K: avx512::gemm_q8_rows(g, n0, n1); break;  // its vpmaddubsw tiles (quant_avx2_q8.h)
+    case T_Q4_K: avx512::gemm_q8_rows(g, n0, n1); break;  // the AVX2 tile (quant_avx2_q8.h)
     case T_Q4_0: gemm_q8_vnni<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_vnni<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8_vnni<T_Q8_0>(g, n0, n1); break;
@@ -124,34 +119,14 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 // ---- many rows: 16 output columns per register ----------------------------------------------
 // The AVX2 many-row kernel's layout, 16 lanes wide: a chunk of output columns is repacked into
 // groups of 16; for each 32-element block and each of its 8 steps of 4 elements, 64 bytes whose
-// 32-bit lane c holds column c's 4 quants as unsigned bytes (Q4_0 / Q4_1 nibbles 0..15; Q8_0's
-// signed bytes + 128, i.e. xor 0x80), beside the 16 columns' scales and minimums as floats
+// 32-bit lane c holds column c's 4 quants as unsigned bytes (Q4_0 / Q4_1 / Q4_K nibbles 0..15;
+// Q8_0's signed bytes + 128, i.e. xor 0x80), beside the 16 columns' scales and minimums as floats
 // (Q4_0's min is -8 * scale). Each step is one vpdpbusd per (activation row, group) against
 // the row's 4 quants broadcast to every lane, summed in 32 bits. Q8_0's +128 is taken back
 // exactly: its block sums start from -128 * sum(x quants) (GemmQ8Args::xc). Per block and row:
 // acc += float(sum) * (d_w * d_x) + m_w * (d_x * sum(x quants)), each lane the AVX2 kernel's.
-static inline void transpose8x8_epi32(const __m256i* e, __m256i* o) {  // o[s] lane c = e[c] lane s
-  const __m256i t0 = _mm256_unpacklo_epi32(e[0], e[1]), t1 = _mm256_unpackhi_epi32(e[0], e[1]);
-  const __m256i t2 = _mm256_unpacklo_epi32(e[2], e[3]), t3 = _mm256_unpackhi_epi32(e[2], e[3]);
-  const __m256i t4 = _mm256_unpacklo_epi32(e[4], e[5]), t5 = _mm256_unpackhi_epi32(e[4], e[5]);
-  const __m256i t6 = _mm256_unpacklo_epi32(e[6], e[7]), t7 = _mm256_unpackhi_epi32(e[6], e[7]);
-  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-  o[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
-  o[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
-  o[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
-  o[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
-  o[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
-  o[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
-  o[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
-  o[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
-}
-
 template <int TYPE>
 static void q8_repack16(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint8_t* Q, float* D, float* Mn) {
-  constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i e[16];
     for (int c = 0; c < 16; ++c) {
@@ -160,19 +135,17 @@ static void q8_repack16(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uin
         D[b * 16 + c] = Mn[b * 16 + c] = 0.f;
         continue;
       }
-      const uint8_t* blk = W + c * rb + b * BB;
-      const uint16_t* hdr = reinterpret_cast<const uint16_t*>(blk);
-      e[c] = quant_bytes32<TYPE>(blk);
-      if (TYPE == T_Q8_0) e[c] = _mm256_xor_si256(e[c], _mm256_set1_epi8((char)0x80));
-      const float d = h2f(hdr[0]);
-      D[b * 16 + c] = d;
-      Mn[b * 16 + c] = TYPE == T_Q4_1 ? h2f(hdr[1]) : TYPE == T_Q4_0 ? -8.f * d : 0.f;
+      const Q8Block k = q8_weight_block<TYPE>(W + c * rb, b);
+      e[c] = TYPE == T_Q8_0 ? _mm256_xor_si256(k.q, _mm256_set1_epi8((char)0x80)) : k.q;
+      D[b * 16 + c] = k.d;
+      Mn[b * 16 + c] = TYPE == T_Q4_0 ? -8.f * k.d : k.mn;
     }
     __m256i lo[8], hi[8];
     transpose8x8_epi32(e, lo);
     transpose8x8_epi32(e + 8, hi);
     __m512i* o = reinterpret_cast<__m512i*>(Q + b * 512);
-    for (int s = 0; s < 8; ++s) _mm512_storeu_si512(o + s, _mm512_inserti64x4(_mm512_castsi256_si512(lo[s]), hi[s], 1));
+    for (int st = 0; st < 8; ++st)
+      _mm512_storeu_si512(o + st, _mm512_inserti64x4(_mm512_castsi256_si512(lo[st]), hi[st], 1));
   }
 }
 
@@ -280,7 +253,14 @@ static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
-    case T_Q4_K: avx2::gemm_q8_many(g, n0, n1); break;  // (the AVX2 kernel, Q4_1's steps)
+    case T_Q4_K:
+      // below 24 rows the AVX2 kernel: Q4_K's repacking costs more here (Zen 4, 5632 x 2048:
+      // 8 rows 1.17x the AVX2 kernel's time, 16 rows 1.04x, 24 rows 0.98x, 64 rows 0.83x)
+      if (g.M < 24)
+        avx2::gemm_q8_many(g, n0, n1);
+      else
+        gemm_q8_many_t<T_Q4_K>(g, n0, n1);
+      break;
     case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8_many_t<T_Q8_0>(g, n0, n1); break;
