@@ -3,9 +3,10 @@
 // AVX2 kernels take vpmaddubsw + vpmaddwd (few rows) or vpmaddubsw + 16-bit adds (many rows).
 // Included once by quant_kernels.cpp, inside namespace avx512_vnni and a target region that
 // adds avx512vnni to the AVX-512 set; the AVX-512 build's helpers (q8_weight_block, hsum8,
-// transpose8x8_epi32, row_tiles, h2f) come from `using namespace avx512`. Q4_0, Q4_1, Q8_0; Q4_K
-// (its sub-blocks of 32 as Q4_1 blocks) in the many-row kernel from 24 rows, its fewer rows on
-// the AVX2 code (the switches below). No include guard on purpose.
+// transpose8x8_epi32, row_tiles, h2f) come from `using namespace avx512`. Q4_0, Q4_1, Q8_0 and
+// Q4_K (its sub-blocks of 32 as Q4_1 blocks): its one-column tile from 3 rows up to the many-row
+// threshold (6 by default), the many-row kernel from 24 rows; 1-2 rows and 6-23 rows run the AVX2
+// code (the switches below, with the measurements that chose). No include guard on purpose.
 //
 // Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
 // (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q8_0's at most 2 * 128 * 127,
@@ -88,6 +89,40 @@ static void gemm_q8_tile1(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
 
+// Q4_K, one column: each super-block's sub-blocks (Q4_1 blocks, q4k_sub_scales) in pairs, one
+// 32-byte load of qs a pair (its low and high nibbles), as the AVX2 tile (gemm_q8_tile_q4k)
+// with vpdpbusd for its vpmaddubsw + vpmaddwd
+template <int MT>
+static void gemm_q8_tile1_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  const int64_t nb = g.K / 32, ns = g.K / 256;
+  const bq4_K* row = reinterpret_cast<const bq4_K*>(g.W + n * g.rb);
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  const __m256i m4 = _mm256_set1_epi8(15);
+  for (int64_t i = 0; i < ns; ++i)
+    for (int p = 0; p < 4; ++p) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i].qs + 32 * p));
+      const __m256i w[2] = {_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)};
+      for (int h = 0; h < 2; ++h) {
+        float dw, mn;
+        q4k_sub_scales(row[i], 2 * p + h, &dw, &mn);
+        const int64_t blk = i * 8 + 2 * p + h;
+        for (int t = 0; t < MT; ++t) {
+          const int64_t r = (m0 + t) * nb + blk;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
+          const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[h], x);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
+        }
+        for (int t = 0; t < MT; ++t) accm[t] = std::fma(mn, g.xs[(m0 + t) * nb + blk], accm[t]);
+      }
+    }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+}
+
 // Q4_0 / Q4_1 in column pairs where a row is short (rows 360 bytes apart, K = 576: 4-5 rows
 // 1.1-1.2x the AVX2 tile, 1-2 rows even), else one column at a time: with rows 960 bytes or more
 // apart the pairs stream their weights from memory 2x slower than the AVX2 tile at 1 row (Zen 4:
@@ -100,16 +135,26 @@ constexpr int64_t Q8_PAIR_MAX_ROW_BYTES = 512;
 template <int TYPE>
 static void gemm_q8_vnni(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  if (TYPE != T_Q8_0 && g.rb <= Q8_PAIR_MAX_ROW_BYTES)
+  if ((TYPE == T_Q4_0 || TYPE == T_Q4_1) && g.rb <= Q8_PAIR_MAX_ROW_BYTES)
     for (; n + 2 <= n1; n += 2)
       row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile2<TYPE, decltype(mt)::value>(g, n, m0); });
   for (; n < n1; ++n)
-    row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile1<TYPE, decltype(mt)::value>(g, n, m0); });
+    row_tiles(g.M, [&](auto mt, int64_t m0) {
+      if constexpr (TYPE == T_Q4_K)
+        gemm_q8_tile1_q4k<decltype(mt)::value>(g, n, m0);
+      else
+        gemm_q8_tile1<TYPE, decltype(mt)::value>(g, n, m0);
+    });
 }
 
 static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
-    case T_Q4_K: avx512::gemm_q8_rows(g, n0, n1); break;  // the AVX2 tile (quant_avx2_q8.h)
+    case T_Q4_K:  // 1-2 rows: the AVX2 code (vpdpbusd's tile took 1.03-1.10x its time; at 3-5 rows 0.67-0.93x)
+      if (g.M <= 2)
+        avx512::gemm_q8_rows(g, n0, n1);
+      else
+        gemm_q8_vnni<T_Q4_K>(g, n0, n1);
+      break;
     case T_Q4_0: gemm_q8_vnni<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_vnni<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8_vnni<T_Q8_0>(g, n0, n1); break;
