@@ -140,14 +140,14 @@ def main() -> None:
     ap.add_argument("--same-bits", action="store_true", help="check the outputs equal before timing")
     ap.add_argument("--engine-model", default=None)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 7])
-    ap.add_argument("--type", default="Q4_1", choices=("Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"),
+    ap.add_argument("--type", default="Q4_1", choices=("Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q4_0", "Q8_0"),
                     help="the weights' type (K-quants: random blocks, [5632, 2048] and [2048, 5632] x 12 layers; "
-                    "Q5_0 / Q5_1: random blocks in Q4_1's shapes, the default model's)")
+                    "Q5_0 / Q5_1 / Q4_0 / Q8_0: random blocks in Q4_1's shapes, the default model's)")
     a = ap.parse_args()
     from pagedserve.executor.quant import formats, kernels
 
     qtype = getattr(formats, a.type)
-    small = a.type in ("Q4_1", "Q5_0", "Q5_1")
+    small = a.type in ("Q4_1", "Q5_0", "Q5_1", "Q4_0", "Q8_0")
     shapes = ((1536, 576, 30), (576, 1536, 30), (1536, 576, 120)) if small else ((5632, 2048, 12), (2048, 5632, 12))
 
     mods = {"old": old_module(a.rev), "new": kernels.load()}

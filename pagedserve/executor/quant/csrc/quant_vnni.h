@@ -4,9 +4,8 @@
 // Included once by quant_kernels.cpp, inside namespace avx512_vnni and a target region that
 // adds avx512vnni to the AVX-512 set; the AVX-512 build's helpers (q8_weight_block, hsum8,
 // transpose8x8_epi32, row_tiles, h2f) come from `using namespace avx512`. Q4_0, Q4_1, Q8_0 and
-// Q4_K (its sub-blocks of 32 as Q4_1 blocks): its one-column tile from 3 rows up to the many-row
-// threshold (6 by default), the many-row kernel from 24 rows; 1-2 rows and 6-23 rows run the AVX2
-// code (the switches below, with the measurements that chose). No include guard on purpose.
+// Q4_K (its sub-blocks of 32 as Q4_1 blocks; 1-2 rows run the AVX2 tile, gemm_q8_rows says why).
+// No include guard on purpose.
 //
 // Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
 // (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q8_0's at most 2 * 128 * 127,
@@ -170,28 +169,32 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 // the row's 4 quants broadcast to every lane, summed in 32 bits. Q8_0's +128 is taken back
 // exactly: its block sums start from -128 * sum(x quants) (GemmQ8Args::xc). Per block and row:
 // acc += float(sum) * (d_w * d_x) + m_w * (d_x * sum(x quants)), each lane the AVX2 kernel's.
+// The repack reads 8 columns' rows at a time, as the AVX2 one does. Reading all 16 side by side
+// (the first version) took 1.04-1.25x the time on Zen 4 with weights from memory (Q4_K 5632 x
+// 2048 at 6-64 rows, Q4_1 / Q8_0 at 1536 x 576), and made Q4_K slower than the AVX2 kernel below
+// ~24 rows; now it is 1.04-1.18x faster than the AVX2 kernel from 6 rows.
 template <int TYPE>
 static void q8_repack16(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint8_t* Q, float* D, float* Mn) {
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i e[16];
-    for (int c = 0; c < 16; ++c) {
-      if (c >= ncols) {
-        e[c] = TYPE == T_Q8_0 ? _mm256_set1_epi8((char)0x80) : _mm256_setzero_si256();  // quants 0
-        D[b * 16 + c] = Mn[b * 16 + c] = 0.f;
-        continue;
+  for (int h = 0; h < 2; ++h)  // 8 columns' rows at a time (the AVX2 repack's 8 streams)
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i e[8];
+      for (int c = 0; c < 8; ++c) {
+        const int col = 8 * h + c;
+        if (col >= ncols) {
+          e[c] = TYPE == T_Q8_0 ? _mm256_set1_epi8((char)0x80) : _mm256_setzero_si256();  // quants 0
+          D[b * 16 + col] = Mn[b * 16 + col] = 0.f;
+          continue;
+        }
+        const Q8Block k = q8_weight_block<TYPE>(W + col * rb, b);
+        e[c] = TYPE == T_Q8_0 ? _mm256_xor_si256(k.q, _mm256_set1_epi8((char)0x80)) : k.q;
+        D[b * 16 + col] = k.d;
+        Mn[b * 16 + col] = TYPE == T_Q4_0 ? -8.f * k.d : k.mn;
       }
-      const Q8Block k = q8_weight_block<TYPE>(W + c * rb, b);
-      e[c] = TYPE == T_Q8_0 ? _mm256_xor_si256(k.q, _mm256_set1_epi8((char)0x80)) : k.q;
-      D[b * 16 + c] = k.d;
-      Mn[b * 16 + c] = TYPE == T_Q4_0 ? -8.f * k.d : k.mn;
+      __m256i o[8];
+      transpose8x8_epi32(e, o);
+      for (int st = 0; st < 8; ++st)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(Q + b * 512 + st * 64 + h * 32), o[st]);
     }
-    __m256i lo[8], hi[8];
-    transpose8x8_epi32(e, lo);
-    transpose8x8_epi32(e + 8, hi);
-    __m512i* o = reinterpret_cast<__m512i*>(Q + b * 512);
-    for (int st = 0; st < 8; ++st)
-      _mm512_storeu_si512(o + st, _mm512_inserti64x4(_mm512_castsi256_si512(lo[st]), hi[st], 1));
-  }
 }
 
 // R activation rows x G groups of 16 columns; `Q`, `D`, `Mn` the first group's repacked block 0
@@ -298,14 +301,7 @@ static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
-    case T_Q4_K:
-      // below 24 rows the AVX2 kernel: Q4_K's repacking costs more here (Zen 4, 5632 x 2048:
-      // 8 rows 1.17x the AVX2 kernel's time, 16 rows 1.04x, 24 rows 0.98x, 64 rows 0.83x)
-      if (g.M < 24)
-        avx2::gemm_q8_many(g, n0, n1);
-      else
-        gemm_q8_many_t<T_Q4_K>(g, n0, n1);
-      break;
+    case T_Q4_K: gemm_q8_many_t<T_Q4_K>(g, n0, n1); break;
     case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8_many_t<T_Q8_0>(g, n0, n1); break;
