@@ -219,6 +219,32 @@ def _extreme_blocks(raw, qtype, rng):
     return blocks.reshape(raw.shape[0], -1)
 
 
+@pytest.mark.parametrize("qtype", ACT_Q8_TYPES, ids=lambda t: t.name)
+def test_act_q8_few_rows_bits_do_not_depend_on_the_other_rows(q8_isa, qtype):
+    """gguf_q8's few-row tiles give each activation row the bits it gets alone, whatever the
+    tile it falls in: one row (Q4_K's AVX2 tile then decodes a super-block's 8 scales at once,
+    q4k_scales8) sums as the same row among 2-8 (each sub-block's scale as it goes; on VNNI,
+    Q4_K's own tile from 3 rows, and column pairs where rows are short). Random scale bytes,
+    so every 6-bit field of Q4_K's packing is exercised."""
+    rows = 8
+    for n, k in ((21, 512), (5, 1536)) if qtype == Q.Q4_K else ((21, 576), (5, 1536)):
+        w = torch.from_numpy(random_packed(qtype, n, k, seed=11))
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(13)) * 3
+        together = torch.zeros(rows, n)
+        old = kernels.set_q8_many_rows(10**9)
+        oldp = kernels.set_prefill_rows(10**9)
+        try:
+            kernels.gemm(x, w, int(qtype), together, 0, act_q8=True)
+            for r in (0, 2, 5, rows - 1):
+                for lo in {0, max(0, r - 1), max(0, r - 4), r}:
+                    part = torch.zeros(r + 1 - lo, n)
+                    kernels.gemm(x[lo : r + 1].contiguous(), w, int(qtype), part, 0, act_q8=True)
+                    assert torch.equal(part[-1], together[r]), (n, k, r, lo)
+        finally:
+            kernels.set_q8_many_rows(old)
+            kernels.set_prefill_rows(oldp)
+
+
 @pytest.mark.skipif(not HAVE_KERNELS or "avx512_vnni" not in kernels.available_isas(), reason="this CPU lacks avx512_vnni")
 @pytest.mark.parametrize("qtype", ACT_Q8_TYPES, ids=lambda t: t.name)
 def test_act_q8_vnni_bit_equal_to_avx2(qtype):

@@ -161,8 +161,26 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
 
-// Q4_K with int8 activations: each super-block's 8 sub-blocks are Q4_1 blocks (q4k_sub_scales),
-// two of them a 32-byte load of qs (low, high nibbles); per sub-block the steps of
+// A Q4_K super-block's 8 sub-block scales and minimums as floats, d * sc and -dmin * m (each
+// the product q4k_sub_scales makes, so the same bits): the 6-bit fields gathered four bytes at a
+// time (sc in u[0..1], m in u[2..3]; llama.cpp's unpacking), widened and scaled in one vector each
+static inline void q4k_scales8(const bq4_K& b, float* dw, float* mn) {
+  uint32_t u[4];
+  std::memcpy(u, b.scales, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t m03 = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = m03;
+  u[0] &= k1;
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)u[1], (int)u[0])));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)u[3], (int)u[2])));
+  _mm256_storeu_ps(dw, _mm256_mul_ps(_mm256_set1_ps(h2f(b.d)), sc));
+  _mm256_storeu_ps(mn, _mm256_mul_ps(_mm256_set1_ps(-h2f(b.dmin)), m));
+}
+
+// Q4_K with int8 activations: each super-block's 8 sub-blocks are Q4_1 blocks (q4k_sub_scales;
+// q4k_scales8 for one row), two of them a 32-byte load of qs (low, high nibbles); per sub-block the steps of
 // gemm_q8_tile<T_Q4_1>
 template <int MT>
 static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
@@ -175,15 +193,20 @@ static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
     accm[t] = 0.f;
   }
   const __m256i m4 = _mm256_set1_epi8(15);
-  for (int64_t i = 0; i < ns; ++i)
+  for (int64_t i = 0; i < ns; ++i) {
+    // one row: the 8 scales at once (1.2x faster at 1 row; 1.03-1.1x slower at 2, 3 and 5 rows,
+    // which decode each sub-block's as they go)
+    alignas(32) float dw8[8], mn8[8];
+    if constexpr (MT == 1) q4k_scales8(row[i], dw8, mn8);
     for (int p = 0; p < 4; ++p) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i].qs + 32 * p));
       const __m256i w[2] = {_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)};
       for (int h = 0; h < 2; ++h) {
-        float dw, mn;
-        q4k_sub_scales(row[i], 2 * p + h, &dw, &mn);
+        float dw = dw8[2 * p + h], mn = mn8[2 * p + h];
+        if constexpr (MT != 1) q4k_sub_scales(row[i], 2 * p + h, &dw, &mn);
         q8_block_step<MT, false, true>(g, w[h], dw, mn, m0, i * 8 + 2 * p + h, acc, accm);
       }
     }
+  }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
