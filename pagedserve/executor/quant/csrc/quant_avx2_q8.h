@@ -180,8 +180,8 @@ static inline void q4k_scales8(const bq4_K& b, float* dw, float* mn) {
 }
 
 // Q4_K with int8 activations: each super-block's 8 sub-blocks are Q4_1 blocks (q4k_sub_scales;
-// q4k_scales8 for one row), two of them a 32-byte load of qs (low, high nibbles); per sub-block the steps of
-// gemm_q8_tile<T_Q4_1>
+// q4k_scales8 for one row), two of them a 32-byte load of qs (low, high nibbles); per sub-block
+// the steps of gemm_q8_tile<T_Q4_1>. quant_vnni.h's gemm_q8_tile1_q4k walks them alike.
 template <int MT>
 static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
   const int64_t nb = g.K / 32, ns = g.K / 256;

@@ -127,8 +127,8 @@ static void gemm_q8_tile1_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
 // apart the pairs stream their weights from memory 2x slower than the AVX2 tile at 1 row (Zen 4:
 // Q4_1 576 x 1536 49 vs 24 us, 5632 x 2048 609 vs 271 us), one column at a time 1.0-1.1x faster.
 // Q8_0's pairs were as slow from memory (the 49152 x 576 LM head at 1 row: 1852 vs 663 us; AVX2
-// 621), and software prefetch did not mend it. Q4_K's few rows run the AVX2 tile (one load of qs
-// a pair of sub-blocks; its column pairs were as slow from memory).
+// 621), and software prefetch did not mend it. Q4_K one column at a time (gemm_q8_tile1_q4k; its
+// column pairs were as slow from memory), from 3 rows: gemm_q8_rows gives 1-2 to the AVX2 tile.
 constexpr int64_t Q8_PAIR_MAX_ROW_BYTES = 512;
 
 template <int TYPE>
@@ -148,7 +148,7 @@ static void gemm_q8_vnni(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
-    case T_Q4_K:  // 1-2 rows: the AVX2 code (vpdpbusd's tile took 1.03-1.10x its time; at 3-5 rows 0.67-0.93x)
+    case T_Q4_K:  // 1-2 rows: the AVX2 tile (vpdpbusd's took 1.03-1.10x its time; at 3-5 rows 0.67-0.93x)
       if (g.M <= 2)
         avx512::gemm_q8_rows(g, n0, n1);
       else
