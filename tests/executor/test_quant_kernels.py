@@ -249,11 +249,12 @@ def test_act_q8_few_rows_bits_do_not_depend_on_the_other_rows(q8_isa, qtype):
 @pytest.mark.parametrize("qtype", ACT_Q8_TYPES, ids=lambda t: t.name)
 def test_act_q8_vnni_bit_equal_to_avx2(qtype):
     """vpdpbusd (AVX512-VNNI, few rows: 512-bit over column pairs where rows are short, K up to
-    576 here, else 256-bit one column at a time; many rows: 16 columns a register, Q4_K's from 24
-    rows, m = 64) gives the AVX2 kernels' exact integer block sums and then their float steps
-    lane for lane: the outputs' bits are equal. Odd N (partial groups
-    of 16 and 8 columns, a single column), K of 1 to 48 blocks, row tails of the 4-row
-    micro-kernel, extreme quants against x at +-127 and at random, an all-zero block."""
+    576 here, else 256-bit one column at a time, Q4_K's own tile from 3 rows; many rows: 16
+    columns a register, the repack 8 columns' rows at a time) gives the AVX2 kernels' exact
+    integer block sums and then their float steps lane for lane: the outputs' bits are equal.
+    Odd N (partial groups of 16 and 8 columns, a single column), K of 1 to 48 blocks, row tails
+    of the 4-row micro-kernel, extreme quants against x at +-127 and at random, an all-zero
+    block."""
     rng = np.random.default_rng(int(qtype))
     shapes = ((37, 512), (1, 256), (17, 768), (33, 1536)) if qtype == Q.Q4_K else ((37, 576), (1, 32), (2, 64), (17, 96), (33, 1536))
     for n, k in shapes:
