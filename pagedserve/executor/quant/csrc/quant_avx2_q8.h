@@ -202,8 +202,13 @@ static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i].qs + 32 * p));
       const __m256i w[2] = {_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)};
       for (int h = 0; h < 2; ++h) {
-        float dw = dw8[2 * p + h], mn = mn8[2 * p + h];
-        if constexpr (MT != 1) q4k_sub_scales(row[i], 2 * p + h, &dw, &mn);
+        float dw, mn;
+        if constexpr (MT == 1) {
+          dw = dw8[2 * p + h];
+          mn = mn8[2 * p + h];
+        } else {
+          q4k_sub_scales(row[i], 2 * p + h, &dw, &mn);
+        }
         q8_block_step<MT, false, true>(g, w[h], dw, mn, m0, i * 8 + 2 * p + h, acc, accm);
       }
     }
