@@ -136,7 +136,12 @@ def test_snapshot_blocks_match_the_pool_and_schema(checkpoint):
 # -- the server ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dash_server(checkpoint):
-    s = Server(checkpoint("llama"), engine_kw=DASH_KW, api_key=KEY)
+    # each step takes at least 10 ms, so the map holds still for 64 steps (0.64 s) between
+    # changes on any machine: on a fast one a step took well under the 100 ms snapshot
+    # interval, and the page never caught a steady map to compare with /metrics
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDSERVE_TEST_SLOW_ENGINE", "0:0.01")
+        s = Server(checkpoint("llama"), engine_kw=DASH_KW, api_key=KEY)
     yield s
     s.stop()
 
@@ -236,7 +241,7 @@ def test_page_in_headless_chromium(dash_server, tmp_path):
         try:
             with httpx.Client(timeout=120) as c:
                 body = {"model": "tiny", "prompt": None, "max_tokens": 440, "temperature": 0, "ignore_eos": True}
-                while not stop.is_set():  # a fast (quiet) machine finishes a round in about a second
+                while not stop.is_set():  # a round takes about 4.4 s (440 steps of 10 ms)
                     threads = []
                     for i in range(3):
                         b = dict(body, prompt=prompt(i))
