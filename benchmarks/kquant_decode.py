@@ -7,7 +7,7 @@ decodes --tokens tokens at batch 1, the bf16 few-row kernel on the Q4_K copies o
 turns (off: the float kernel on the packed blocks, as before the copies). The same file runs
 under llama.cpp's llama-bench for the anchor (`llama-bench -m FILE -p 0 -n 128 -t 2`).
 
-    .venv/bin/python benchmarks/kquant_decode.py [--out /tmp/q4k.gguf] [--tokens 64] [--rounds 3]
+    .venv/bin/python benchmarks/kquant_decode.py [--out /tmp/q4k.gguf] [--tokens 64] [--rounds 3] [--mix q6_k]
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def more_bits(layer: int) -> bool:
     return layer < LAYERS // 8 or layer >= 7 * LAYERS // 8 or (layer - LAYERS // 8) % 3 == 2
 
 
-def write_model(out: str) -> None:
+def write_model(out: str, mix: str = "q4_k_m") -> None:
+    """mix "q4_k_m" (see above) or "q6_k": every matrix in Q6_K, as llama.cpp's Q6_K files."""
     from pagedserve.model_files import default_model_path
 
     src = gguf.GGUFReader(default_model_path())  # its tokenizer and vocabulary
@@ -69,7 +70,9 @@ def write_model(out: str) -> None:
     vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(0)
     q4k, q6k = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
-    w.add_tensor("token_embd.weight", random_q4_k(vocab, HIDDEN, rng), raw_dtype=q4k)
+    all6 = mix == "q6_k"
+    embd = random_q6_k(vocab, HIDDEN, rng) if all6 else random_q4_k(vocab, HIDDEN, rng)
+    w.add_tensor("token_embd.weight", embd, raw_dtype=q6k if all6 else q4k)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     w.add_tensor("output.weight", random_q6_k(vocab, HIDDEN, rng), raw_dtype=q6k)
     kv = KV_HEADS * HIDDEN // HEADS
@@ -77,7 +80,7 @@ def write_model(out: str) -> None:
         for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", kv, HIDDEN), ("attn_v", kv, HIDDEN),
                                  ("attn_output", HIDDEN, HIDDEN), ("ffn_gate", MLP, HIDDEN), ("ffn_up", MLP, HIDDEN),
                                  ("ffn_down", HIDDEN, MLP)):
-            six = name in ("attn_v", "ffn_down") and more_bits(i)
+            six = all6 or (name in ("attn_v", "ffn_down") and more_bits(i))
             data = random_q6_k(rows, cols, rng) if six else random_q4_k(rows, cols, rng)
             w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=q6k if six else q4k)
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
@@ -93,9 +96,10 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/pagedserve-q4_k_m-0.9b.gguf")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mix", choices=["q4_k_m", "q6_k"], default="q4_k_m", help="the file's types (q6_k: all Q6_K)")
     a = ap.parse_args()
     if not os.path.exists(a.out):
-        write_model(a.out)
+        write_model(a.out, a.mix)
     from pagedserve import LLM, SamplingParams
     from pagedserve.executor.quant import kernels
 

@@ -83,8 +83,18 @@ def _forced(request):
     kernels.set_isa(prev)
 
 
+def _forced_q8(request):
+    """An ISA, with Q6_K's act_q8 products on int8 activations at every row count (by default
+    its few rows stay float: test_q6k_act_q8_int8_from_9_rows), so the act_q8
+    tests below run its int8 few-row tiles too."""
+    prev, prev6 = kernels.set_isa(request.param), kernels.set_q6k_int8_rows(1)
+    yield request.param
+    kernels.set_isa(prev)
+    kernels.set_q6k_int8_rows(prev6)
+
+
 isa = pytest.fixture(params=isa_param(FLOAT_ISAS), name="isa")(_forced)
-q8_isa = pytest.fixture(params=isa_param(Q8_ISAS), name="q8_isa")(_forced)
+q8_isa = pytest.fixture(params=isa_param(Q8_ISAS), name="q8_isa")(_forced_q8)
 
 
 def ks_for(qtype):
@@ -160,7 +170,11 @@ def quantize_q8_reference(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * d).reshape(x.shape)
 
 
-ACT_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K]  # gguf_q8's int8-activation types (Q4_K: sub-blocks as Q4_1)
+# gguf_q8's int8-activation types (Q4_K: sub-blocks as Q4_1; Q6_K: centred blocks of 32, halves scaled)
+ACT_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+SUPER_BLOCKS = (Q.Q4_K, Q.Q6_K)  # K a multiple of 256
+# a block's quant bytes (Q4_K: past d, dmin and scales; Q6_K: ql and qh, before scales and d)
+QUANT_BYTES = {Q.Q4_1: (4, 20), Q.Q4_0: (2, 18), Q.Q8_0: (2, 34), Q.Q4_K: (16, 144), Q.Q6_K: (0, 192)}
 
 
 @pytest.mark.parametrize("qtype", ACT_Q8_TYPES, ids=lambda t: t.name)
@@ -172,7 +186,7 @@ def test_gemm_act_q8_matches_quantized_activation_matmul(q8_isa, qtype, m):
     group; K of 3 and 48 blocks (Q4_K: 1, 2 and 6 super-blocks); rows in tiles of 3 with 1- and
     2-row tails (Q8_0 takes the many-row kernel from 12 rows: 13 and 14 give its tails). Each
     row count through both nibble kernels (the many-row one forced from 1 row, then never)."""
-    ks = (512, 256, 1536, 512) if qtype == Q.Q4_K else (576, 96, 1536, 576)
+    ks = (512, 256, 1536, 512) if qtype in SUPER_BLOCKS else (576, 96, 1536, 576)
     for (n, k), many_from in zip(zip((37, 21, 13, 37), ks), (1, 1, 1, 10**9)):
         raw = random_packed(qtype, n, k, seed=m)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
@@ -197,25 +211,28 @@ def _act_q8_out(isa, x, raw, qtype, n, many_from):
     prev = kernels.set_isa(isa)
     old = kernels.set_q8_many_rows(many_from)
     oldp = kernels.set_prefill_rows(many_from)  # Q8_0's many-row threshold
+    old6 = kernels.set_q6k_int8_rows(1)  # Q6_K's int8 few-row tiles too
     try:
         out = torch.full((x.shape[0], n + 2), 7.0)
         kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 1, act_q8=True)
     finally:
         kernels.set_q8_many_rows(old)
         kernels.set_prefill_rows(oldp)
+        kernels.set_q6k_int8_rows(old6)
         kernels.set_isa(prev)
     assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
     return out[:, 1 : 1 + n]
 
 
 def _extreme_blocks(raw, qtype, rng):
-    """Some blocks at the quants' extremes: nibbles all 15 or all 0, Q8_0 bytes -128 / -127 / 127."""
+    """Some blocks at the quants' extremes: nibbles all 15 or all 0 (Q6_K: quants 63 or 0, i.e.
+    31 or -32 centred), Q8_0 bytes -128 / -127 / 127."""
     be, bb = gguf.GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(raw.shape[0], -1, bb).copy()
-    first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2, Q.Q4_K: 16}[qtype]  # (Q4_K: its qs, past d, dmin, scales)
+    first, end = QUANT_BYTES[qtype]
     values = (0x80, 0x81, 0x7F) if qtype == Q.Q8_0 else (0xFF, 0x00)
     pick = rng.random(blocks.shape[:2]) < 0.4
-    blocks[pick, first:] = np.uint8(rng.choice(values))
+    blocks[pick, first:end] = np.uint8(rng.choice(values))
     return blocks.reshape(raw.shape[0], -1)
 
 
@@ -227,7 +244,7 @@ def test_act_q8_few_rows_bits_do_not_depend_on_the_other_rows(q8_isa, qtype):
     Q4_K's own tile from 3 rows, and column pairs where rows are short). Random scale bytes,
     so every 6-bit field of Q4_K's packing is exercised."""
     rows = 8
-    for n, k in ((21, 512), (5, 1536)) if qtype == Q.Q4_K else ((21, 576), (5, 1536)):
+    for n, k in ((21, 512), (5, 1536)) if qtype in SUPER_BLOCKS else ((21, 576), (5, 1536)):
         w = torch.from_numpy(random_packed(qtype, n, k, seed=11))
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(13)) * 3
         together = torch.zeros(rows, n)
@@ -256,7 +273,7 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
     of the 4-row micro-kernel, extreme quants against x at +-127 and at random, an all-zero
     block."""
     rng = np.random.default_rng(int(qtype))
-    shapes = ((37, 512), (1, 256), (17, 768), (33, 1536)) if qtype == Q.Q4_K else ((37, 576), (1, 32), (2, 64), (17, 96), (33, 1536))
+    shapes = ((37, 512), (1, 256), (17, 768), (33, 1536)) if qtype in SUPER_BLOCKS else ((37, 576), (1, 32), (2, 64), (17, 96), (33, 1536))
     for n, k in shapes:
         raw = _extreme_blocks(random_packed(qtype, n, k, seed=n), qtype, rng)
         for m in (1, 2, 3, 5, 7, 13, 17, 64):
@@ -269,18 +286,54 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
                 assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, k, m, many_from, (got - ref).abs().max())
 
 
+@pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
+def test_q6k_act_q8_int8_from_9_rows():
+    """Q6_K under act_q8 by default: up to 8 rows float activations (the bits of act_q8=False,
+    on the interleaved copy where given); from 9 rows int8 ones (the quantized-activation
+    product, not the float one); qlinear (the layers' one call) draws the same line.
+    act_q8_type stays False for Q6_K: its layers keep their copy."""
+    qtype, n, k = Q.Q6_K, 19, 512
+    raw = torch.from_numpy(random_packed(qtype, n, k, seed=5))
+    copy = kernels.interleave_rows16(raw, int(qtype), k) if kernels.current_isa() != "scalar" else None
+    assert kernels.act_q8_type(int(qtype)) is False
+    old6 = kernels.set_q6k_int8_rows(9)
+    assert old6 == 9  # the default
+    try:
+        for m, int8 in ((1, False), (8, False), (9, True), (40, True)):
+            assert kernels.act_q8_rows(int(qtype), m) is int8
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+            outs = {}
+            for q8 in (False, True):
+                outs[q8] = torch.zeros(m, n)
+                kernels.gemm(x, raw, int(qtype), outs[q8], 0, act_q8=q8, interleaved=copy)
+            lin = kernels.load().qlinear(x, [raw], [int(qtype)], [0], n, None, True, [] if copy is None else [copy])
+            assert torch.equal(lin, outs[True]), m
+            if not int8:
+                assert torch.equal(outs[True], outs[False]), m
+            else:
+                ref, mag = reference(quantize_q8_reference(x), raw.numpy(), qtype, k)
+                assert np.all(np.abs(outs[True].numpy() - ref) <= 2e-6 * mag + 1e-5), m
+                assert not torch.equal(outs[True], outs[False]), m
+    finally:
+        kernels.set_q6k_int8_rows(old6)
+
+
 @pytest.mark.parametrize("q8_isa", isa_param(Q8_ISAS[1:]), indirect=True)
 def test_q8_many_rows_sums_stay_in_range(q8_isa):
     """The many-row integer kernel sums a block's nibble products in 16 bits: the largest
     quants (15 against +-127 everywhere; Q4_K's sub-blocks too) must not overflow, for any sign
-    pattern; Q8_0's extremes (-127, and -128, which a file may hold) neither."""
+    pattern; Q8_0's extremes (-127, and -128, which a file may hold) neither; Q6_K's centred
+    quants (-32 and 31, summed in 16 bits over half a block) neither, with int8 scales to -128."""
     n, k, m = 16, 256, 24
-    for qtype, byte in ((Q.Q4_1, 0xFF), (Q.Q4_0, 0xFF), (Q.Q4_K, 0xFF), (Q.Q8_0, 0x81), (Q.Q8_0, 0x80)):
+    cases = ((Q.Q4_1, 0xFF), (Q.Q4_0, 0xFF), (Q.Q4_K, 0xFF), (Q.Q8_0, 0x81), (Q.Q8_0, 0x80), (Q.Q6_K, 0x00), (Q.Q6_K, 0xFF))
+    for qtype, byte in cases:
         raw = random_packed(qtype, n, k, seed=1)
         be, bb = gguf.GGML_QUANT_SIZES[qtype]
         blocks = raw.reshape(n, k // be, bb)
-        first = {Q.Q4_1: 4, Q.Q4_0: 2, Q.Q8_0: 2, Q.Q4_K: 16}[qtype]  # (Q4_K: its qs, past d, dmin, scales)
-        blocks[..., first:] = np.uint8(byte)  # nibbles 15 / int8 -127 / int8 -128
+        first, end = QUANT_BYTES[qtype]
+        blocks[..., first:end] = np.uint8(byte)  # nibbles 15 / int8 -127 / int8 -128 / Q6_K -32 or 31
+        if qtype == Q.Q6_K:
+            blocks[..., 192:208] = np.uint8(0x80)  # int8 scales -128
         raw = blocks.reshape(n, -1)
         x = torch.ones(m, k)
         x[1::2] = -1.0
@@ -395,8 +448,8 @@ def test_bf16_products_only_for_bf16_models():
     """qlinear (the QuantLinear forward) takes the bf16 products for bf16 activations from the
     row threshold on, on avx512_bf16: the vdpbf16ps kernel, or oneDNN from its threshold on;
     float32 activations (a float32 model) never: their result is the float kernels' bit for
-    bit whatever the thresholds; act_q8 keeps its integer kernels for Q4_1 and sends Q6_K to
-    bf16; float rows (F32 parts) keep the float path; below avx512_bf16 bf16 activations take
+    bit whatever the thresholds; act_q8 keeps its integer kernels for Q4_1 and for Q6_K from
+    its int8 threshold, below which it sends Q6_K to bf16; float rows (F32 parts) keep the float path; below avx512_bf16 bf16 activations take
     the float path. Three segments (Q4_1, Q6_K, F32) and a bias."""
     mod = kernels.load()
     k, m = 512, 20
@@ -432,7 +485,13 @@ def test_bf16_products_only_for_bf16_models():
     try:
         y, calls = qlinear(xb)
         assert y.dtype == torch.bfloat16 and calls == [2, 0, 0] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}))
-        y, calls = qlinear(xb, act_q8=True)
+        y, calls = qlinear(xb, act_q8=True)  # 20 rows: Q6_K's int8 many-row kernel too
+        assert calls == [0, 0, 0] and torch.equal(y, by_hand(set(), act_q8=True))
+        old6 = kernels.set_q6k_int8_rows(m + 1)  # below Q6_K's int8 threshold: its float product, on bf16
+        try:
+            y, calls = qlinear(xb, act_q8=True)
+        finally:
+            kernels.set_q6k_int8_rows(old6)
         assert calls == [1, 0, 0] and torch.equal(y, by_hand({int(Q.Q6_K)}, act_q8=True))
         kernels.set_bf16_onednn_rows(m)
         y, calls = qlinear(xb)

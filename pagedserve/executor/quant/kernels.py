@@ -150,9 +150,16 @@ def set_prefill_rows(m: int) -> int:
 
 
 def set_q8_many_rows(m: int) -> int:
-    """act_q8 with Q4_0 / Q4_1 / Q4_K weights: from this many rows on, the column-interleaved integer
-    kernel; below it, the few-row integer kernel (returns the previous value)."""
+    """act_q8 with Q4_0 / Q4_1 / Q4_K / Q6_K weights: from this many rows on, the column-interleaved
+    integer kernel; below it, the few-row integer kernel (returns the previous value)."""
     return int(load().set_q8_many_rows(int(m)))
+
+
+def set_q6k_int8_rows(m: int) -> int:
+    """act_q8 with Q6_K weights: int8 activations from this many rows (9), where the float
+    products leave the interleaved copy; fewer rows keep float activations on the copy, the
+    faster few-row product. Returns the previous value."""
+    return int(load().set_q6k_int8_rows(int(m)))
 
 
 def set_bf16_rows(m: int, rows16: bool = False) -> int:
@@ -208,7 +215,8 @@ def has_many_rows_kernel() -> bool:
 def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, act_q8: bool = False,
          interleaved: torch.Tensor | None = None) -> None:
     """out[:, col0:col0+N] = x @ dequant(w).T; act_q8: activations quantized to int8 blocks first
-    (the act_q8_type ones: Q4_0 / Q4_1 / Q8_0 / Q4_K; others ignore it);
+    (the act_q8_type ones: Q4_0 / Q4_1 / Q8_0 / Q4_K; Q6_K from set_q6k_int8_rows's rows; others
+    ignore it);
     interleaved: w's interleave_rows16 copy, which the few-row float products then read on
     AVX2 and above (Q6_K's six-bit copy: AVX-512 and above)."""
     load().gemm(x, w, int(qtype), out, int(col0), bool(act_q8), interleaved)
@@ -225,9 +233,15 @@ def interleave_rows16(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor | Non
     return out if out.numel() else None
 
 
+def act_q8_rows(qtype: int, m: int) -> bool:
+    """Whether gguf_q8 (act_q8) runs this type's product over m activation rows on int8 ones."""
+    return bool(load().act_q8_rows(int(qtype), int(m)))
+
+
 def act_q8_type(qtype: int) -> bool:
-    """Whether gguf_q8 (act_q8) runs this type's products on int8 activations (Q4_0, Q4_1, Q8_0,
-    Q4_K); the other types keep float activations in an act_q8 layer."""
+    """Whether gguf_q8 (act_q8) runs this type's products on int8 activations at every row count
+    (Q4_0, Q4_1, Q8_0, Q4_K), so that its layers need no float few-row copy. Q6_K's run on int8
+    activations from set_q6k_int8_rows's rows (act_q8_rows); the other types keep float ones."""
     return bool(load().act_q8_type(int(qtype)))
 
 

@@ -99,7 +99,7 @@ class QuantLinear(nn.Module):
 
     def attach_rows16(self, budget: CopyBudget | None = None) -> bool:
         """Keep beside each block-type segment (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
-        Q6_K; under gguf_q8 only those whose products stay float, kernels.act_q8_type) its
+        Q6_K; under gguf_q8 only those whose few-row products stay float, not kernels.act_q8_type) its
         row-interleaved copy, which the few-row products (decode at batch 1-11 in float32, 1-8
         in bf16; verification rows) read at ~2x the packed rows' kernel on AVX-512
         (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55), 1.2-2.1x at 1 row on
@@ -262,8 +262,8 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
 
 def rows16_copies(model: nn.Module, budget: CopyBudget | None = None) -> int:
     """The packed layers get their row-interleaved copies for the few-row kernels
-    (`attach_rows16`; under `gguf_q8` only the segments whose products stay float: Q5_0 / Q5_1 /
-    Q5_K / Q6_K) where the kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far
+    (`attach_rows16`; under `gguf_q8` only the segments whose few-row products stay float: Q5_0 /
+    Q5_1 / Q5_K / Q6_K) where the kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far
     as `budget` allows (None: no bound). Returns how many layers."""
     if kernels.current_isa() == "scalar":
         return 0

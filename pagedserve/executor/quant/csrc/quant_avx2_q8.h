@@ -65,8 +65,22 @@ static inline __m256i quant_bytes32(const uint8_t* blk) {
                           _mm256_set1_epi8(15));
 }
 
+// Q6_K's 32-quant block j (0..7) of a super-block, centred (q - 32, in [-32, 31]) as signed bytes
+// in element order. ggml's layout: in 128-element half n = j / 4, quarter jj = j % 4, element l's
+// low four bits are ql[64n + 32(jj % 2) + l] >> 4(jj / 2), its high two qh[32n + l] >> 2jj. The
+// block's halves of 16 elements have the int8 scales sc[2j] and sc[2j + 1] (times d).
+static inline __m256i q6k_block_q(const bq6_K& b, int j) {
+  const int n = j / 4, jj = j % 4;
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * n + 32 * (jj % 2)));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * n));
+  const __m256i lo = _mm256_and_si256(jj / 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
+  const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * jj), _mm256_set1_epi8(3)), 4);
+  return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+}
+
 // Block i of a weight row's 32-quant blocks in the integer kernels: its quants as bytes
-// (quant_bytes32's: Q4_0's uncentred), its scale and its minimum (Q4_1's and Q4_K's, else 0).
+// (quant_bytes32's: Q4_0's uncentred; Q6_K's centred, q6k_block_q), its scale and its minimum
+// (Q4_1's and Q4_K's, else 0); Q6_K's scale is d, its halves' int8 scales sa and sb.
 // Q4_K's block i is sub-block i % 8 of super-block i / 8, an exact Q4_1 block (q4k_sub_scales):
 // the low (even) or high nibbles of 32 bytes of its qs. The many-row repacks and the few-row
 // tiles of the other types (Q4_K's few-row tile walks each super-block in pairs of sub-blocks
@@ -74,11 +88,20 @@ static inline __m256i quant_bytes32(const uint8_t* blk) {
 struct Q8Block {
   __m256i q;
   float d, mn;
+  int sa = 1, sb = 1;
 };
 template <int TYPE>
 static inline Q8Block q8_weight_block(const uint8_t* row, int64_t i) {
   Q8Block b;
-  if constexpr (TYPE == T_Q4_K) {
+  if constexpr (TYPE == T_Q6_K) {
+    const bq6_K& kb = reinterpret_cast<const bq6_K*>(row)[i / 8];
+    const int j = int(i % 8);
+    b.q = q6k_block_q(kb, j);
+    b.d = h2f(kb.d);
+    b.mn = 0.f;
+    b.sa = kb.scales[2 * j];
+    b.sb = kb.scales[2 * j + 1];
+  } else if constexpr (TYPE == T_Q4_K) {
     const bq4_K& kb = reinterpret_cast<const bq4_K*>(row)[i / 8];
     const int sb = int(i % 8);
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb.qs + 32 * (sb / 2)));
@@ -115,25 +138,27 @@ static inline void transpose8x8_epi32(const __m256i* e, __m256i* o) {
   o[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
 }
 
-// Weights with a minimum term (Q4_1, Q4_K) are unsigned nibbles; the others (Q4_0 centred, Q8_0)
-// signed bytes, which lend their sign to x in vpmaddubsw / vpdpbusd
+// Weights with a minimum term (Q4_1, Q4_K) are unsigned nibbles; the others (Q4_0 and Q6_K
+// centred, Q8_0) signed bytes, which lend their sign to x in vpmaddubsw / vpdpbusd
 constexpr bool q8_has_min(int type) { return type == T_Q4_1 || type == T_Q4_K; }
 
 // One weight block (w: its 32 quants as bytes) in the few-row integer tiles, for MT activation
 // rows from m0: acc[t] += (dw * xd) * sum(w * xq) (vpmaddubsw multiplies unsigned by signed
 // bytes: SIGNED weights lend their sign to x), then (MIN: Q4_1's and Q4_K's minimum term)
 // accm[t] = fma(mn, xs, accm[t]) (written out: the VNNI tiles must round it alike, and the
-// compiler's own contraction differs between loops)
+// compiler's own contraction differs between loops). `mul`: the 16-bit factors of vpmaddwd,
+// 1, or Q6_K's scales of elements 0-15 (low 128 bits) and 16-31 (q6k_mul16): each 32-bit lane is
+// then sc * (its 4 products), exact (pairs at most 2 * 32 * 127).
 template <int MT, bool SIGNED, bool MIN>
 static inline void q8_block_step(const GemmQ8Args& g, __m256i w, float dw, float mn, int64_t m0, int64_t blk,
-                                 __m256 (&acc)[MT], float (&accm)[MT]) {
+                                 __m256 (&acc)[MT], float (&accm)[MT], __m256i mul = _mm256_set1_epi16(1)) {
   const int64_t nb = g.K / 32;
-  const __m256i ones = _mm256_set1_epi16(1), wu = SIGNED ? _mm256_sign_epi8(w, w) : w;
+  const __m256i wu = SIGNED ? _mm256_sign_epi8(w, w) : w;
   for (int t = 0; t < MT; ++t) {
     const int64_t r = (m0 + t) * nb + blk;
     __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
     if (SIGNED) x = _mm256_sign_epi8(x, w);
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones);
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), mul);
     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
   }
   if (MIN)
@@ -214,4 +239,34 @@ static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
     }
   }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
+}
+
+// Q6_K's per-half scales as vpmaddwd factors: sa in the low 128 bits (elements 0-15), sb above
+static inline __m256i q6k_mul16(int sa, int sb) {
+  return _mm256_set_m128i(_mm_set1_epi16((short)sb), _mm_set1_epi16((short)sa));
+}
+
+// Q6_K with int8 activations: each 32-quant block centred (q6k_block_q: signed, |q| <= 32), its
+// two halves' sums times their int8 scales in vpmaddwd (q6k_mul16), then the float step of
+// gemm_q8_tile with d: acc += float(sa * sum_a + sb * sum_b) * (d * xd) per lane. The scales and
+// d are read per super-block. AVX512-VNNI CPUs run this tile too (its vpdpbusd + vpmulld took
+// 1.02-1.45x the time at 1-5 rows).
+template <int MT>
+static void gemm_q8_tile_q6k(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  const int64_t ns = g.K / 256;
+  const bq6_K* row = reinterpret_cast<const bq6_K*>(g.W + n * g.rb);
+  __m256 acc[MT];
+  float accm[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    accm[t] = 0.f;
+  }
+  for (int64_t i = 0; i < ns; ++i) {
+    const float d = h2f(row[i].d);
+    for (int j = 0; j < 8; ++j) {
+      const __m256i mul = q6k_mul16(row[i].scales[2 * j], row[i].scales[2 * j + 1]);
+      q8_block_step<MT, true, false>(g, q6k_block_q(row[i], j), d, 0.f, m0, i * 8 + j, acc, accm, mul);
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];  // (+0: as gemm_q8_tile1)
 }

@@ -28,7 +28,7 @@
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
 //     dequantized in row tiles into a float matrix and multiplied with at::mm (the BLAS GEMM).
-//     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0 / Q4_K): the activations are quantized
+//     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K): the activations are quantized
 //     to int8 per 32-element block first and meet the weights in integer multiply-adds, as
 //     llama.cpp's q8 dot products (faster, not float-exact): few rows, each packed row against
 //     every activation row; many rows (AVX2), chunks of weights repacked so that each 32-bit
@@ -118,7 +118,7 @@ struct GemmArgs {
   float* out;         // already offset by col0
 };
 
-struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 / Q4_K weights)
+struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights)
   int type;
   const uint8_t* W;
   int64_t rb, K, M, ldo;
@@ -126,7 +126,9 @@ struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 / Q4_K
   const float* xd;   // [M, K/32] their scales
   const float* xs;   // [M, K/32] scale * sum(quants) (Q4_1's min term)
   float* out;        // already offset by col0
-  const int32_t* xc = nullptr;  // [M, K/32] -128 * sum(quants) (the VNNI many-row kernel, Q8_0)
+  // the VNNI many-row kernel's start values: Q8_0 [M, K/32] -128 * sum(quants); Q6_K [M, K/16]
+  // -32 * sum(quants) per half block
+  const int32_t* xc = nullptr;
 };
 
 namespace scalar {
@@ -584,9 +586,30 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 #endif
 }
 
-// The types whose products act_q8 ("gguf_q8") runs on int8 activations (Q4_K's sub-blocks as
-// Q4_1 blocks); the others keep float activations
+// The types whose products act_q8 ("gguf_q8") runs on int8 activations at every row count
+// (Q4_K's sub-blocks as Q4_1 blocks), so their layers need no float few-row copy; Q6_K's from
+// some rows on (act_q8_rows); the others keep float activations
 static bool act_q8_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K; }
+
+// Q6_K under act_q8: int8 activations from this many rows, on the many-row integer kernel (its
+// blocks of 32 centred, each half times its int8 scale in integers). Fewer rows keep float
+// activations on the interleaved copy, whose float and bf16 kernels took 0.5-0.8x the int8
+// kernels' time at 1-8 rows (the int8 few-row tile: 2-5 rows 1.3-1.6x the float copy's time, 1
+// row even); from 9-12 rows the float products leave the copy for slower many-row paths, where
+// the int8 kernel took 0.2-0.75x their time (Zen 4, BENCHMARKS section 60). Tests set 1 to run
+// the int8 few-row tiles.
+static int64_t g_q6k_int8_rows = 9;
+int64_t set_q6k_int8_rows(int64_t m) {
+  const int64_t old = g_q6k_int8_rows;
+  g_q6k_int8_rows = m;
+  return old;
+}
+
+// Whether act_q8 runs this type's product over M activation rows on int8 activations
+static bool act_q8_rows(int64_t type, int64_t M) {
+  if (type == T_Q6_K) return M >= g_q6k_int8_rows;
+  return act_q8_type(type);
+}
 
 // Float few-row products that read an interleaved copy so far (tests: a copy given but not
 // usable, e.g. Q6_K's in the other layout, falls back to the packed rows silently)
@@ -602,7 +625,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
   if (M == 0 || N == 0) return;
   const int64_t ldo = out.size(1);
-  const bool q8 = act_q8 && act_q8_type(type);
+  const bool q8 = act_q8 && act_q8_rows(type, M);
   if (q8) {
     // int8 activations (llama.cpp's q8_1 blocks), then integer products: the column-interleaved
     // many-row kernel (AVX2 code, which AVX-512 CPUs run too; 2.2-2.5x the float kernel at 12+
@@ -621,11 +644,17 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
     if (QK_X86 && current_isa() >= ISA_AVX2 && M >= many_from) {
 #if QK_X86
       thread_local std::vector<int32_t> xc;
-      if (type == T_Q8_0 && current_isa() >= ISA_AVX512_VNNI) {  // its unsigned weights' offset, taken back
-        xc.resize(M * nb);
+      if ((type == T_Q8_0 || type == T_Q6_K) && current_isa() >= ISA_AVX512_VNNI) {
+        // Q8_0's unsigned weights' offset (128), Q6_K's (32 per half block), taken back
+        xc.resize(type == T_Q6_K ? 2 * M * nb : M * nb);
         const int8_t* q = xq.data();  // (thread_local: the pointers, not the names, go to the team)
         int32_t* c = xc.data();
-        at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) { avx512_vnni::q8_block_corr(q, b0, b1, c); });
+        at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
+          if (type == T_Q6_K)
+            avx512_vnni::q8_half_corr(q, b0, b1, c);
+          else
+            avx512_vnni::q8_block_corr(q, b0, b1, c);
+        });
         g.xc = c;
       }
 #endif
@@ -860,7 +889,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   for (size_t i = 0; i < ws.size(); ++i) {
     const int64_t t = types[i];
     const bool rows16 = !wis.empty() && wis[i].numel() > 0;
-    const bool int8 = act_q8 && act_q8_type(t);
+    const bool int8 = act_q8 && act_q8_rows(t, M);
     if (bf16 && M >= (rows16 ? g_rows16_bf16_rows : g_bf16_rows) && bf16_type(t) && !int8) {
       const bool onednn = M >= (current_isa() >= ISA_AMX_BF16 ? g_amx_onednn_rows : g_bf16_onednn_rows);
       gemm_bf16(xb, ws[i], t, out, cols[i], onednn, c10::nullopt);
@@ -889,7 +918,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("wis") = std::vector<torch::Tensor>());
   m.def("gemm", &gemm, "out[:, col0:col0+N] = x @ dequant(w).T (packed weights)", py::arg("x"), py::arg("w"),
         py::arg("type"), py::arg("out"), py::arg("col0"), py::arg("act_q8") = false, py::arg("wi") = py::none());
-  m.def("act_q8_type", &act_q8_type, "whether act_q8 runs this type's products on int8 activations", py::arg("type"));
+  m.def("act_q8_type", &act_q8_type, "whether act_q8 runs this type's products on int8 activations at every row count",
+        py::arg("type"));
+  m.def("act_q8_rows", &act_q8_rows, "whether act_q8 runs this type's product over M rows on int8 activations",
+        py::arg("type"), py::arg("M"));
+  m.def("set_q6k_int8_rows", &set_q6k_int8_rows);
   m.def("rows16_copy_size", &rows16_copy_size, "bytes of interleave_rows16's copy (0: none)", py::arg("w"),
         py::arg("type"), py::arg("K"));
   m.def("interleave_rows16", &interleave_rows16, "packed rows -> the row-interleaved copy the few-row kernels read",

@@ -1,6 +1,6 @@
 // ISA-neutral loops over an ISA's kernels, included last by each ISA's kernel file
 // (quant_scalar.h, quant_avx2.h, quant_avx512.h) inside that ISA's namespace. They need from
-// the file: dot(), gemm_fused_tile<TYPE, MT>, gemm_q8_tile<TYPE, MT> and gemm_q8_tile_q4k<MT>, deq_fast<TYPE> (the ISA's
+// the file: dot(), gemm_fused_tile<TYPE, MT>, gemm_q8_tile<TYPE, MT>, gemm_q8_tile_q4k<MT> and gemm_q8_tile_q6k<MT>, deq_fast<TYPE> (the ISA's
 // fastest Q4_0 / Q4_1 / Q8_0 row dequantizer) and gemm_avx2_tiles (its K-quant, Q5_0 and Q5_1
 // few-row products, or false: quant_kquant_avx2.h). No include guard on purpose (one copy per ISA namespace).
 
@@ -55,6 +55,8 @@ static void gemm_q8(const GemmQ8Args& g, int64_t n0, int64_t n1) {
     row_tiles(g.M, [&](auto mt, int64_t m0) {
       if constexpr (TYPE == T_Q4_K)
         gemm_q8_tile_q4k<decltype(mt)::value>(g, n, m0);
+      else if constexpr (TYPE == T_Q6_K)
+        gemm_q8_tile_q6k<decltype(mt)::value>(g, n, m0);
       else
         gemm_q8_tile<TYPE, decltype(mt)::value>(g, n, m0);
     });
@@ -63,6 +65,7 @@ static void gemm_q8(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
     case T_Q4_K: gemm_q8<T_Q4_K>(g, n0, n1); break;
+    case T_Q6_K: gemm_q8<T_Q6_K>(g, n0, n1); break;
     case T_Q4_0: gemm_q8<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8<T_Q8_0>(g, n0, n1); break;

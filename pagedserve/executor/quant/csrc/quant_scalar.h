@@ -135,6 +135,39 @@ static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
 }
 
+// Q6_K with int8 activations: per 32-quant block, centred quants (q - 32), the two halves' sums
+// times their int8 scales in int32 (exact), then acc += float(sum) * (d * xd) (quant_avx2_q8.h's
+// q6k_block_q has the layout)
+template <int MT>
+static void gemm_q8_tile_q6k(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  const int64_t nb = g.K / 32, ns = g.K / 256;
+  const bq6_K* row = reinterpret_cast<const bq6_K*>(g.W + n * g.rb);
+  float acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = 0.f;
+  for (int64_t i = 0; i < ns; ++i) {
+    const bq6_K& b = row[i];
+    const float d = h2f(b.d);
+    for (int j = 0; j < 8; ++j) {
+      const int hn = j / 4, jj = j % 4;
+      int8_t w[32];
+      for (int l = 0; l < 32; ++l) {
+        const int lo = (b.ql[64 * hn + 32 * (jj % 2) + l] >> (4 * (jj / 2))) & 15;
+        const int hi = (b.qh[32 * hn + l] >> (2 * jj)) & 3;
+        w[l] = int8_t((lo | (hi << 4)) - 32);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const int64_t r = (m0 + t) * nb + i * 8 + j;
+        const int8_t* x = g.xq + r * 32;
+        int32_t sa = 0, sb = 0;
+        for (int l = 0; l < 16; ++l) sa += (int32_t)w[l] * (int32_t)x[l];
+        for (int l = 16; l < 32; ++l) sb += (int32_t)w[l] * (int32_t)x[l];
+        acc[t] += (float)(b.scales[2 * j] * sa + b.scales[2 * j + 1] * sb) * (d * g.xd[r]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t];
+}
+
 // no K-quant or Q5_0 / Q5_1 tiles here: their rows go through a dequantized row and dot()
 static bool gemm_avx2_tiles(const GemmArgs&, int64_t, int64_t) { return false; }
 

@@ -3,13 +3,15 @@
 // AVX2 kernels take vpmaddubsw + vpmaddwd (few rows) or vpmaddubsw + 16-bit adds (many rows).
 // Included once by quant_kernels.cpp, inside namespace avx512_vnni and a target region that
 // adds avx512vnni to the AVX-512 set; the AVX-512 build's helpers (q8_weight_block, hsum8,
-// transpose8x8_epi32, row_tiles, h2f) come from `using namespace avx512`. Q4_0, Q4_1, Q8_0 and
-// Q4_K (its sub-blocks of 32 as Q4_1 blocks; 1-2 rows run the AVX2 tile, gemm_q8_rows says why).
+// transpose8x8_epi32, row_tiles, h2f) come from `using namespace avx512`. Q4_0, Q4_1, Q8_0,
+// Q4_K (its sub-blocks of 32 as Q4_1 blocks; 1-2 rows run the AVX2 tile, gemm_q8_rows says why)
+// and Q6_K (many rows only: its few rows run the AVX2 tile).
 // No include guard on purpose.
 //
 // Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
 // (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q8_0's at most 2 * 128 * 127,
-// and vpdpbusd does not saturate at all), and the float steps that follow are the AVX2
+// Q6_K's half-block sums times an int8 scale at most 16 * 32 * 127 * 128, and vpdpbusd does not
+// saturate at all), and the float steps that follow are the AVX2
 // kernels' own, lane for lane (tests compare the outputs' bits).
 
 // ---- few rows: two output columns per 512-bit register ----------------------------------
@@ -154,6 +156,9 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
       else
         gemm_q8_vnni<T_Q4_K>(g, n0, n1);
       break;
+    case T_Q6_K:  // the AVX2 tile: 1-5 rows took 0.69-0.98x the time of this kernel's vpdpbusd + vpmulld
+      avx512::gemm_q8_rows(g, n0, n1);
+      break;
     case T_Q4_0: gemm_q8_vnni<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_vnni<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8_vnni<T_Q8_0>(g, n0, n1); break;
@@ -169,12 +174,16 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 // the row's 4 quants broadcast to every lane, summed in 32 bits. Q8_0's +128 is taken back
 // exactly: its block sums start from -128 * sum(x quants) (GemmQ8Args::xc). Per block and row:
 // acc += float(sum) * (d_w * d_x) + m_w * (d_x * sum(x quants)), each lane the AVX2 kernel's.
+// Q6_K's quants go in uncentred (0..63): each half of a block starts from -32 * sum(its 16 x
+// quants) (xc, q8_half_corr), which makes it the centred sum, then it is multiplied by the
+// half's scale (vpmulld; `S`: per block, the 16 columns' first-half scales, then the second's).
 // The repack reads 8 columns' rows at a time, as the AVX2 one does. Reading all 16 side by side
 // (the first version) took 1.04-1.25x the time on Zen 4 with weights from memory (Q4_K 5632 x
 // 2048 at 6-64 rows, Q4_1 / Q8_0 at 1536 x 576), and made Q4_K slower than the AVX2 kernel below
 // ~24 rows; now it is 1.04-1.18x faster than the AVX2 kernel from 6 rows.
 template <int TYPE>
-static void q8_repack16(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint8_t* Q, float* D, float* Mn) {
+static void q8_repack16(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint8_t* Q, float* D, float* Mn,
+                        int32_t* S) {
   for (int h = 0; h < 2; ++h)  // 8 columns' rows at a time (the AVX2 repack's 8 streams)
     for (int64_t b = 0; b < nb; ++b) {
       __m256i e[8];
@@ -183,12 +192,19 @@ static void q8_repack16(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uin
         if (col >= ncols) {
           e[c] = TYPE == T_Q8_0 ? _mm256_set1_epi8((char)0x80) : _mm256_setzero_si256();  // quants 0
           D[b * 16 + col] = Mn[b * 16 + col] = 0.f;
+          if (TYPE == T_Q6_K) S[b * 32 + col] = S[b * 32 + 16 + col] = 0;
           continue;
         }
         const Q8Block k = q8_weight_block<TYPE>(W + col * rb, b);
-        e[c] = TYPE == T_Q8_0 ? _mm256_xor_si256(k.q, _mm256_set1_epi8((char)0x80)) : k.q;
+        e[c] = TYPE == T_Q8_0   ? _mm256_xor_si256(k.q, _mm256_set1_epi8((char)0x80))
+               : TYPE == T_Q6_K ? _mm256_add_epi8(k.q, _mm256_set1_epi8(32))
+                                : k.q;
         D[b * 16 + col] = k.d;
         Mn[b * 16 + col] = TYPE == T_Q4_0 ? -8.f * k.d : k.mn;
+        if (TYPE == T_Q6_K) {
+          S[b * 32 + col] = k.sa;
+          S[b * 32 + 16 + col] = k.sb;
+        }
       }
       __m256i o[8];
       transpose8x8_epi32(e, o);
@@ -200,8 +216,8 @@ static void q8_repack16(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uin
 // R activation rows x G groups of 16 columns; `Q`, `D`, `Mn` the first group's repacked block 0
 // (groups `gs` bytes / `gf` floats apart); `ncols` valid columns in the last group.
 template <int TYPE, int R, int G>
-static void q8_micro16(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const float* D, const float* Mn, int64_t gs,
-                       int64_t gf, float* out, int ncols) {
+static void q8_micro16(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const float* D, const float* Mn,
+                       const int32_t* S, int64_t gs, int64_t gf, float* out, int ncols) {
   const int64_t nb = g.K / 32;
   const int8_t* x = g.xq + m * g.K;
   __m512 acc[R][G];
@@ -210,16 +226,28 @@ static void q8_micro16(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const f
 #pragma GCC unroll 8
     for (int c = 0; c < G; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i s[R][G];
+    __m512i s[R][G], s6[R][G];  // (s6: Q6_K's first half, scaled)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512i s0 = TYPE == T_Q8_0 ? _mm512_set1_epi32(g.xc[(m + r) * nb + b]) : _mm512_setzero_si512();
+      const __m512i s0 = TYPE == T_Q8_0   ? _mm512_set1_epi32(g.xc[(m + r) * nb + b])
+                         : TYPE == T_Q6_K ? _mm512_set1_epi32(g.xc[((m + r) * nb + b) * 2])
+                                          : _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int c = 0; c < G; ++c) s[r][c] = s0;
     }
     const uint8_t* qb = Q + b * 512;
 #pragma GCC unroll 8
     for (int st = 0; st < 8; ++st) {
+      if (TYPE == T_Q6_K && st == 4)  // the first half times its scales; the second half's start
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i s1 = _mm512_set1_epi32(g.xc[((m + r) * nb + b) * 2 + 1]);
+#pragma GCC unroll 8
+          for (int c = 0; c < G; ++c) {
+            s6[r][c] = _mm512_mullo_epi32(s[r][c], _mm512_loadu_si512(S + c * 2 * gf + b * 32));
+            s[r][c] = s1;
+          }
+        }
       __m512i w[G];
 #pragma GCC unroll 8
       for (int c = 0; c < G; ++c) w[c] = _mm512_loadu_si512(qb + c * gs + st * 64);
@@ -239,8 +267,11 @@ static void q8_micro16(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const f
 #pragma GCC unroll 8
       for (int c = 0; c < G; ++c) {
         const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(D + c * gf + b * 16), dx);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][c]), sc, acc[r][c]);
-        if (TYPE != T_Q8_0) acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(Mn + c * gf + b * 16), sx, acc[r][c]);
+        const __m512i i32 = TYPE == T_Q6_K ? _mm512_add_epi32(s6[r][c], _mm512_mullo_epi32(s[r][c], _mm512_loadu_si512(S + c * 2 * gf + b * 32 + 16)))
+                                           : s[r][c];
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), sc, acc[r][c]);
+        if (q8_has_min(TYPE) || TYPE == T_Q4_0)
+          acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(Mn + c * gf + b * 16), sx, acc[r][c]);
       }
     }
   }
@@ -261,13 +292,13 @@ constexpr int Q8_MR = 4;  // activation rows per micro-kernel call
 
 template <int TYPE, int G>
 static void q8_rows16(const GemmQ8Args& g, int64_t m0, int64_t m1, const uint8_t* Q, const float* D, const float* Mn,
-                      int64_t gs, int64_t gf, float* out, int ncols) {
+                      const int32_t* S, int64_t gs, int64_t gf, float* out, int ncols) {
   int64_t m = m0;
-  for (; m + Q8_MR <= m1; m += Q8_MR) q8_micro16<TYPE, Q8_MR, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols);
+  for (; m + Q8_MR <= m1; m += Q8_MR) q8_micro16<TYPE, Q8_MR, G>(g, m, Q, D, Mn, S, gs, gf, out + m * g.ldo, ncols);
   switch (m1 - m) {
-    case 3: q8_micro16<TYPE, 3, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols); break;
-    case 2: q8_micro16<TYPE, 2, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols); break;
-    case 1: q8_micro16<TYPE, 1, G>(g, m, Q, D, Mn, gs, gf, out + m * g.ldo, ncols); break;
+    case 3: q8_micro16<TYPE, 3, G>(g, m, Q, D, Mn, S, gs, gf, out + m * g.ldo, ncols); break;
+    case 2: q8_micro16<TYPE, 2, G>(g, m, Q, D, Mn, S, gs, gf, out + m * g.ldo, ncols); break;
+    case 1: q8_micro16<TYPE, 1, G>(g, m, Q, D, Mn, S, gs, gf, out + m * g.ldo, ncols); break;
     default: break;
   }
 }
@@ -280,21 +311,25 @@ static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   const int64_t MB = std::max<int64_t>(48, ((int64_t(384) << 10) / g.K) / 12 * 12);
   thread_local std::vector<uint8_t> qbuf;
   thread_local std::vector<float> dbuf, mbuf;
+  thread_local std::vector<int32_t> sbuf;
   qbuf.resize(NC / 16 * gs);
   dbuf.resize(NC / 16 * gf);
   mbuf.resize(NC / 16 * gf);
+  sbuf.resize(NC / 16 * 2 * gf);  // (Q6_K's scales; sized for every type, so its offsets stay in range)
   for (int64_t mb = 0; mb < g.M; mb += MB) {
     const int64_t me = std::min(g.M, mb + MB);
     for (int64_t c0 = n0; c0 < n1; c0 += NC) {
       const int64_t nc = std::min(NC, n1 - c0), ng = (nc + 15) / 16;
       for (int64_t j = 0; j < ng; ++j)
         q8_repack16<TYPE>(g.W + (c0 + 16 * j) * g.rb, g.rb, nb, (int)std::min<int64_t>(16, nc - 16 * j),
-                          qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf);
+                          qbuf.data() + j * gs, dbuf.data() + j * gf, mbuf.data() + j * gf,
+                          sbuf.data() + j * 2 * gf);
       if (ng == 2)
-        q8_rows16<TYPE, 2>(g, mb, me, qbuf.data(), dbuf.data(), mbuf.data(), gs, gf, g.out + c0,
+        q8_rows16<TYPE, 2>(g, mb, me, qbuf.data(), dbuf.data(), mbuf.data(), sbuf.data(), gs, gf, g.out + c0,
                            (int)(nc - 16));
       else
-        q8_rows16<TYPE, 1>(g, mb, me, qbuf.data(), dbuf.data(), mbuf.data(), gs, gf, g.out + c0, (int)nc);
+        q8_rows16<TYPE, 1>(g, mb, me, qbuf.data(), dbuf.data(), mbuf.data(), sbuf.data(), gs, gf, g.out + c0,
+                           (int)nc);
     }
   }
 }
@@ -302,6 +337,7 @@ static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
     case T_Q4_K: gemm_q8_many_t<T_Q4_K>(g, n0, n1); break;
+    case T_Q6_K: gemm_q8_many_t<T_Q6_K>(g, n0, n1); break;
     case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;
     default: gemm_q8_many_t<T_Q8_0>(g, n0, n1); break;
@@ -318,5 +354,19 @@ static void q8_block_corr(const int8_t* xq, int64_t b0, int64_t b1, int32_t* xc)
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     xc[b] = -128 * _mm_cvtsi128_si32(s4);
+  }
+}
+
+// -32 * sum of each 16-quant half of x's 32-quant blocks (Q6_K's start values in the many-row
+// kernel): two per block, [M, K/16]. vpsadbw sums 8 bytes of x ^ 0x80 (x + 128) a lane.
+static void q8_half_corr(const int8_t* xq, int64_t b0, int64_t b1, int32_t* xc) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
+    const __m256i s = _mm256_sad_epu8(_mm256_xor_si256(x, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm_unpackhi_epi64(_mm256_castsi256_si128(s), _mm256_castsi256_si128(s)));
+    const __m128i hi = _mm256_extracti128_si256(s, 1);
+    const __m128i h2 = _mm_add_epi64(hi, _mm_unpackhi_epi64(hi, hi));
+    xc[2 * b] = -32 * (_mm_cvtsi128_si32(h) - 16 * 128);
+    xc[2 * b + 1] = -32 * (_mm_cvtsi128_si32(h2) - 16 * 128);
   }
 }
