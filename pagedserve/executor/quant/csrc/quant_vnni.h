@@ -10,9 +10,9 @@
 //
 // Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
 // (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q8_0's at most 2 * 128 * 127,
-// Q6_K's half-block sums times an int8 scale at most 16 * 32 * 127 * 128, and vpdpbusd does not
-// saturate at all), and the float steps that follow are the AVX2
-// kernels' own, lane for lane (tests compare the outputs' bits).
+// vpdpbusd does not saturate at all, and Q6_K's half-block sums times an int8 scale stay within
+// 16 * 32 * 127 * 128), and the float steps that follow are the AVX2 kernels' own, lane for lane
+// (tests compare the outputs' bits).
 
 // ---- few rows: two output columns per 512-bit register ----------------------------------
 // Lanes 0-7 hold column n's eight partial sums and lanes 8-15 column n + 1's, exactly as the
@@ -156,8 +156,8 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
       else
         gemm_q8_vnni<T_Q4_K>(g, n0, n1);
       break;
-    case T_Q6_K:  // the AVX2 tile: 1-5 rows took 0.69-0.98x the time of this kernel's vpdpbusd + vpmulld
-      avx512::gemm_q8_rows(g, n0, n1);
+    case T_Q6_K:  // (only below set_q6k_int8_rows's default) the AVX2 tile: a vpdpbusd + vpmulld
+      avx512::gemm_q8_rows(g, n0, n1);  // one took 1.02-1.45x its time at 1-5 rows, so was dropped
       break;
     case T_Q4_0: gemm_q8_vnni<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_vnni<T_Q4_1>(g, n0, n1); break;
@@ -267,8 +267,9 @@ static void q8_micro16(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const f
 #pragma GCC unroll 8
       for (int c = 0; c < G; ++c) {
         const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(D + c * gf + b * 16), dx);
-        const __m512i i32 = TYPE == T_Q6_K ? _mm512_add_epi32(s6[r][c], _mm512_mullo_epi32(s[r][c], _mm512_loadu_si512(S + c * 2 * gf + b * 32 + 16)))
-                                           : s[r][c];
+        __m512i i32 = s[r][c];
+        if (TYPE == T_Q6_K)  // the second half times its scales
+          i32 = _mm512_add_epi32(s6[r][c], _mm512_mullo_epi32(i32, _mm512_loadu_si512(S + c * 2 * gf + b * 32 + 16)));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), sc, acc[r][c]);
         if (q8_has_min(TYPE) || TYPE == T_Q4_0)
           acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(Mn + c * gf + b * 16), sx, acc[r][c]);
@@ -363,10 +364,8 @@ static void q8_half_corr(const int8_t* xq, int64_t b0, int64_t b1, int32_t* xc) 
   for (int64_t b = b0; b < b1; ++b) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
     const __m256i s = _mm256_sad_epu8(_mm256_xor_si256(x, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
-    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm_unpackhi_epi64(_mm256_castsi256_si128(s), _mm256_castsi256_si128(s)));
-    const __m128i hi = _mm256_extracti128_si256(s, 1);
-    const __m128i h2 = _mm_add_epi64(hi, _mm_unpackhi_epi64(hi, hi));
-    xc[2 * b] = -32 * (_mm_cvtsi128_si32(h) - 16 * 128);
-    xc[2 * b + 1] = -32 * (_mm_cvtsi128_si32(h2) - 16 * 128);
+    const __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);  // the halves' 2 x 8 bytes
+    xc[2 * b] = -32 * (_mm_cvtsi128_si32(_mm_add_epi64(lo, _mm_unpackhi_epi64(lo, lo))) - 16 * 128);
+    xc[2 * b + 1] = -32 * (_mm_cvtsi128_si32(_mm_add_epi64(hi, _mm_unpackhi_epi64(hi, hi))) - 16 * 128);
   }
 }
