@@ -268,5 +268,5 @@ static void gemm_q8_tile_q6k(const GemmQ8Args& g, int64_t n, int64_t m0) {
       q8_block_step<MT, true, false>(g, q6k_block_q(row[i], j), d, 0.f, m0, i * 8 + j, acc, accm, mul);
     }
   }
-  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];  // (+0: as gemm_q8_tile1)
+  for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];  // (+0.f, as every tile ends)
 }
