@@ -219,7 +219,7 @@ static void q8_repack8(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uint
         continue;
       }
       const Q8Block k = q8_weight_block<TYPE>(W + c * rb, b);
-      e[c] = k.q;
+      e[c] = TYPE == T_Q6_K ? q6k_centred(k.q) : k.q;
       D[b * 8 + c] = k.d;
       Mn[b * 8 + c] = TYPE == T_Q4_0 ? -8.f * k.d : k.mn;
       if (TYPE == T_Q6_K) {
@@ -307,7 +307,7 @@ static void q8_micro(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const flo
         }
         const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(D + c * gf + b * 8), dx);
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), sc, acc[r][c]);
-        if (q8_has_min(TYPE) || TYPE == T_Q4_0)
+        if (q8_many_min_term(TYPE))
           acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(Mn + c * gf + b * 8), sx, acc[r][c]);
       }
     }

@@ -65,8 +65,8 @@ static inline __m256i quant_bytes32(const uint8_t* blk) {
                           _mm256_set1_epi8(15));
 }
 
-// Q6_K's 32-quant block j (0..7) of a super-block, centred (q - 32, in [-32, 31]) as signed bytes
-// in element order. ggml's layout: in 128-element half n = j / 4, quarter jj = j % 4, element l's
+// Q6_K's 32-quant block j (0..7) of a super-block, uncentred (q in 0..63; its value is q - 32)
+// as bytes in element order. ggml's layout: in 128-element half n = j / 4, quarter jj = j % 4, element l's
 // low four bits are ql[64n + 32(jj % 2) + l] >> 4(jj / 2), its high two qh[32n + l] >> 2jj. The
 // block's halves of 16 elements have the int8 scales sc[2j] and sc[2j + 1] (times d).
 static inline __m256i q6k_block_q(const bq6_K& b, int j) {
@@ -75,11 +75,14 @@ static inline __m256i q6k_block_q(const bq6_K& b, int j) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * n));
   const __m256i lo = _mm256_and_si256(jj / 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
   const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * jj), _mm256_set1_epi8(3)), 4);
-  return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+  return _mm256_or_si256(lo, hi);
 }
 
+// Q6_K's quants centred (q - 32, in [-32, 31]): signed bytes, for the vpmaddubsw kernels
+static inline __m256i q6k_centred(__m256i q) { return _mm256_sub_epi8(q, _mm256_set1_epi8(32)); }
+
 // Block i of a weight row's 32-quant blocks in the integer kernels: its quants as bytes
-// (quant_bytes32's: Q4_0's uncentred; Q6_K's centred, q6k_block_q), its scale and its minimum
+// (quant_bytes32's: Q4_0's uncentred; Q6_K's too, q6k_block_q), its scale and its minimum
 // (Q4_1's and Q4_K's, else 0); Q6_K's scale is d, its halves' int8 scales sa and sb.
 // Q4_K's block i is sub-block i % 8 of super-block i / 8, an exact Q4_1 block (q4k_sub_scales):
 // the low (even) or high nibbles of 32 bytes of its qs. The many-row repacks and the few-row
@@ -141,6 +144,10 @@ static inline void transpose8x8_epi32(const __m256i* e, __m256i* o) {
 // Weights with a minimum term (Q4_1, Q4_K) are unsigned nibbles; the others (Q4_0 and Q6_K
 // centred, Q8_0) signed bytes, which lend their sign to x in vpmaddubsw / vpdpbusd
 constexpr bool q8_has_min(int type) { return type == T_Q4_1 || type == T_Q4_K; }
+
+// The many-row kernels' m_w * (d_x * sum(x quants)) term: Q4_1's and Q4_K's minimum, and Q4_0's
+// -8 * d (its quants repacked uncentred); Q8_0's and Q6_K's repacked quants need none
+constexpr bool q8_many_min_term(int type) { return q8_has_min(type) || type == T_Q4_0; }
 
 // One weight block (w: its 32 quants as bytes) in the few-row integer tiles, for MT activation
 // rows from m0: acc[t] += (dw * xd) * sum(w * xq) (vpmaddubsw multiplies unsigned by signed
@@ -246,7 +253,7 @@ static inline __m256i q6k_mul16(int sa, int sb) {
   return _mm256_set_m128i(_mm_set1_epi16((short)sb), _mm_set1_epi16((short)sa));
 }
 
-// Q6_K with int8 activations: each 32-quant block centred (q6k_block_q: signed, |q| <= 32), its
+// Q6_K with int8 activations: each 32-quant block centred (q6k_centred: signed, |q| <= 32), its
 // two halves' sums times their int8 scales in vpmaddwd (q6k_mul16), then the float step of
 // gemm_q8_tile with d: acc += float(sa * sum_a + sb * sum_b) * (d * xd) per lane. The scales and
 // d are read per super-block. AVX512-VNNI CPUs run this tile too (its vpdpbusd + vpmulld took
@@ -265,7 +272,7 @@ static void gemm_q8_tile_q6k(const GemmQ8Args& g, int64_t n, int64_t m0) {
     const float d = h2f(row[i].d);
     for (int j = 0; j < 8; ++j) {
       const __m256i mul = q6k_mul16(row[i].scales[2 * j], row[i].scales[2 * j + 1]);
-      q8_block_step<MT, true, false>(g, q6k_block_q(row[i], j), d, 0.f, m0, i * 8 + j, acc, accm, mul);
+      q8_block_step<MT, true, false>(g, q6k_centred(q6k_block_q(row[i], j)), d, 0.f, m0, i * 8 + j, acc, accm, mul);
     }
   }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];  // (+0.f, as every tile ends)

@@ -196,9 +196,7 @@ static void q8_repack16(const uint8_t* W, int64_t rb, int64_t nb, int ncols, uin
           continue;
         }
         const Q8Block k = q8_weight_block<TYPE>(W + col * rb, b);
-        e[c] = TYPE == T_Q8_0   ? _mm256_xor_si256(k.q, _mm256_set1_epi8((char)0x80))
-               : TYPE == T_Q6_K ? _mm256_add_epi8(k.q, _mm256_set1_epi8(32))
-                                : k.q;
+        e[c] = TYPE == T_Q8_0 ? _mm256_xor_si256(k.q, _mm256_set1_epi8((char)0x80)) : k.q;
         D[b * 16 + col] = k.d;
         Mn[b * 16 + col] = TYPE == T_Q4_0 ? -8.f * k.d : k.mn;
         if (TYPE == T_Q6_K) {
@@ -271,7 +269,7 @@ static void q8_micro16(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const f
         if (TYPE == T_Q6_K)  // the second half times its scales
           i32 = _mm512_add_epi32(s6[r][c], _mm512_mullo_epi32(i32, _mm512_loadu_si512(S + c * 2 * gf + b * 32 + 16)));
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), sc, acc[r][c]);
-        if (q8_has_min(TYPE) || TYPE == T_Q4_0)
+        if (q8_many_min_term(TYPE))
           acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(Mn + c * gf + b * 16), sx, acc[r][c]);
       }
     }
