@@ -7,7 +7,7 @@ decodes --tokens tokens at batch 1, the bf16 few-row kernel on the Q4_K copies o
 turns (off: the float kernel on the packed blocks, as before the copies). The same file runs
 under llama.cpp's llama-bench for the anchor (`llama-bench -m FILE -p 0 -n 128 -t 2`).
 
-    .venv/bin/python benchmarks/kquant_decode.py [--out /tmp/q4k.gguf] [--tokens 64] [--rounds 3] [--mix q6_k]
+    .venv/bin/python benchmarks/kquant_decode.py [--out /tmp/q4k.gguf] [--tokens 64] [--rounds 3] [--mix q5_k_m|q6_k]
 """
 
 from __future__ import annotations
@@ -27,7 +27,24 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, MLP = 2048, 16, 32, 8, 5632
 def random_q4_k(rows: int, cols: int, rng) -> np.ndarray:
     """[rows, cols / 256 * 144] bytes of Q4_K blocks: random quants and 6-bit scales, d and dmin small."""
     raw = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
-    raw[..., 0:4] = rng.uniform(0, 2e-3, size=(rows, cols // 256, 2)).astype(np.float16).view(np.uint8).reshape(rows, cols // 256, 4)
+    raw[..., 0:4] = (
+        rng.uniform(0, 2e-3, size=(rows, cols // 256, 2))
+        .astype(np.float16)
+        .view(np.uint8)
+        .reshape(rows, cols // 256, 4)
+    )
+    return raw.reshape(rows, -1)
+
+
+def random_q5_k(rows: int, cols: int, rng) -> np.ndarray:
+    """[rows, cols / 256 * 176] bytes of Q5_K blocks: random quants and 6-bit scales, d and dmin small."""
+    raw = rng.integers(0, 256, size=(rows, cols // 256, 176), dtype=np.uint8)
+    raw[..., 0:4] = (
+        rng.uniform(0, 1e-3, size=(rows, cols // 256, 2))
+        .astype(np.float16)
+        .view(np.uint8)
+        .reshape(rows, cols // 256, 4)
+    )
     return raw.reshape(rows, -1)
 
 
@@ -45,7 +62,8 @@ def more_bits(layer: int) -> bool:
 
 
 def write_model(out: str, mix: str = "q4_k_m") -> None:
-    """mix "q4_k_m" (see above) or "q6_k": every matrix in Q6_K, as llama.cpp's Q6_K files."""
+    """mix "q4_k_m" (see above), "q5_k_m" (the same with Q5_K for Q4_K, as llama.cpp's Q5_K_M) or
+    "q6_k": every matrix in Q6_K, as llama.cpp's Q6_K files."""
     from pagedserve.model_files import default_model_path
 
     src = gguf.GGUFReader(default_model_path())  # its tokenizer and vocabulary
@@ -69,20 +87,31 @@ def write_model(out: str, mix: str = "q4_k_m") -> None:
                 w.add_key_value(key, val, vt)
     vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(0)
-    q4k, q6k = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    q6k = gguf.GGMLQuantizationType.Q6_K
+    base, random_base = (
+        (gguf.GGMLQuantizationType.Q5_K, random_q5_k)
+        if mix == "q5_k_m"
+        else (gguf.GGMLQuantizationType.Q4_K, random_q4_k)
+    )
     all6 = mix == "q6_k"
-    embd = random_q6_k(vocab, HIDDEN, rng) if all6 else random_q4_k(vocab, HIDDEN, rng)
-    w.add_tensor("token_embd.weight", embd, raw_dtype=q6k if all6 else q4k)
+    embd = random_q6_k(vocab, HIDDEN, rng) if all6 else random_base(vocab, HIDDEN, rng)
+    w.add_tensor("token_embd.weight", embd, raw_dtype=q6k if all6 else base)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     w.add_tensor("output.weight", random_q6_k(vocab, HIDDEN, rng), raw_dtype=q6k)
     kv = KV_HEADS * HIDDEN // HEADS
     for i in range(LAYERS):
-        for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", kv, HIDDEN), ("attn_v", kv, HIDDEN),
-                                 ("attn_output", HIDDEN, HIDDEN), ("ffn_gate", MLP, HIDDEN), ("ffn_up", MLP, HIDDEN),
-                                 ("ffn_down", HIDDEN, MLP)):
+        for name, rows, cols in (
+            ("attn_q", HIDDEN, HIDDEN),
+            ("attn_k", kv, HIDDEN),
+            ("attn_v", kv, HIDDEN),
+            ("attn_output", HIDDEN, HIDDEN),
+            ("ffn_gate", MLP, HIDDEN),
+            ("ffn_up", MLP, HIDDEN),
+            ("ffn_down", HIDDEN, MLP),
+        ):
             six = all6 or (name in ("attn_v", "ffn_down") and more_bits(i))
-            data = random_q6_k(rows, cols, rng) if six else random_q4_k(rows, cols, rng)
-            w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=q6k if six else q4k)
+            data = random_q6_k(rows, cols, rng) if six else random_base(rows, cols, rng)
+            w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=q6k if six else base)
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
     w.write_header_to_file()
@@ -96,7 +125,12 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/pagedserve-q4_k_m-0.9b.gguf")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--mix", choices=["q4_k_m", "q6_k"], default="q4_k_m", help="the file's types (q6_k: all Q6_K)")
+    ap.add_argument(
+        "--mix",
+        choices=["q4_k_m", "q5_k_m", "q6_k"],
+        default="q4_k_m",
+        help="the file's types (q6_k: all Q6_K)",
+    )
     a = ap.parse_args()
     if not os.path.exists(a.out):
         write_model(a.out, a.mix)
@@ -116,8 +150,17 @@ def main() -> None:
             tok_s[mode].append(a.tokens / (time.perf_counter() - t))
     kernels.set_rows16_bf16(True)
     med = {k: round(statistics.median(v), 2) for k, v in tok_s.items()}
-    print(json.dumps({"bench": "kquant_decode", "model": a.out, "isa": kernels.current_isa(), "batch1_tok_s": med,
-                      "ratio": round(med["on"] / med["off"], 2)}))
+    print(
+        json.dumps(
+            {
+                "bench": "kquant_decode",
+                "model": a.out,
+                "isa": kernels.current_isa(),
+                "batch1_tok_s": med,
+                "ratio": round(med["on"] / med["off"], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

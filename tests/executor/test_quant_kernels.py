@@ -88,9 +88,11 @@ def _forced_q8(request):
     its few rows stay float: test_q6k_act_q8_int8_from_9_rows), so the act_q8
     tests below run its int8 few-row tiles too."""
     prev, prev6 = kernels.set_isa(request.param), kernels.set_q6k_int8_rows(1)
+    prev5 = kernels.set_q5k_int8_rows(1)
     yield request.param
     kernels.set_isa(prev)
     kernels.set_q6k_int8_rows(prev6)
+    kernels.set_q5k_int8_rows(prev5)
 
 
 isa = pytest.fixture(params=isa_param(FLOAT_ISAS), name="isa")(_forced)
@@ -170,11 +172,13 @@ def quantize_q8_reference(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * d).reshape(x.shape)
 
 
-# gguf_q8's int8-activation types (Q4_K: sub-blocks as Q4_1; Q6_K: centred blocks of 32, halves scaled)
-ACT_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
-SUPER_BLOCKS = (Q.Q4_K, Q.Q6_K)  # K a multiple of 256
-# a block's quant bytes (Q4_K: past d, dmin and scales; Q6_K: ql and qh, before scales and d)
-QUANT_BYTES = {Q.Q4_1: (4, 20), Q.Q4_0: (2, 18), Q.Q8_0: (2, 34), Q.Q4_K: (16, 144), Q.Q6_K: (0, 192)}
+# gguf_q8's int8-activation types (Q4_K / Q5_K: sub-blocks as Q4_1 / Q5_1; Q6_K: centred blocks of
+# 32, halves scaled)
+ACT_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+SUPER_BLOCKS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # K a multiple of 256
+# a block's quant bytes (Q4_K: past d, dmin and scales; Q5_K: qh and qs, past them; Q6_K: ql and
+# qh, before scales and d)
+QUANT_BYTES = {Q.Q4_1: (4, 20), Q.Q4_0: (2, 18), Q.Q8_0: (2, 34), Q.Q4_K: (16, 144), Q.Q5_K: (16, 176), Q.Q6_K: (0, 192)}
 
 
 @pytest.mark.parametrize("qtype", ACT_Q8_TYPES, ids=lambda t: t.name)
@@ -212,6 +216,7 @@ def _act_q8_out(isa, x, raw, qtype, n, many_from):
     old = kernels.set_q8_many_rows(many_from)
     oldp = kernels.set_prefill_rows(many_from)  # Q8_0's many-row threshold
     old6 = kernels.set_q6k_int8_rows(1)  # Q6_K's int8 few-row tiles too
+    old5 = kernels.set_q5k_int8_rows(1)
     try:
         out = torch.full((x.shape[0], n + 2), 7.0)
         kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 1, act_q8=True)
@@ -219,6 +224,7 @@ def _act_q8_out(isa, x, raw, qtype, n, many_from):
         kernels.set_q8_many_rows(old)
         kernels.set_prefill_rows(oldp)
         kernels.set_q6k_int8_rows(old6)
+        kernels.set_q5k_int8_rows(old5)
         kernels.set_isa(prev)
     assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
     return out[:, 1 : 1 + n]
@@ -318,6 +324,37 @@ def test_q6k_act_q8_int8_from_9_rows():
         kernels.set_q6k_int8_rows(old6)
 
 
+@pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
+def test_q5k_act_q8_rows_follow_the_isa():
+    """Q5_K under act_q8 by default: int8 activations at every row count below AVX-512 (its int8
+    tile beats the float kernel on its copy there: act_q8_type, no copy), from 9 rows on the
+    AVX-512 levels (fewer rows: the bits of act_q8=False, on the copy where given)."""
+    qtype, n, k = Q.Q5_K, 19, 512
+    raw = torch.from_numpy(random_packed(qtype, n, k, seed=6))
+    assert kernels.set_q5k_int8_rows(-1) == -1  # the default: the ISA's rule
+    for isa in kernels.available_isas():
+        prev = kernels.set_isa(isa)
+        try:
+            wide = kernels.current_isa().startswith(("avx512", "amx"))
+            assert kernels.act_q8_type(int(qtype)) is (not wide)
+            copy = kernels.interleave_rows16(raw, int(qtype), k)
+            for m in (1, 8, 9, 24):
+                int8 = m >= 9 or not wide
+                assert kernels.act_q8_rows(int(qtype), m) is int8, (isa, m)
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+                outs = {}
+                for q8 in (False, True):
+                    outs[q8] = torch.zeros(m, n)
+                    kernels.gemm(x, raw, int(qtype), outs[q8], 0, act_q8=q8, interleaved=copy)
+                if int8:
+                    ref, mag = reference(quantize_q8_reference(x), raw.numpy(), qtype, k)
+                    assert np.all(np.abs(outs[True].numpy() - ref) <= 2e-6 * mag + 1e-5), (isa, m)
+                else:
+                    assert torch.equal(outs[True], outs[False]), (isa, m)
+        finally:
+            kernels.set_isa(prev)
+
+
 @pytest.mark.parametrize("q8_isa", isa_param(Q8_ISAS[1:]), indirect=True)
 def test_q8_many_rows_sums_stay_in_range(q8_isa):
     """The many-row integer kernel sums a block's nibble products in 16 bits: the largest
@@ -325,13 +362,14 @@ def test_q8_many_rows_sums_stay_in_range(q8_isa):
     pattern; Q8_0's extremes (-127, and -128, which a file may hold) neither; Q6_K's centred
     quants (-32 and 31, summed in 16 bits over half a block) neither, with int8 scales to -128."""
     n, k, m = 16, 256, 24
-    cases = ((Q.Q4_1, 0xFF), (Q.Q4_0, 0xFF), (Q.Q4_K, 0xFF), (Q.Q8_0, 0x81), (Q.Q8_0, 0x80), (Q.Q6_K, 0x00), (Q.Q6_K, 0xFF))
+    cases = ((Q.Q4_1, 0xFF), (Q.Q4_0, 0xFF), (Q.Q4_K, 0xFF), (Q.Q5_K, 0xFF), (Q.Q8_0, 0x81), (Q.Q8_0, 0x80),
+             (Q.Q6_K, 0x00), (Q.Q6_K, 0xFF))
     for qtype, byte in cases:
         raw = random_packed(qtype, n, k, seed=1)
         be, bb = gguf.GGML_QUANT_SIZES[qtype]
         blocks = raw.reshape(n, k // be, bb)
         first, end = QUANT_BYTES[qtype]
-        blocks[..., first:end] = np.uint8(byte)  # nibbles 15 / int8 -127 / int8 -128 / Q6_K -32 or 31
+        blocks[..., first:end] = np.uint8(byte)  # nibbles 15 / Q5_K 31 / int8 -127 / int8 -128 / Q6_K -32 or 31
         if qtype == Q.Q6_K:
             blocks[..., 192:208] = np.uint8(0x80)  # int8 scales -128
         raw = blocks.reshape(n, -1)

@@ -129,10 +129,11 @@ def test_packed_gguf_matches_dequantized(checkpoint, kquant_checkpoint, tmp_path
     assert_same(run(path, None), run(path, "none"), 1e-4)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
 def test_gguf_q8_activations_close_to_float_activations(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
     """quantization="gguf_q8" (the named llama.cpp-style option): the same packed layers with
-    act_q8 set (Q4_K's too); logits within 5% of the largest logit of the float-activation path
+    act_q8 set (Q4_K's and Q5_K's too; Q5_K's from 9 rows on AVX-512 levels, so the prompts'
+    prefill); logits within 5% of the largest logit of the float-activation path
     where the inputs agree, and not equal to it (the option must change the arithmetic)."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     hf_dir = checkpoint("llama")
@@ -309,7 +310,8 @@ def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, m
 def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
     """On the AVX2 path (a CPU without AVX-512, or PAGEDSERVE_CPU_ISA=avx2) a float32 engine keeps
     the row-interleaved copies (Q6_K's in the byte layout; under gguf_q8 only the float types':
-    Q5_K, Q6_K) and its decode steps read them
+    Q6_K, not Q5_K, whose products are int8 at every row count on this path) and its decode
+    steps read them
     (quant_rows16_avx2.h): the greedy tokens of the same engine without copies (the packed
     rows' kernels), logits within 1% of the largest."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))

@@ -150,9 +150,16 @@ def set_prefill_rows(m: int) -> int:
 
 
 def set_q8_many_rows(m: int) -> int:
-    """act_q8 with Q4_0 / Q4_1 / Q4_K / Q6_K weights: from this many rows on, the column-interleaved
+    """act_q8 with Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K weights: from this many rows on, the column-interleaved
     integer kernel; below it, the few-row integer kernel (returns the previous value)."""
     return int(load().set_q8_many_rows(int(m)))
+
+
+def set_q5k_int8_rows(m: int) -> int:
+    """act_q8 with Q5_K weights: int8 activations from this many rows; -1 (the default): the ISA's
+    rule, every row count below AVX-512 (where the int8 tile beats the float kernel on Q5_K's
+    copy) and from 9 rows on AVX-512 levels (as Q6_K). Returns the previous value."""
+    return int(load().set_q5k_int8_rows(int(m)))
 
 
 def set_q6k_int8_rows(m: int) -> int:
@@ -215,8 +222,8 @@ def has_many_rows_kernel() -> bool:
 def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, act_q8: bool = False,
          interleaved: torch.Tensor | None = None) -> None:
     """out[:, col0:col0+N] = x @ dequant(w).T; act_q8: activations quantized to int8 blocks first
-    (the act_q8_type ones: Q4_0 / Q4_1 / Q8_0 / Q4_K; Q6_K from set_q6k_int8_rows's rows; others
-    ignore it);
+    (the act_q8_type ones: Q4_0 / Q4_1 / Q8_0 / Q4_K; Q5_K and Q6_K from set_q5k_int8_rows's and
+    set_q6k_int8_rows's rows; others ignore it);
     interleaved: w's interleave_rows16 copy, which the few-row float products then read on
     AVX2 and above (Q6_K's six-bit copy: AVX-512 and above)."""
     load().gemm(x, w, int(qtype), out, int(col0), bool(act_q8), interleaved)
@@ -240,8 +247,9 @@ def act_q8_rows(qtype: int, m: int) -> bool:
 
 def act_q8_type(qtype: int) -> bool:
     """Whether gguf_q8 (act_q8) runs this type's products on int8 activations at every row count
-    (Q4_0, Q4_1, Q8_0, Q4_K), so that its layers need no float few-row copy. Q6_K's run on int8
-    activations from set_q6k_int8_rows's rows (act_q8_rows); the other types keep float ones."""
+    (Q4_0, Q4_1, Q8_0, Q4_K; Q5_K below AVX-512), so that its layers need no float few-row copy.
+    Q5_K's (on AVX-512 levels) and Q6_K's run on int8 activations from set_q5k_int8_rows's and
+    set_q6k_int8_rows's rows (act_q8_rows); the other types keep float ones."""
     return bool(load().act_q8_type(int(qtype)))
 
 

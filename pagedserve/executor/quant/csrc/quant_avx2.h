@@ -194,12 +194,13 @@ static void gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 // ---- many rows with int8 activations (the named option "gguf_q8"; AVX2, also run on AVX-512 CPUs) ----
 // A chunk of output columns is repacked into groups of 8: for each 32-element block and each of
 // its 8 steps of 4 elements, 32 bytes whose 32-bit lane c holds column c's 4 quants (unsigned:
-// Q4_0 / Q4_1 / Q4_K nibbles 0..15; Q8_0 keeps its signed bytes), beside the 8 columns' scales and
-// minimums as floats (Q4_0's min is -8 * scale: its quants are stored uncentred; Q4_K's
-// sub-blocks of 32 are such blocks, q4k_sub_scales). Every step is
+// Q4_0 / Q4_1 / Q4_K nibbles 0..15, Q5_K's quants 0..31; Q8_0 keeps its signed bytes), beside the
+// 8 columns' scales and minimums as floats (Q4_0's min is -8 * scale: its quants are stored
+// uncentred; Q4_K's and Q5_K's sub-blocks of 32 are such blocks, kmin_sub_scales). Every step is
 // then one vpmaddubsw per (activation row, group) against 4 activation bytes broadcast to all
 // lanes: no horizontal sums, and each lane is an output column. Nibble products (|q x| <= 15 *
-// 127) are summed over a block's 8 steps in 16 bits (at most 16 * 1905 = 30480, no overflow);
+// 127) are summed over a block's 8 steps in 16 bits (at most 16 * 1905 = 30480, no overflow),
+// Q5_K's (|q x| <= 31 * 127) over each half of a block, then widened (at most 8 * 3937 = 31496);
 // Q8_0's (up to 2 * 128 * 127 = 32512 a step: a file may hold -128, whose magnitude vpmaddubsw
 // reads as unsigned 128) are widened to 32 bits every step. Q6_K's centred quants (|q| <= 32, signed
 // as Q8_0's) are summed in 16 bits over each half of a block (at most 4 * 2 * 32 * 127 = 32512),
@@ -248,7 +249,7 @@ static void q8_micro(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const flo
     for (int c = 0; c < G; ++c) acc[r][c] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i s[R][G], s6[R][G];  // (s6: Q6_K's first half, scaled)
+    __m256i s[R][G], s6[R][G];  // (s6: the first half in 32 bits: Q6_K's scaled, Q5_K's widened)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -256,10 +257,11 @@ static void q8_micro(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const flo
     const uint8_t* qb = Q + b * 256;
 #pragma GCC unroll 8
     for (int st = 0; st < 8; ++st) {
-      if (TYPE == T_Q6_K && st == 4)  // the first half's 16-bit sums times its scales, in 32 bits
+      if ((TYPE == T_Q6_K || TYPE == T_Q5_K) && st == 4)  // the first half's 16-bit sums in 32 bits
 #pragma GCC unroll 8
-        for (int c = 0; c < G; ++c) {
-          const __m256i sa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + c * 2 * gf + b * 16));
+        for (int c = 0; c < G; ++c) {  // (times Q6_K's scales)
+          const __m256i sa =
+              TYPE == T_Q5_K ? ones : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + c * 2 * gf + b * 16));
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             s6[r][c] = _mm256_madd_epi16(s[r][c], sa);
@@ -304,6 +306,8 @@ static void q8_micro(const GemmQ8Args& g, int64_t m, const uint8_t* Q, const flo
         if (TYPE == T_Q6_K) {
           const __m256i sb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + c * 2 * gf + b * 16 + 8));
           i32 = _mm256_add_epi32(s6[r][c], _mm256_madd_epi16(s[r][c], sb));
+        } else if (TYPE == T_Q5_K) {
+          i32 = _mm256_add_epi32(s6[r][c], i32);
         }
         const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(D + c * gf + b * 8), dx);
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), sc, acc[r][c]);
@@ -374,6 +378,7 @@ static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
     case T_Q4_K: gemm_q8_many_t<T_Q4_K>(g, n0, n1); break;  // its sub-blocks as Q4_1 blocks
+    case T_Q5_K: gemm_q8_many_t<T_Q5_K>(g, n0, n1); break;  // its sub-blocks as Q5_1 blocks
     case T_Q6_K: gemm_q8_many_t<T_Q6_K>(g, n0, n1); break;
     case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;

@@ -81,13 +81,20 @@ static inline __m256i q6k_block_q(const bq6_K& b, int j) {
 // Q6_K's quants centred (q - 32, in [-32, 31]): signed bytes, for the vpmaddubsw kernels
 static inline __m256i q6k_centred(__m256i q) { return _mm256_sub_epi8(q, _mm256_set1_epi8(32)); }
 
+// Q5_K's fifth bits of sub-block sb (bit sb of qh[l], ggml's layout) as 16 in byte l, to OR onto
+// its nibbles: 0..31, unsigned
+static inline __m256i q5k_high(__m256i qh, int sb) {
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, sb), 4), _mm256_set1_epi8(16));
+}
+
 // Block i of a weight row's 32-quant blocks in the integer kernels: its quants as bytes
 // (quant_bytes32's: Q4_0's uncentred; Q6_K's too, q6k_block_q), its scale and its minimum
-// (Q4_1's and Q4_K's, else 0); Q6_K's scale is d, its halves' int8 scales sa and sb.
-// Q4_K's block i is sub-block i % 8 of super-block i / 8, an exact Q4_1 block (q4k_sub_scales):
-// the low (even) or high nibbles of 32 bytes of its qs. The many-row repacks and the few-row
-// tiles of the other types (Q4_K's few-row tile walks each super-block in pairs of sub-blocks
-// instead, one load of qs a pair: a block at a time made it 1.1-1.5x slower at 1-4 rows).
+// (Q4_1's, Q4_K's and Q5_K's, else 0); Q6_K's scale is d, its halves' int8 scales sa and sb.
+// Q4_K's block i is sub-block i % 8 of super-block i / 8, an exact Q4_1 block (kmin_sub_scales):
+// the low (even) or high nibbles of 32 bytes of its qs; Q5_K's the same with a fifth bit from qh
+// (q5k_high), a Q5_1 block. The many-row repacks and the few-row tiles of the other types (Q4_K's
+// and Q5_K's few-row tile walks each super-block in pairs of sub-blocks instead, one load of qs a
+// pair: a block at a time made Q4_K's 1.1-1.5x slower at 1-4 rows).
 struct Q8Block {
   __m256i q;
   float d, mn;
@@ -104,12 +111,15 @@ static inline Q8Block q8_weight_block(const uint8_t* row, int64_t i) {
     b.mn = 0.f;
     b.sa = kb.scales[2 * j];
     b.sb = kb.scales[2 * j + 1];
-  } else if constexpr (TYPE == T_Q4_K) {
-    const bq4_K& kb = reinterpret_cast<const bq4_K*>(row)[i / 8];
+  } else if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+    using B = std::conditional_t<TYPE == T_Q5_K, bq5_K, bq4_K>;
+    const B& kb = reinterpret_cast<const B*>(row)[i / 8];
     const int sb = int(i % 8);
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb.qs + 32 * (sb / 2)));
     b.q = _mm256_and_si256(sb % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(15));
-    q4k_sub_scales(kb, sb, &b.d, &b.mn);
+    if constexpr (TYPE == T_Q5_K)
+      b.q = _mm256_or_si256(b.q, q5k_high(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb.qh)), sb));
+    kmin_sub_scales(kb, sb, &b.d, &b.mn);
   } else {
     constexpr int64_t BB = TYPE == T_Q8_0 ? sizeof(bq8_0) : TYPE == T_Q4_0 ? sizeof(bq4_0) : sizeof(bq4_1);
     const uint8_t* blk = row + i * BB;
@@ -141,17 +151,17 @@ static inline void transpose8x8_epi32(const __m256i* e, __m256i* o) {
   o[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
 }
 
-// Weights with a minimum term (Q4_1, Q4_K) are unsigned nibbles; the others (Q4_0 and Q6_K
-// centred, Q8_0) signed bytes, which lend their sign to x in vpmaddubsw / vpdpbusd
-constexpr bool q8_has_min(int type) { return type == T_Q4_1 || type == T_Q4_K; }
+// Weights with a minimum term (Q4_1, Q4_K: nibbles; Q5_K: 0..31) are unsigned bytes; the others
+// (Q4_0 and Q6_K centred, Q8_0) signed bytes, which lend their sign to x in vpmaddubsw / vpdpbusd
+constexpr bool q8_has_min(int type) { return type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K; }
 
-// The many-row kernels' m_w * (d_x * sum(x quants)) term: Q4_1's and Q4_K's minimum, and Q4_0's
+// The many-row kernels' m_w * (d_x * sum(x quants)) term: the minimum of those, and Q4_0's
 // -8 * d (its quants repacked uncentred); Q8_0's and Q6_K's repacked quants need none
 constexpr bool q8_many_min_term(int type) { return q8_has_min(type) || type == T_Q4_0; }
 
 // One weight block (w: its 32 quants as bytes) in the few-row integer tiles, for MT activation
 // rows from m0: acc[t] += (dw * xd) * sum(w * xq) (vpmaddubsw multiplies unsigned by signed
-// bytes: SIGNED weights lend their sign to x), then (MIN: Q4_1's and Q4_K's minimum term)
+// bytes: SIGNED weights lend their sign to x), then (MIN: Q4_1's, Q4_K's and Q5_K's minimum term)
 // accm[t] = fma(mn, xs, accm[t]) (written out: the VNNI tiles must round it alike, and the
 // compiler's own contraction differs between loops). `mul`: the 16-bit factors of vpmaddwd,
 // 1, or Q6_K's scales of elements 0-15 (low 128 bits) and 16-31 (q6k_mul16): each 32-bit lane is
@@ -193,10 +203,12 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
 
-// A Q4_K super-block's 8 sub-block scales and minimums as floats, d * sc and -dmin * m (each
-// the product q4k_sub_scales makes, so the same bits): the 6-bit fields gathered four bytes at a
-// time (sc in u[0..1], m in u[2..3]; llama.cpp's unpacking), widened and scaled in one vector each
-static inline void q4k_scales8(const bq4_K& b, float* dw, float* mn) {
+// A Q4_K or Q5_K super-block's 8 sub-block scales and minimums as floats, d * sc and -dmin * m
+// (each the product kmin_sub_scales makes, so the same bits): the 6-bit fields gathered four
+// bytes at a time (sc in u[0..1], m in u[2..3]; llama.cpp's unpacking), widened and scaled in one
+// vector each
+template <class B>
+static inline void kmin_scales8(const B& b, float* dw, float* mn) {
   uint32_t u[4];
   std::memcpy(u, b.scales, 12);
   constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
@@ -211,13 +223,15 @@ static inline void q4k_scales8(const bq4_K& b, float* dw, float* mn) {
   _mm256_storeu_ps(mn, _mm256_mul_ps(_mm256_set1_ps(-h2f(b.dmin)), m));
 }
 
-// Q4_K with int8 activations: each super-block's 8 sub-blocks are Q4_1 blocks (q4k_sub_scales;
-// q4k_scales8 for one row), two of them a 32-byte load of qs (low, high nibbles); per sub-block
-// the steps of gemm_q8_tile<T_Q4_1>. quant_vnni.h's gemm_q8_tile1_q4k walks them alike.
-template <int MT>
-static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
-  const int64_t nb = g.K / 32, ns = g.K / 256;
-  const bq4_K* row = reinterpret_cast<const bq4_K*>(g.W + n * g.rb);
+// Q4_K / Q5_K with int8 activations: each super-block's 8 sub-blocks are Q4_1 / Q5_1 blocks
+// (kmin_sub_scales; kmin_scales8 for one row), two of them a 32-byte load of qs (low, high
+// nibbles; Q5_K's fifth bits from one load of qh a super-block, q5k_high); per sub-block the
+// steps of gemm_q8_tile<T_Q4_1>. quant_vnni.h's gemm_q8_tile1_kmin walks them alike.
+template <int TYPE, int MT>
+static void gemm_q8_tile_kmin(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  using B = std::conditional_t<TYPE == T_Q5_K, bq5_K, bq4_K>;
+  const int64_t ns = g.K / 256;
+  const B* row = reinterpret_cast<const B*>(g.W + n * g.rb);
   __m256 acc[MT];
   float accm[MT];
   for (int t = 0; t < MT; ++t) {
@@ -226,20 +240,24 @@ static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
   }
   const __m256i m4 = _mm256_set1_epi8(15);
   for (int64_t i = 0; i < ns; ++i) {
-    // one row: the 8 scales at once (1.2x faster at 1 row; 1.03-1.1x slower at 2, 3 and 5 rows,
-    // which decode each sub-block's as they go)
+    // one row: the 8 scales at once (Q4_K: 1.2x faster at 1 row; 1.03-1.1x slower at 2, 3 and 5
+    // rows, which decode each sub-block's as they go)
     alignas(32) float dw8[8], mn8[8];
-    if constexpr (MT == 1) q4k_scales8(row[i], dw8, mn8);
+    if constexpr (MT == 1) kmin_scales8(row[i], dw8, mn8);
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (TYPE == T_Q5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i].qh));
     for (int p = 0; p < 4; ++p) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i].qs + 32 * p));
-      const __m256i w[2] = {_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)};
+      __m256i w[2] = {_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)};
+      if constexpr (TYPE == T_Q5_K)
+        for (int h = 0; h < 2; ++h) w[h] = _mm256_or_si256(w[h], q5k_high(qh, 2 * p + h));
       for (int h = 0; h < 2; ++h) {
         float dw, mn;
         if constexpr (MT == 1) {
           dw = dw8[2 * p + h];
           mn = mn8[2 * p + h];
         } else {
-          q4k_sub_scales(row[i], 2 * p + h, &dw, &mn);
+          kmin_sub_scales(row[i], 2 * p + h, &dw, &mn);
         }
         q8_block_step<MT, false, true>(g, w[h], dw, mn, m0, i * 8 + 2 * p + h, acc, accm);
       }

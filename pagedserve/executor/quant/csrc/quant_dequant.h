@@ -69,10 +69,12 @@ static inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
     *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
 }
-// Q4_K's sub-block sb (0 .. 7) of a super-block as a Q4_1 block (gguf_q8's integer products): scale
-// d * sc and min -dmin * m, both exact in float (11-bit mantissas times 6-bit integers); its 32
-// quants are the low (sb even) or high nibbles of qs[32 (sb / 2) ..]
-static inline void q4k_sub_scales(const bq4_K& b, int sb, float* dw, float* mn) {
+// Q4_K's or Q5_K's (B: bq4_K, bq5_K: the same d, dmin and scales) sub-block sb (0 .. 7) of a
+// super-block as a Q4_1 / Q5_1 block (gguf_q8's integer products): scale d * sc and min
+// -dmin * m, both exact in float (11-bit mantissas times 6-bit integers); its 32 quants are the
+// low (sb even) or high nibbles of qs[32 (sb / 2) ..], Q5_K's with bit sb of qh[0 .. 31] above
+template <class B>
+static inline void kmin_sub_scales(const B& b, int sb, float* dw, float* mn) {
   int sc, m;
   scale_min_k4(sb, b.scales, &sc, &m);
   *dw = h2f(b.d) * (float)sc;

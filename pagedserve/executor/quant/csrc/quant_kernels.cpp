@@ -586,10 +586,20 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 #endif
 }
 
-// The types whose products act_q8 ("gguf_q8") runs on int8 activations at every row count
-// (Q4_K's sub-blocks as Q4_1 blocks), so their layers need no float few-row copy; Q6_K's from
-// some rows on (act_q8_rows); the others keep float activations
-static bool act_q8_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K; }
+// Q5_K under act_q8: int8 activations from this many rows; -1: the ISA's own rule, 1 row (every
+// row count) below AVX-512 and 9 from it. On the AVX2 path the int8 tile beats the float kernel
+// on Q5_K's interleaved copy at every row count (Zen 4, float32, a [2048, 5632] layer: 1 row 314
+// vs 449 us, 4 rows 852 vs 896, 8 rows 1,077 vs 1,607). On the AVX-512 levels the copy's kernels
+// won at 2-8 rows in bf16 (0.46-0.7x the int8 time; 1 row even) and at 2-4 rows in float32
+// (0.71-0.76x; int8 won at 1 and 8 rows by 1.1-1.3x), and from 9-12 rows the float products leave
+// the copy for slower many-row paths (BENCHMARKS section 61). Tests set 1.
+static int64_t g_q5k_int8_rows = -1;
+int64_t set_q5k_int8_rows(int64_t m) {
+  const int64_t old = g_q5k_int8_rows;
+  g_q5k_int8_rows = m;
+  return old;
+}
+static int64_t q5k_int8_rows() { return g_q5k_int8_rows >= 0 ? g_q5k_int8_rows : current_isa() >= ISA_AVX512 ? 9 : 1; }
 
 // Q6_K under act_q8: int8 activations from this many rows, on the many-row integer kernel (its
 // blocks of 32 centred, each half times its int8 scale in integers). Fewer rows keep float
@@ -605,9 +615,20 @@ int64_t set_q6k_int8_rows(int64_t m) {
   return old;
 }
 
+// The types whose products act_q8 ("gguf_q8") runs on int8 activations at every row count
+// (Q4_K's and Q5_K's sub-blocks as Q4_1 / Q5_1 blocks), so their layers need no float few-row
+// copy: Q4_0 / Q4_1 / Q8_0 / Q4_K, and Q5_K where its rule says 1 row (q5k_int8_rows: below
+// AVX-512, asked at load, after PAGEDSERVE_CPU_ISA). Q5_K and Q6_K otherwise from some rows on
+// (act_q8_rows); the other types keep float activations
+static bool act_q8_type(int64_t type) {
+  if (type == T_Q5_K) return q5k_int8_rows() <= 1;
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K;
+}
+
 // Whether act_q8 runs this type's product over M activation rows on int8 activations
 static bool act_q8_rows(int64_t type, int64_t M) {
   if (type == T_Q6_K) return M >= g_q6k_int8_rows;
+  if (type == T_Q5_K) return M >= q5k_int8_rows();
   return act_q8_type(type);
 }
 
@@ -923,6 +944,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("act_q8_rows", &act_q8_rows, "whether act_q8 runs this type's product over M rows on int8 activations",
         py::arg("type"), py::arg("M"));
   m.def("set_q6k_int8_rows", &set_q6k_int8_rows);
+  m.def("set_q5k_int8_rows", &set_q5k_int8_rows);
   m.def("rows16_copy_size", &rows16_copy_size, "bytes of interleave_rows16's copy (0: none)", py::arg("w"),
         py::arg("type"), py::arg("K"));
   m.def("interleave_rows16", &interleave_rows16, "packed rows -> the row-interleaved copy the few-row kernels read",

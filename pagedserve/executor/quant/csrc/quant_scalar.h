@@ -115,21 +115,26 @@ static void gemm_q8_tile(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];
 }
 
-// Q4_K with int8 activations: each super-block's 8 sub-blocks are Q4_1 blocks (q4k_sub_scales)
-// against the activations' q8 blocks of 32, as gemm_q8_tile's Q4_1
-template <int MT>
-static void gemm_q8_tile_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
-  const int64_t nb = g.K / 32, ns = g.K / 256;
-  const bq4_K* row = reinterpret_cast<const bq4_K*>(g.W + n * g.rb);
+// Q4_K / Q5_K with int8 activations: each super-block's 8 sub-blocks are Q4_1 / Q5_1 blocks
+// (kmin_sub_scales; Q5_K's fifth bit: bit sb of qh[l]) against the activations' q8 blocks of 32,
+// as gemm_q8_tile's Q4_1
+template <int TYPE, int MT>
+static void gemm_q8_tile_kmin(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  using B = std::conditional_t<TYPE == T_Q5_K, bq5_K, bq4_K>;
+  const int64_t ns = g.K / 256;
+  const B* row = reinterpret_cast<const B*>(g.W + n * g.rb);
   float acc[MT], accm[MT];
   for (int t = 0; t < MT; ++t) acc[t] = accm[t] = 0.f;
   for (int64_t i = 0; i < ns; ++i)
     for (int sb = 0; sb < 8; ++sb) {
       float dw, mn;
-      q4k_sub_scales(row[i], sb, &dw, &mn);
+      kmin_sub_scales(row[i], sb, &dw, &mn);
       const uint8_t* qs = row[i].qs + 32 * (sb / 2);
       int8_t w[32];
-      for (int j = 0; j < 32; ++j) w[j] = int8_t((qs[j] >> (4 * (sb % 2))) & 15);
+      for (int j = 0; j < 32; ++j) {
+        w[j] = int8_t((qs[j] >> (4 * (sb % 2))) & 15);
+        if constexpr (TYPE == T_Q5_K) w[j] = int8_t(w[j] | (((row[i].qh[j] >> sb) & 1) << 4));
+      }
       q8_block_step<MT, true>(g, w, dw, mn, m0, i * 8 + sb, acc, accm);
     }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = acc[t] + accm[t];

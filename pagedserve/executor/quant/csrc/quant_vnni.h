@@ -4,12 +4,13 @@
 // Included once by quant_kernels.cpp, inside namespace avx512_vnni and a target region that
 // adds avx512vnni to the AVX-512 set; the AVX-512 build's helpers (q8_weight_block, hsum8,
 // transpose8x8_epi32, row_tiles, h2f) come from `using namespace avx512`. Q4_0, Q4_1, Q8_0,
-// Q4_K (its sub-blocks of 32 as Q4_1 blocks; 1-2 rows run the AVX2 tile, gemm_q8_rows says why)
-// and Q6_K (many rows only: its few rows run the AVX2 tile).
+// Q4_K / Q5_K (their sub-blocks of 32 as Q4_1 / Q5_1 blocks; 1-2 rows run the AVX2 tile,
+// gemm_q8_rows says why) and Q6_K (many rows only: its few rows run the AVX2 tile).
 // No include guard on purpose.
 //
 // Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
-// (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q8_0's at most 2 * 128 * 127,
+// (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q5_K's 2 * 31 * 127, Q8_0's at
+// most 2 * 128 * 127,
 // vpdpbusd does not saturate at all, and Q6_K's half-block sums times an int8 scale stay within
 // 16 * 32 * 127 * 128), and the float steps that follow are the AVX2 kernels' own, lane for lane
 // (tests compare the outputs' bits).
@@ -90,13 +91,15 @@ static void gemm_q8_tile1(const GemmQ8Args& g, int64_t n, int64_t m0) {
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
 
-// Q4_K, one column: each super-block's sub-blocks (Q4_1 blocks, q4k_sub_scales) in pairs, one
-// 32-byte load of qs a pair (its low and high nibbles), as the AVX2 tile (gemm_q8_tile_q4k)
-// with vpdpbusd for its vpmaddubsw + vpmaddwd
-template <int MT>
-static void gemm_q8_tile1_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
+// Q4_K / Q5_K, one column: each super-block's sub-blocks (Q4_1 / Q5_1 blocks, kmin_sub_scales)
+// in pairs, one 32-byte load of qs a pair (its low and high nibbles; Q5_K's fifth bits from one
+// load of qh a super-block), as the AVX2 tile (gemm_q8_tile_kmin) with vpdpbusd for its
+// vpmaddubsw + vpmaddwd
+template <int TYPE, int MT>
+static void gemm_q8_tile1_kmin(const GemmQ8Args& g, int64_t n, int64_t m0) {
+  using B = std::conditional_t<TYPE == T_Q5_K, bq5_K, bq4_K>;
   const int64_t nb = g.K / 32, ns = g.K / 256;
-  const bq4_K* row = reinterpret_cast<const bq4_K*>(g.W + n * g.rb);
+  const B* row = reinterpret_cast<const B*>(g.W + n * g.rb);
   __m256 acc[MT];
   float accm[MT];
   for (int t = 0; t < MT; ++t) {
@@ -104,13 +107,17 @@ static void gemm_q8_tile1_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
     accm[t] = 0.f;
   }
   const __m256i m4 = _mm256_set1_epi8(15);
-  for (int64_t i = 0; i < ns; ++i)
+  for (int64_t i = 0; i < ns; ++i) {
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (TYPE == T_Q5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i].qh));
     for (int p = 0; p < 4; ++p) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i].qs + 32 * p));
-      const __m256i w[2] = {_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)};
+      __m256i w[2] = {_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)};
+      if constexpr (TYPE == T_Q5_K)
+        for (int h = 0; h < 2; ++h) w[h] = _mm256_or_si256(w[h], q5k_high(qh, 2 * p + h));
       for (int h = 0; h < 2; ++h) {
         float dw, mn;
-        q4k_sub_scales(row[i], 2 * p + h, &dw, &mn);
+        kmin_sub_scales(row[i], 2 * p + h, &dw, &mn);
         const int64_t blk = i * 8 + 2 * p + h;
         for (int t = 0; t < MT; ++t) {
           const int64_t r = (m0 + t) * nb + blk;
@@ -121,6 +128,7 @@ static void gemm_q8_tile1_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
         for (int t = 0; t < MT; ++t) accm[t] = std::fma(mn, g.xs[(m0 + t) * nb + blk], accm[t]);
       }
     }
+  }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];
 }
 
@@ -129,8 +137,9 @@ static void gemm_q8_tile1_q4k(const GemmQ8Args& g, int64_t n, int64_t m0) {
 // apart the pairs stream their weights from memory 2x slower than the AVX2 tile at 1 row (Zen 4:
 // Q4_1 576 x 1536 49 vs 24 us, 5632 x 2048 609 vs 271 us), one column at a time 1.0-1.1x faster.
 // Q8_0's pairs were as slow from memory (the 49152 x 576 LM head at 1 row: 1852 vs 663 us; AVX2
-// 621), and software prefetch did not mend it. Q4_K one column at a time (gemm_q8_tile1_q4k; its
-// column pairs were as slow from memory), from 3 rows: gemm_q8_rows gives 1-2 to the AVX2 tile.
+// 621), and software prefetch did not mend it. Q4_K / Q5_K one column at a time
+// (gemm_q8_tile1_kmin; Q4_K's column pairs were as slow from memory), from 3 rows: gemm_q8_rows
+// gives 1-2 to the AVX2 tile.
 constexpr int64_t Q8_PAIR_MAX_ROW_BYTES = 512;
 
 template <int TYPE>
@@ -141,8 +150,8 @@ static void gemm_q8_vnni(const GemmQ8Args& g, int64_t n0, int64_t n1) {
       row_tiles(g.M, [&](auto mt, int64_t m0) { gemm_q8_tile2<TYPE, decltype(mt)::value>(g, n, m0); });
   for (; n < n1; ++n)
     row_tiles(g.M, [&](auto mt, int64_t m0) {
-      if constexpr (TYPE == T_Q4_K)
-        gemm_q8_tile1_q4k<decltype(mt)::value>(g, n, m0);
+      if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K)
+        gemm_q8_tile1_kmin<TYPE, decltype(mt)::value>(g, n, m0);
       else
         gemm_q8_tile1<TYPE, decltype(mt)::value>(g, n, m0);
     });
@@ -156,6 +165,12 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
       else
         gemm_q8_vnni<T_Q4_K>(g, n0, n1);
       break;
+    case T_Q5_K:  // as Q4_K
+      if (g.M <= 2)
+        avx512::gemm_q8_rows(g, n0, n1);
+      else
+        gemm_q8_vnni<T_Q5_K>(g, n0, n1);
+      break;
     case T_Q6_K:  // (only below set_q6k_int8_rows's default) the AVX2 tile: a vpdpbusd + vpmulld
       avx512::gemm_q8_rows(g, n0, n1);  // one took 1.02-1.45x its time at 1-5 rows, so was dropped
       break;
@@ -168,7 +183,8 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 // ---- many rows: 16 output columns per register ----------------------------------------------
 // The AVX2 many-row kernel's layout, 16 lanes wide: a chunk of output columns is repacked into
 // groups of 16; for each 32-element block and each of its 8 steps of 4 elements, 64 bytes whose
-// 32-bit lane c holds column c's 4 quants as unsigned bytes (Q4_0 / Q4_1 / Q4_K nibbles 0..15;
+// 32-bit lane c holds column c's 4 quants as unsigned bytes (Q4_0 / Q4_1 / Q4_K nibbles 0..15,
+// Q5_K's 0..31;
 // Q8_0's signed bytes + 128, i.e. xor 0x80), beside the 16 columns' scales and minimums as floats
 // (Q4_0's min is -8 * scale). Each step is one vpdpbusd per (activation row, group) against
 // the row's 4 quants broadcast to every lane, summed in 32 bits. Q8_0's +128 is taken back
@@ -336,6 +352,7 @@ static void gemm_q8_many_t(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 static void gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
     case T_Q4_K: gemm_q8_many_t<T_Q4_K>(g, n0, n1); break;
+    case T_Q5_K: gemm_q8_many_t<T_Q5_K>(g, n0, n1); break;
     case T_Q6_K: gemm_q8_many_t<T_Q6_K>(g, n0, n1); break;
     case T_Q4_0: gemm_q8_many_t<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_many_t<T_Q4_1>(g, n0, n1); break;
