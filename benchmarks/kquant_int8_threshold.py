@@ -1,5 +1,5 @@
-"""Where gguf_q8 should run a K-quant without an int8 kernel at every row count (Q6_K, BENCHMARKS
-section 60; Q5_K, section 61) on int8 activations: a layer's product through the layers' one call
+"""Where gguf_q8 should run a K-quant on int8 activations (Q6_K: BENCHMARKS section 60; Q5_K: 61;
+Q4_K: 62): a layer's product through the layers' one call
 (qlinear, act_q8 on, the interleaved copy given) with the type's int8 threshold at 1 row (int8 at
 every row count: the few-row tile below the many-row threshold, then the many-row kernel) and
 never (float activations: the copy's float or bf16 kernel at few rows, the many-row float or bf16
@@ -34,14 +34,13 @@ def main() -> None:
     from tests.executor.test_quant_kernels import random_packed
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--type", choices=["q5_k", "q6_k"], default="q6_k")
+    ap.add_argument("--type", choices=["q4_k", "q5_k", "q6_k"], default="q6_k")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 64, 256])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--gate-up", action="store_true")
     args = ap.parse_args()
-    mod, qt = kernels.load(), int(Q.Q5_K if args.type == "q5_k" else Q.Q6_K)
-    set_rows = kernels.set_q5k_int8_rows if args.type == "q5_k" else kernels.set_q6k_int8_rows
+    mod, qt = kernels.load(), int(getattr(Q, args.type.upper()))
     shapes = [(2048, 5632, 8), (49152, 2048, 1)] + ([(5632, 2048, 8)] if args.gate_up else [])
     for n, k, layers in shapes:
         ws = [torch.from_numpy(random_packed(qt, n, k, seed=i)) for i in range(layers)]
@@ -51,14 +50,14 @@ def main() -> None:
             times: dict[str, list[float]] = {"float": [], "int8": []}
             for _ in range(args.rounds):
                 for name, from_rows in (("float", 10**9), ("int8", 1)):
-                    old = set_rows(from_rows)
+                    old = kernels.set_int8_rows(qt, from_rows)
                     try:
                         t0 = time.perf_counter()
                         for w, wi in zip(ws, wis):
                             mod.qlinear(x, [w], [qt], [0], n, None, True, [wi])
                         times[name].append((time.perf_counter() - t0) / layers * 1e6)
                     finally:
-                        set_rows(old)
+                        kernels.set_int8_rows(qt, old)
             med = {name: round(statistics.median(v)) for name, v in times.items()}
             line = {
                 "isa": kernels.current_isa(),

@@ -84,15 +84,13 @@ def _forced(request):
 
 
 def _forced_q8(request):
-    """An ISA, with Q6_K's act_q8 products on int8 activations at every row count (by default
-    its few rows stay float: test_q6k_act_q8_int8_from_9_rows), so the act_q8
-    tests below run its int8 few-row tiles too."""
-    prev, prev6 = kernels.set_isa(request.param), kernels.set_q6k_int8_rows(1)
-    prev5 = kernels.set_q5k_int8_rows(1)
-    yield request.param
+    """An ISA, with the K-quants' act_q8 products on int8 activations at every row count (by
+    default their few rows may stay float: test_kquant_act_q8_rows_follow_the_isa), so the act_q8
+    tests below run their int8 few-row tiles too."""
+    prev = kernels.set_isa(request.param)
+    with int8_rows(1):
+        yield request.param
     kernels.set_isa(prev)
-    kernels.set_q6k_int8_rows(prev6)
-    kernels.set_q5k_int8_rows(prev5)
 
 
 isa = pytest.fixture(params=isa_param(FLOAT_ISAS), name="isa")(_forced)
@@ -139,6 +137,32 @@ def test_gemm_matches_dequantized_matmul(isa, qtype, m):
             got = out[:, 3 : 3 + n].numpy()
             assert np.all(np.abs(got - ref) <= 2e-6 * mag + 1e-6), (k, prefill_rows, np.abs(got - ref).max())
             assert torch.all(out[:, :3] == 7.0) and torch.all(out[:, 3 + n :] == 7.0)  # only its columns
+
+
+@pytest.mark.skipif(not HAVE_KERNELS or "avx512" not in kernels.available_isas(), reason="this CPU lacks avx512f")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_avx512_float_many_rows_take_the_avx2_kernel_below_the_blas_rows(qtype):
+    """A float32 product of packed weights on the AVX-512 levels from the prefill threshold up to
+    set_float_blas_rows (512) runs the AVX2 many-row kernel: the AVX2 level's bits exactly; from
+    there the dequantized tiles + BLAS, within float rounding of it."""
+    n, k = 37, 512
+    w = torch.from_numpy(random_packed(qtype, n, k, seed=3))
+    for m, blas_from in ((12, 512), (40, 512), (40, 40)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        outs = {}
+        for isa in ("avx2", "avx512"):
+            prev, old = kernels.set_isa(isa), kernels.set_float_blas_rows(blas_from)
+            try:
+                outs[isa] = torch.zeros(m, n)
+                kernels.gemm(x, w, int(qtype), outs[isa], 0)
+            finally:
+                kernels.set_isa(prev)
+                kernels.set_float_blas_rows(old)
+        if m < blas_from:
+            assert torch.equal(outs["avx512"], outs["avx2"]), m
+        else:
+            ref, mag = reference(x, w.numpy(), qtype, k)
+            assert np.all(np.abs(outs["avx512"].numpy() - ref) <= 2e-6 * mag + 1e-6), m
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -215,16 +239,13 @@ def _act_q8_out(isa, x, raw, qtype, n, many_from):
     prev = kernels.set_isa(isa)
     old = kernels.set_q8_many_rows(many_from)
     oldp = kernels.set_prefill_rows(many_from)  # Q8_0's many-row threshold
-    old6 = kernels.set_q6k_int8_rows(1)  # Q6_K's int8 few-row tiles too
-    old5 = kernels.set_q5k_int8_rows(1)
     try:
-        out = torch.full((x.shape[0], n + 2), 7.0)
-        kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 1, act_q8=True)
+        with int8_rows(1):  # the K-quants' int8 few-row tiles too
+            out = torch.full((x.shape[0], n + 2), 7.0)
+            kernels.gemm(x, torch.from_numpy(raw), int(qtype), out, 1, act_q8=True)
     finally:
         kernels.set_q8_many_rows(old)
         kernels.set_prefill_rows(oldp)
-        kernels.set_q6k_int8_rows(old6)
-        kernels.set_q5k_int8_rows(old5)
         kernels.set_isa(prev)
     assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
     return out[:, 1 : 1 + n]
@@ -292,63 +313,52 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
                 assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, k, m, many_from, (got - ref).abs().max())
 
 
-@pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
-def test_q6k_act_q8_int8_from_9_rows():
-    """Q6_K under act_q8 by default: up to 8 rows float activations (the bits of act_q8=False,
-    on the interleaved copy where given); from 9 rows int8 ones (the quantized-activation
-    product, not the float one); qlinear (the layers' one call) draws the same line.
-    act_q8_type stays False for Q6_K: its layers keep their copy."""
-    qtype, n, k = Q.Q6_K, 19, 512
-    raw = torch.from_numpy(random_packed(qtype, n, k, seed=5))
-    copy = kernels.interleave_rows16(raw, int(qtype), k) if kernels.current_isa() != "scalar" else None
-    assert kernels.act_q8_type(int(qtype)) is False
-    old6 = kernels.set_q6k_int8_rows(9)
-    assert old6 == 9  # the default
+KQUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+@contextlib.contextmanager
+def int8_rows(m: int):
+    """act_q8 runs every K-quant on int8 activations from m rows (1: every row count; by default
+    their few rows may stay float, test_kquant_act_q8_rows_follow_the_isa)."""
+    old = [kernels.set_int8_rows(int(t), m) for t in KQUANTS]
     try:
-        for m, int8 in ((1, False), (8, False), (9, True), (40, True)):
-            assert kernels.act_q8_rows(int(qtype), m) is int8
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
-            outs = {}
-            for q8 in (False, True):
-                outs[q8] = torch.zeros(m, n)
-                kernels.gemm(x, raw, int(qtype), outs[q8], 0, act_q8=q8, interleaved=copy)
-            lin = kernels.load().qlinear(x, [raw], [int(qtype)], [0], n, None, True, [] if copy is None else [copy])
-            assert torch.equal(lin, outs[True]), m
-            if not int8:
-                assert torch.equal(outs[True], outs[False]), m
-            else:
-                ref, mag = reference(quantize_q8_reference(x), raw.numpy(), qtype, k)
-                assert np.all(np.abs(outs[True].numpy() - ref) <= 2e-6 * mag + 1e-5), m
-                assert not torch.equal(outs[True], outs[False]), m
+        yield
     finally:
-        kernels.set_q6k_int8_rows(old6)
+        for t, o in zip(KQUANTS, old):
+            kernels.set_int8_rows(int(t), o)
 
 
 @pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
-def test_q5k_act_q8_rows_follow_the_isa():
-    """Q5_K under act_q8 by default: int8 activations at every row count below AVX-512 (its int8
-    tile beats the float kernel on its copy there: act_q8_type, no copy), from 9 rows on the
-    AVX-512 levels (fewer rows: the bits of act_q8=False, on the copy where given)."""
-    qtype, n, k = Q.Q5_K, 19, 512
-    raw = torch.from_numpy(random_packed(qtype, n, k, seed=6))
-    assert kernels.set_q5k_int8_rows(-1) == -1  # the default: the ISA's rule
+@pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
+def test_kquant_act_q8_rows_follow_the_isa(qtype):
+    """The K-quants under act_q8 by default: on the AVX-512 levels (and Q6_K everywhere) up to 8
+    rows float activations (the bits of act_q8=False, on the interleaved copy where given), from
+    9 rows int8 ones (the quantized-activation product, not the float one); below AVX-512 Q4_K
+    and Q5_K int8 at every row count (act_q8_type: their layers keep no copy). qlinear (the
+    layers' one call) draws the same line."""
+    n, k = 19, 512
+    raw = torch.from_numpy(random_packed(qtype, n, k, seed=5))
+    assert kernels.set_int8_rows(int(qtype), -1) == -1  # the default: the ISA's rule
     for isa in kernels.available_isas():
         prev = kernels.set_isa(isa)
         try:
-            wide = kernels.current_isa().startswith(("avx512", "amx"))
-            assert kernels.act_q8_type(int(qtype)) is (not wide)
+            few_float = qtype == Q.Q6_K or kernels.current_isa().startswith(("avx512", "amx"))
+            assert kernels.act_q8_type(int(qtype)) is (not few_float)
             copy = kernels.interleave_rows16(raw, int(qtype), k)
-            for m in (1, 8, 9, 24):
-                int8 = m >= 9 or not wide
+            for m in (1, 8, 9, 40):
+                int8 = m >= 9 or not few_float
                 assert kernels.act_q8_rows(int(qtype), m) is int8, (isa, m)
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
                 outs = {}
                 for q8 in (False, True):
                     outs[q8] = torch.zeros(m, n)
                     kernels.gemm(x, raw, int(qtype), outs[q8], 0, act_q8=q8, interleaved=copy)
+                lin = kernels.load().qlinear(x, [raw], [int(qtype)], [0], n, None, True, [] if copy is None else [copy])
+                assert torch.equal(lin, outs[True]), (isa, m)
                 if int8:
                     ref, mag = reference(quantize_q8_reference(x), raw.numpy(), qtype, k)
                     assert np.all(np.abs(outs[True].numpy() - ref) <= 2e-6 * mag + 1e-5), (isa, m)
+                    assert not torch.equal(outs[True], outs[False]), (isa, m)
                 else:
                     assert torch.equal(outs[True], outs[False]), (isa, m)
         finally:
@@ -525,11 +535,11 @@ def test_bf16_products_only_for_bf16_models():
         assert y.dtype == torch.bfloat16 and calls == [2, 0, 0] and torch.equal(y, by_hand({int(Q.Q4_1), int(Q.Q6_K)}))
         y, calls = qlinear(xb, act_q8=True)  # 20 rows: Q6_K's int8 many-row kernel too
         assert calls == [0, 0, 0] and torch.equal(y, by_hand(set(), act_q8=True))
-        old6 = kernels.set_q6k_int8_rows(m + 1)  # below Q6_K's int8 threshold: its float product, on bf16
+        old6 = kernels.set_int8_rows(int(Q.Q6_K), m + 1)  # below Q6_K's int8 threshold: its float product, on bf16
         try:
             y, calls = qlinear(xb, act_q8=True)
         finally:
-            kernels.set_q6k_int8_rows(old6)
+            kernels.set_int8_rows(int(Q.Q6_K), old6)
         assert calls == [1, 0, 0] and torch.equal(y, by_hand({int(Q.Q6_K)}, act_q8=True))
         kernels.set_bf16_onednn_rows(m)
         y, calls = qlinear(xb)

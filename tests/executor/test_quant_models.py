@@ -495,32 +495,44 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
 
 
 @pytest.mark.skipif(not HAVE_AVX2, reason=WHY or "this CPU lacks avx2 (the interleaved kernels' ISA)")
-def test_a_gguf_q8_layer_keeps_copies_of_its_float_segments_only():
-    """Under gguf_q8 (act_q8) a layer's Q4_1 / Q4_K segments run on int8 activations and get no
-    copy; its Q6_K segment keeps float activations and gets its copy, which its few-row
-    products read: the layer's output is the int8 products of the first two and the copy's
-    float product of the third."""
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_a_gguf_q8_layer_keeps_copies_of_its_float_segments_only(isa):
+    """Under gguf_q8 (act_q8) a layer's Q4_1 segment runs on int8 activations and gets no copy,
+    and so does its Q4_K segment on the AVX2 level; on the AVX-512 levels Q4_K's few rows stay
+    float (kernels.set_int8_rows) and it keeps a copy, as the Q6_K segment does everywhere. Their
+    few-row products read the copies: the layer's output at 3 rows is the int8 product of each
+    integer segment and the copy's float product of each other one."""
     from pagedserve.executor.quant.formats import PackedWeight
     from pagedserve.executor.quant.layers import rows16_copies
     from tests.executor.test_quant_kernels import random_packed
 
-    k, parts = 512, [32, 16, 16]
-    raws = [random_packed(t, n, k, seed=i) for i, (t, n) in enumerate(zip((Q.Q4_1, Q.Q4_K, Q.Q6_K), parts))]
-    layer = QuantLinear(k, parts)
-    for i, (t, raw) in enumerate(zip((Q.Q4_1, Q.Q4_K, Q.Q6_K), raws)):
-        layer.set_part(i, PackedWeight(int(t), torch.from_numpy(raw), (parts[i], k)))
-    assert [t for t, _, _ in layer.segments] == [int(Q.Q4_1), int(Q.Q4_K), int(Q.Q6_K)]
-    layer.act_q8 = True
-    assert rows16_copies(torch.nn.Sequential(layer)) == 1
-    q6k_copy = kernels.rows16_copy_size(torch.from_numpy(raws[2]), int(Q.Q6_K), k)
-    assert q6k_copy > 0 and layer.rows16_bytes == q6k_copy
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
-    want = torch.zeros(3, sum(parts))
-    kernels.gemm(x, torch.from_numpy(raws[0]), int(Q.Q4_1), want, 0, act_q8=True)
-    kernels.gemm(x, torch.from_numpy(raws[1]), int(Q.Q4_K), want, 32, act_q8=True)
-    kernels.gemm(x, torch.from_numpy(raws[2]), int(Q.Q6_K), want, 48, interleaved=layer._rows16[2])
-    before = kernels.load().rows16_calls()
-    assert torch.equal(layer(x), want) and kernels.load().rows16_calls() == before + 1
+    if isa not in kernels.available_isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    types, k, parts = (Q.Q4_1, Q.Q4_K, Q.Q6_K), 512, [32, 16, 16]
+    raws = [torch.from_numpy(random_packed(t, n, k, seed=i)) for i, (t, n) in enumerate(zip(types, parts))]
+    prev = kernels.set_isa(isa)
+    six = kernels.set_q6k_six_bits(False)  # the byte layout, which both levels read
+    try:
+        layer = QuantLinear(k, parts)
+        for i, (t, raw) in enumerate(zip(types, raws)):
+            layer.set_part(i, PackedWeight(int(t), raw, (parts[i], k)))
+        assert [t for t, _, _ in layer.segments] == [int(t) for t in types]
+        layer.act_q8 = True
+        assert rows16_copies(torch.nn.Sequential(layer)) == 1
+        floats = [not kernels.act_q8_type(int(t)) for t in types]
+        assert floats == [False, isa == "avx512", True]
+        sizes = [kernels.rows16_copy_size(raw, int(t), k) if f else 0 for t, raw, f in zip(types, raws, floats)]
+        assert sizes[2] > 0 and layer.rows16_bytes == sum(sizes)
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
+        want = torch.zeros(3, sum(parts))
+        for i, (t, raw, f) in enumerate(zip(types, raws, floats)):
+            copy = layer._rows16[i] if f else None
+            kernels.gemm(x, raw, int(t), want, sum(parts[:i]), act_q8=not f, interleaved=copy)
+        before = kernels.load().rows16_calls()
+        assert torch.equal(layer(x), want) and kernels.load().rows16_calls() == before + sum(floats)
+    finally:
+        kernels.set_q6k_six_bits(six)
+        kernels.set_isa(prev)
 
 
 @pytest.mark.skipif(not HAVE_AVX512 or "avx512_bf16" not in kernels.available_isas(), reason="this CPU lacks avx512_bf16")

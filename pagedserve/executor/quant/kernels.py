@@ -155,18 +155,19 @@ def set_q8_many_rows(m: int) -> int:
     return int(load().set_q8_many_rows(int(m)))
 
 
-def set_q5k_int8_rows(m: int) -> int:
-    """act_q8 with Q5_K weights: int8 activations from this many rows; -1 (the default): the ISA's
-    rule, every row count below AVX-512 (where the int8 tile beats the float kernel on Q5_K's
-    copy) and from 9 rows on AVX-512 levels (as Q6_K). Returns the previous value."""
-    return int(load().set_q5k_int8_rows(int(m)))
+def set_float_blas_rows(m: int) -> int:
+    """Packed weights' float32 products on the AVX-512 levels: the AVX2 many-row kernel below this
+    many rows (512), dequantized tiles + BLAS from it. Returns the previous value."""
+    return int(load().set_float_blas_rows(int(m)))
 
 
-def set_q6k_int8_rows(m: int) -> int:
-    """act_q8 with Q6_K weights: int8 activations from this many rows (9), where the float
-    products leave the interleaved copy; fewer rows keep float activations on the copy, the
-    faster few-row product. Returns the previous value."""
-    return int(load().set_q6k_int8_rows(int(m)))
+def set_int8_rows(qtype: int, m: int) -> int:
+    """act_q8 with a K-quant's weights (Q4_K, Q5_K, Q6_K): int8 activations from m rows; fewer keep
+    float activations on the row-interleaved copy, the faster few-row product there. -1 (the
+    default): the ISA's rule, from 9 rows on the AVX-512 levels (Q6_K everywhere), every row count
+    below them (Q4_K, Q5_K: their int8 tiles beat the float kernel on the copy). Returns the
+    previous value."""
+    return int(load().set_int8_rows(int(qtype), int(m)))
 
 
 def set_bf16_rows(m: int, rows16: bool = False) -> int:
@@ -222,8 +223,8 @@ def has_many_rows_kernel() -> bool:
 def gemm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, col0: int = 0, act_q8: bool = False,
          interleaved: torch.Tensor | None = None) -> None:
     """out[:, col0:col0+N] = x @ dequant(w).T; act_q8: activations quantized to int8 blocks first
-    (the act_q8_type ones: Q4_0 / Q4_1 / Q8_0 / Q4_K; Q5_K and Q6_K from set_q5k_int8_rows's and
-    set_q6k_int8_rows's rows; others ignore it);
+    (the act_q8_type ones: Q4_0 / Q4_1 / Q8_0; the K-quants from set_int8_rows's rows; others
+    ignore it);
     interleaved: w's interleave_rows16 copy, which the few-row float products then read on
     AVX2 and above (Q6_K's six-bit copy: AVX-512 and above)."""
     load().gemm(x, w, int(qtype), out, int(col0), bool(act_q8), interleaved)
@@ -247,9 +248,9 @@ def act_q8_rows(qtype: int, m: int) -> bool:
 
 def act_q8_type(qtype: int) -> bool:
     """Whether gguf_q8 (act_q8) runs this type's products on int8 activations at every row count
-    (Q4_0, Q4_1, Q8_0, Q4_K; Q5_K below AVX-512), so that its layers need no float few-row copy.
-    Q5_K's (on AVX-512 levels) and Q6_K's run on int8 activations from set_q5k_int8_rows's and
-    set_q6k_int8_rows's rows (act_q8_rows); the other types keep float ones."""
+    (Q4_0, Q4_1, Q8_0; Q4_K and Q5_K below AVX-512), so that its layers need no float few-row copy.
+    The K-quants otherwise run on int8 activations from set_int8_rows's rows (act_q8_rows); the
+    other types keep float ones."""
     return bool(load().act_q8_type(int(qtype)))
 
 

@@ -26,8 +26,9 @@
 //     K-quants' copies (Q4_K, Q5_K, Q6_K) for both);
 //     many rows, AVX2: chunks of output rows are dequantized into an L2-resident float buffer
 //     and multiplied by a register-blocked micro-kernel (3 x 4, 80-89% of the FMA peak; faster
-//     than the BLAS at 12-1024 rows, BENCHMARKS section 20); other ISAs: the weight is
-//     dequantized in row tiles into a float matrix and multiplied with at::mm (the BLAS GEMM).
+//     than the BLAS at 12-1024 rows, BENCHMARKS section 20), the AVX-512 levels the same kernel
+//     below set_float_blas_rows's 512 rows (section 62); from there, and on the scalar path, the
+//     weight is dequantized in row tiles into a float matrix and multiplied with at::mm (the BLAS).
 //     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K): the activations are quantized
 //     to int8 per 32-element block first and meet the weights in integer multiply-adds, as
 //     llama.cpp's q8 dot products (faster, not float-exact): few rows, each packed row against
@@ -405,10 +406,29 @@ static void isa_gemm_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
   scalar::gemm_rows(g, n0, n1);
 }
 
-// The many-row blocked kernel: AVX2 only so far (the AVX-512 and scalar paths take
-// dequantized tiles + BLAS, which on AVX-512 machines is the better-measured choice)
+// The many-row blocked kernel (AVX2 code) for every row count on the AVX2 level, where the float
+// checkpoints' linears take it too (FloatLinear); the scalar path takes dequantized tiles + BLAS
 static bool has_many_rows_kernel() { return QK_X86 && current_isa() == ISA_AVX2; }
 bool many_rows_kernel() { return has_many_rows_kernel(); }
+
+// Packed weights' float32 products on the AVX-512 levels (float32 engines: AVX-512F CPUs without
+// AVX512-BF16 pick float32) take the same AVX2 kernel below this many rows, dequantized tiles +
+// BLAS from it. Zen 4, [2048, 5632] layers (benchmarks/float_blas_rows.py), the kernel took
+// 0.13-0.5x the tiles' time at 12-64 rows and 0.53-0.95x at 128-256, every type: the tiles
+// (~93 rows of 2 MB each, one small BLAS call each) cost 4-17 ms a call at any row count. Zen 4
+// runs AVX-512 at the AVX2 FMA rate; a Xeon with two 512-bit FMA ports multiplies up to twice as
+// fast in the BLAS, which by the same figures would bring the two about even near 256-512 rows
+// (not measured: no such CPU here), hence 512, past a default prefill chunk of 256 tokens, whose
+// engine step the tiles also made slower by a third in some processes (BENCHMARKS section 62).
+static int64_t g_float_blas_rows = 512;
+int64_t set_float_blas_rows(int64_t m) {
+  const int64_t old = g_float_blas_rows;
+  g_float_blas_rows = m;
+  return old;
+}
+static bool many_rows_kernel_for(int64_t M) {
+  return has_many_rows_kernel() || (QK_X86 && current_isa() >= ISA_AVX512 && M < g_float_blas_rows);
+}
 
 static void isa_gemm_many_rows(const GemmArgs& g, int64_t n0, int64_t n1) {
 #if QK_X86
@@ -586,49 +606,45 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 #endif
 }
 
-// Q5_K under act_q8: int8 activations from this many rows; -1: the ISA's own rule, 1 row (every
-// row count) below AVX-512 and 9 from it. On the AVX2 path the int8 tile beats the float kernel
-// on Q5_K's interleaved copy at every row count (Zen 4, float32, a [2048, 5632] layer: 1 row 314
-// vs 449 us, 4 rows 852 vs 896, 8 rows 1,077 vs 1,607). On the AVX-512 levels the copy's kernels
-// won at 2-8 rows in bf16 (0.46-0.7x the int8 time; 1 row even) and at 2-4 rows in float32
-// (0.71-0.76x; int8 won at 1 and 8 rows by 1.1-1.3x), and from 9-12 rows the float products leave
-// the copy for slower many-row paths (BENCHMARKS section 61). Tests set 1.
-static int64_t g_q5k_int8_rows = -1;
-int64_t set_q5k_int8_rows(int64_t m) {
-  const int64_t old = g_q5k_int8_rows;
-  g_q5k_int8_rows = m;
+// The K-quants under act_q8 (Q4_K, Q5_K, Q6_K): int8 activations from int8_rows(type) rows, on
+// the integer kernels; fewer rows keep float activations on the row-interleaved copy. Set by
+// set_int8_rows (tests, A/B); -1, the default, is the ISA's rule:
+//   Q6_K from 9 rows everywhere: at 1-8 rows the float and bf16 kernels on its copy took 0.5-0.8x
+//     the int8 kernels' time (1 row even), and from 9-12 rows the float products leave the copy
+//     for slower many-row paths, where the int8 kernel took 0.2-0.75x their time (section 60);
+//   Q4_K and Q5_K from 9 rows on the AVX-512 levels, where the copy's bf16 kernel won at 1-8 rows
+//     (Q4_K 0.42-0.82x the int8 time, Q5_K 0.46-1.0x) and its float kernel at 2-4 rows; at every
+//     row count below AVX-512, where their int8 tiles beat the float kernel on the copy (Q5_K, a
+//     [2048, 5632] layer, 1 row 314 vs 449 us, 8 rows 1,077 vs 1,607), so that no copy is kept
+//     (sections 61, 62 of BENCHMARKS).
+static int64_t g_int8_rows[3] = {-1, -1, -1};  // Q4_K, Q5_K, Q6_K
+static int kquant_index(int64_t type) { return type == T_Q4_K ? 0 : type == T_Q5_K ? 1 : type == T_Q6_K ? 2 : -1; }
+int64_t set_int8_rows(int64_t type, int64_t m) {
+  const int i = kquant_index(type);
+  TORCH_CHECK(i >= 0, "set_int8_rows: Q4_K, Q5_K or Q6_K, not type ", type);
+  const int64_t old = g_int8_rows[i];
+  g_int8_rows[i] = m;
   return old;
 }
-static int64_t q5k_int8_rows() { return g_q5k_int8_rows >= 0 ? g_q5k_int8_rows : current_isa() >= ISA_AVX512 ? 9 : 1; }
-
-// Q6_K under act_q8: int8 activations from this many rows, on the many-row integer kernel (its
-// blocks of 32 centred, each half times its int8 scale in integers). Fewer rows keep float
-// activations on the interleaved copy, whose float and bf16 kernels took 0.5-0.8x the int8
-// kernels' time at 1-8 rows (the int8 few-row tile: 2-5 rows 1.3-1.6x the float copy's time, 1
-// row even); from 9-12 rows the float products leave the copy for slower many-row paths, where
-// the int8 kernel took 0.2-0.75x their time (Zen 4, BENCHMARKS section 60). Tests set 1 to run
-// the int8 few-row tiles.
-static int64_t g_q6k_int8_rows = 9;
-int64_t set_q6k_int8_rows(int64_t m) {
-  const int64_t old = g_q6k_int8_rows;
-  g_q6k_int8_rows = m;
-  return old;
+static int64_t int8_rows(int64_t type) {
+  const int64_t set = g_int8_rows[kquant_index(type)];
+  if (set >= 0) return set;
+  return type == T_Q6_K || current_isa() >= ISA_AVX512 ? 9 : 1;
 }
 
-// The types whose products act_q8 ("gguf_q8") runs on int8 activations at every row count
-// (Q4_K's and Q5_K's sub-blocks as Q4_1 / Q5_1 blocks), so their layers need no float few-row
-// copy: Q4_0 / Q4_1 / Q8_0 / Q4_K, and Q5_K where its rule says 1 row (q5k_int8_rows: below
-// AVX-512, asked at load, after PAGEDSERVE_CPU_ISA). Q5_K and Q6_K otherwise from some rows on
-// (act_q8_rows); the other types keep float activations
+// The types whose products act_q8 ("gguf_q8") runs on int8 activations at every row count, so
+// that their layers need no float few-row copy: Q4_0 / Q4_1 / Q8_0, and a K-quant where its rule
+// says 1 row (Q4_K's and Q5_K's sub-blocks as Q4_1 / Q5_1 blocks; asked at load, after
+// PAGEDSERVE_CPU_ISA). The K-quants otherwise from int8_rows on (act_q8_rows); the other types
+// keep float activations.
 static bool act_q8_type(int64_t type) {
-  if (type == T_Q5_K) return q5k_int8_rows() <= 1;
-  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K;
+  if (kquant_index(type) >= 0) return int8_rows(type) <= 1;
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0;
 }
 
 // Whether act_q8 runs this type's product over M activation rows on int8 activations
 static bool act_q8_rows(int64_t type, int64_t M) {
-  if (type == T_Q6_K) return M >= g_q6k_int8_rows;
-  if (type == T_Q5_K) return M >= q5k_int8_rows();
+  if (kquant_index(type) >= 0) return M >= int8_rows(type);
   return act_q8_type(type);
 }
 
@@ -690,7 +706,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   if (M >= g_prefill_rows) {
     GemmArgs g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, x.data_ptr<float>(), nullptr,
                out.data_ptr<float>() + col0};
-    if (has_many_rows_kernel() && K % 8 == 0) {  // tasks of 4 output rows (the micro-kernel's width)
+    if (many_rows_kernel_for(M) && K % 8 == 0) {  // tasks of 4 output rows (the micro-kernel's width)
       at::parallel_for(0, (N + 3) / 4, 1,
                        [&](int64_t a, int64_t b) { isa_gemm_many_rows(g, a * 4, std::min(N, b * 4)); });
       return;
@@ -943,8 +959,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type"));
   m.def("act_q8_rows", &act_q8_rows, "whether act_q8 runs this type's product over M rows on int8 activations",
         py::arg("type"), py::arg("M"));
-  m.def("set_q6k_int8_rows", &set_q6k_int8_rows);
-  m.def("set_q5k_int8_rows", &set_q5k_int8_rows);
+  m.def("set_int8_rows", &set_int8_rows, "act_q8: a K-quant's int8 activations from this many rows (-1: the ISA's rule)",
+        py::arg("type"), py::arg("m"));
   m.def("rows16_copy_size", &rows16_copy_size, "bytes of interleave_rows16's copy (0: none)", py::arg("w"),
         py::arg("type"), py::arg("K"));
   m.def("interleave_rows16", &interleave_rows16, "packed rows -> the row-interleaved copy the few-row kernels read",
@@ -972,5 +988,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_many_rows_kernel", &many_rows_kernel, "whether many-row products use the blocked kernel (ISA now set)");
   m.def("set_prefill_rows", &set_prefill_rows);
   m.def("set_q8_many_rows", &set_q8_many_rows);
+  m.def("set_float_blas_rows", &set_float_blas_rows);
   m.def("quantize_act_q8", &quantize_act_q8, "x -> (int8 quants, block scales, scale * sum(quants))");
 }

@@ -171,7 +171,7 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
       else
         gemm_q8_vnni<T_Q5_K>(g, n0, n1);
       break;
-    case T_Q6_K:  // (only below set_q6k_int8_rows's default) the AVX2 tile: a vpdpbusd + vpmulld
+    case T_Q6_K:  // (only below int8_rows's default) the AVX2 tile: a vpdpbusd + vpmulld
       avx512::gemm_q8_rows(g, n0, n1);  // one took 1.02-1.45x its time at 1-5 rows, so was dropped
       break;
     case T_Q4_0: gemm_q8_vnni<T_Q4_0>(g, n0, n1); break;
