@@ -29,7 +29,7 @@
 //     than the BLAS at 12-1024 rows, BENCHMARKS section 20), the AVX-512 levels the same kernel
 //     below set_float_blas_rows's 512 rows (section 62); from there, and on the scalar path, the
 //     weight is dequantized in row tiles into a float matrix and multiplied with at::mm (the BLAS).
-//     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K): the activations are quantized
+//     act_q8 (the named option "gguf_q8"; Q4_0 / Q4_1 / Q8_0, the K-quants from int8_rows): the activations are quantized
 //     to int8 per 32-element block first and meet the weights in integer multiply-adds, as
 //     llama.cpp's q8 dot products (faster, not float-exact): few rows, each packed row against
 //     every activation row; many rows (AVX2), chunks of weights repacked so that each 32-bit
@@ -119,7 +119,7 @@ struct GemmArgs {
   float* out;         // already offset by col0
 };
 
-struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights)
+struct GemmQ8Args {  // activation-quantized products (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights)
   int type;
   const uint8_t* W;
   int64_t rb, K, M, ldo;
