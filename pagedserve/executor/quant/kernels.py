@@ -150,8 +150,9 @@ def set_prefill_rows(m: int) -> int:
 
 
 def set_q8_many_rows(m: int) -> int:
-    """act_q8 with Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K weights: from this many rows on, the column-interleaved
-    integer kernel; below it, the few-row integer kernel (returns the previous value)."""
+    """act_q8 with Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K weights: from this many rows on, the
+    column-interleaved integer kernel; below it, the few-row integer kernel (returns the previous
+    value)."""
     return int(load().set_q8_many_rows(int(m)))
 
 
