@@ -325,7 +325,7 @@ def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_pa
     try:
         converted = resolve_model_path(path)
         assert sum(m.rows16_everywhere for m in quant_layers(converted, torch.float32)) > 0
-        # gguf_q8: no copy where the products are integer (Q4_1, Q4_K), the float types' kept
+        # gguf_q8: no copy where the products are integer (Q4_1, Q4_K, Q5_K on this path), Q6_K's kept
         int8 = kernels.act_q8_type(int(qtype))
         assert (sum(m.rows16_bytes > 0 for m in quant_layers(converted, torch.float32, "gguf_q8")) > 0) != int8
         before = kernels.load().rows16_calls()

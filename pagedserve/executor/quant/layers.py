@@ -263,7 +263,8 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
 def rows16_copies(model: nn.Module, budget: CopyBudget | None = None) -> int:
     """The packed layers get their row-interleaved copies for the few-row kernels
     (`attach_rows16`; under `gguf_q8` only the segments whose few-row products stay float: Q5_0 /
-    Q5_1 / Q5_K / Q6_K) where the kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far
+    Q5_1, and the K-quants where `kernels.act_q8_type` says so: Q6_K everywhere, Q4_K / Q5_K on the
+    AVX-512 levels) where the kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far
     as `budget` allows (None: no bound). Returns how many layers."""
     if kernels.current_isa() == "scalar":
         return 0
