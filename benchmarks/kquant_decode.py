@@ -24,27 +24,13 @@ import numpy as np
 HIDDEN, LAYERS, HEADS, KV_HEADS, MLP = 2048, 16, 32, 8, 5632
 
 
-def random_q4_k(rows: int, cols: int, rng) -> np.ndarray:
-    """[rows, cols / 256 * 144] bytes of Q4_K blocks: random quants and 6-bit scales, d and dmin small."""
-    raw = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
-    raw[..., 0:4] = (
-        rng.uniform(0, 2e-3, size=(rows, cols // 256, 2))
-        .astype(np.float16)
-        .view(np.uint8)
-        .reshape(rows, cols // 256, 4)
-    )
-    return raw.reshape(rows, -1)
-
-
-def random_q5_k(rows: int, cols: int, rng) -> np.ndarray:
-    """[rows, cols / 256 * 176] bytes of Q5_K blocks: random quants and 6-bit scales, d and dmin small."""
-    raw = rng.integers(0, 256, size=(rows, cols // 256, 176), dtype=np.uint8)
-    raw[..., 0:4] = (
-        rng.uniform(0, 1e-3, size=(rows, cols // 256, 2))
-        .astype(np.float16)
-        .view(np.uint8)
-        .reshape(rows, cols // 256, 4)
-    )
+def random_k_min(rows: int, cols: int, rng, five: bool = False) -> np.ndarray:
+    """[rows, cols / 256 * 144] bytes of Q4_K blocks (five: [.., 176] of Q5_K): random quants and
+    6-bit scales, d and dmin small."""
+    size, d_max = (176, 1e-3) if five else (144, 2e-3)
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    d = rng.uniform(0, d_max, size=(rows, cols // 256, 2)).astype(np.float16)
+    raw[..., 0:4] = d.view(np.uint8).reshape(rows, cols // 256, 4)
     return raw.reshape(rows, -1)
 
 
@@ -88,13 +74,10 @@ def write_model(out: str, mix: str = "q4_k_m") -> None:
     vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(0)
     q6k = gguf.GGMLQuantizationType.Q6_K
-    base, random_base = (
-        (gguf.GGMLQuantizationType.Q5_K, random_q5_k)
-        if mix == "q5_k_m"
-        else (gguf.GGMLQuantizationType.Q4_K, random_q4_k)
-    )
+    five = mix == "q5_k_m"
+    base = gguf.GGMLQuantizationType.Q5_K if five else gguf.GGMLQuantizationType.Q4_K
     all6 = mix == "q6_k"
-    embd = random_q6_k(vocab, HIDDEN, rng) if all6 else random_base(vocab, HIDDEN, rng)
+    embd = random_q6_k(vocab, HIDDEN, rng) if all6 else random_k_min(vocab, HIDDEN, rng, five)
     w.add_tensor("token_embd.weight", embd, raw_dtype=q6k if all6 else base)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     w.add_tensor("output.weight", random_q6_k(vocab, HIDDEN, rng), raw_dtype=q6k)
@@ -110,7 +93,7 @@ def write_model(out: str, mix: str = "q4_k_m") -> None:
             ("ffn_down", HIDDEN, MLP),
         ):
             six = all6 or (name in ("attn_v", "ffn_down") and more_bits(i))
-            data = random_q6_k(rows, cols, rng) if six else random_base(rows, cols, rng)
+            data = random_q6_k(rows, cols, rng) if six else random_k_min(rows, cols, rng, five)
             w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=q6k if six else base)
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))

@@ -1,7 +1,7 @@
 // ISA-neutral loops over an ISA's kernels, included last by each ISA's kernel file
 // (quant_scalar.h, quant_avx2.h, quant_avx512.h) inside that ISA's namespace. They need from
-// the file: dot(), gemm_fused_tile<TYPE, MT>, gemm_q8_tile<TYPE, MT>, gemm_q8_tile_q4k<MT>,
-// gemm_q8_tile_q6k<MT>, deq_fast<TYPE> (the ISA's fastest Q4_0 / Q4_1 / Q8_0 row dequantizer)
+// the file: dot(), gemm_fused_tile<TYPE, MT>, gemm_q8_tile<TYPE, MT>, gemm_q8_tile_kmin<TYPE, MT>
+// (Q4_K, Q5_K), gemm_q8_tile_q6k<MT>, deq_fast<TYPE> (the ISA's fastest Q4_0 / Q4_1 / Q8_0 row dequantizer)
 // and gemm_avx2_tiles (its K-quant, Q5_0 and Q5_1 few-row products, or false:
 // quant_kquant_avx2.h). No include guard on purpose (one copy per ISA namespace).
 

@@ -10,9 +10,8 @@
 //
 // Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
 // (no saturation: nibble x int8 pairs are at most 2 * 15 * 127, Q5_K's 2 * 31 * 127, Q8_0's at
-// most 2 * 128 * 127,
-// vpdpbusd does not saturate at all, and Q6_K's half-block sums times an int8 scale stay within
-// 16 * 32 * 127 * 128), and the float steps that follow are the AVX2 kernels' own, lane for lane
+// most 2 * 128 * 127, vpdpbusd does not saturate at all, and Q6_K's half-block sums times an int8
+// scale stay within 16 * 32 * 127 * 128), and the float steps that follow are the AVX2 kernels' own, lane for lane
 // (tests compare the outputs' bits).
 
 // ---- few rows: two output columns per 512-bit register ----------------------------------
@@ -159,15 +158,12 @@ static void gemm_q8_vnni(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 
 static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   switch (g.type) {
-    case T_Q4_K:  // 1-2 rows: the AVX2 tile (vpdpbusd's took 1.03-1.10x its time; at 3-5 rows 0.67-0.93x)
+    case T_Q4_K:
+    case T_Q5_K:  // 1-2 rows: the AVX2 tile (Q4_K: vpdpbusd's took 1.03-1.10x its time; at 3-5 rows 0.67-0.93x)
       if (g.M <= 2)
         avx512::gemm_q8_rows(g, n0, n1);
-      else
+      else if (g.type == T_Q4_K)
         gemm_q8_vnni<T_Q4_K>(g, n0, n1);
-      break;
-    case T_Q5_K:  // as Q4_K
-      if (g.M <= 2)
-        avx512::gemm_q8_rows(g, n0, n1);
       else
         gemm_q8_vnni<T_Q5_K>(g, n0, n1);
       break;
