@@ -7,7 +7,7 @@ decodes --tokens tokens at batch 1, the bf16 few-row kernel on the Q4_K copies o
 turns (off: the float kernel on the packed blocks, as before the copies). The same file runs
 under llama.cpp's llama-bench for the anchor (`llama-bench -m FILE -p 0 -n 128 -t 2`).
 
-    .venv/bin/python benchmarks/kquant_decode.py [--out /tmp/q4k.gguf] [--tokens 64] [--rounds 3] [--mix q5_k_m|q6_k]
+    .venv/bin/python benchmarks/kquant_decode.py [--out /tmp/q4k.gguf] [--tokens 64] [--rounds 3] [--mix q5_k_m|q6_k|q4_0|q8_0]
 """
 
 from __future__ import annotations
@@ -47,9 +47,21 @@ def more_bits(layer: int) -> bool:
     return layer < LAYERS // 8 or layer >= 7 * LAYERS // 8 or (layer - LAYERS // 8) % 3 == 2
 
 
+def random_block32(rows: int, cols: int, rng, qtype) -> np.ndarray:
+    """[rows, cols / 32 * size] bytes of Q4_0 / Q4_1 / Q8_0 blocks: random quants, d (and Q4_1's m)
+    small."""
+    size = {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}.get(qtype, 34)
+    raw = rng.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
+    halves = 2 if size == 20 else 1
+    d = rng.uniform(-2e-3, 2e-3, size=(rows, cols // 32, halves)).astype(np.float16)
+    raw[..., 0 : 2 * halves] = d.view(np.uint8).reshape(rows, cols // 32, 2 * halves)
+    return raw.reshape(rows, -1)
+
+
 def write_model(out: str, mix: str = "q4_k_m") -> None:
-    """mix "q4_k_m" (see above), "q5_k_m" (the same with Q5_K for Q4_K, as llama.cpp's Q5_K_M) or
-    "q6_k": every matrix in Q6_K, as llama.cpp's Q6_K files."""
+    """mix "q4_k_m" (see above), "q5_k_m" (the same with Q5_K for Q4_K, as llama.cpp's Q5_K_M),
+    "q6_k": every matrix in Q6_K, as llama.cpp's Q6_K files; "q4_0" / "q8_0": every matrix in that
+    type, the output in Q6_K for q4_0 (as llama.cpp's Q4_0 files), in Q8_0 for q8_0."""
     from pagedserve.model_files import default_model_path
 
     src = gguf.GGUFReader(default_model_path())  # its tokenizer and vocabulary
@@ -73,14 +85,22 @@ def write_model(out: str, mix: str = "q4_k_m") -> None:
                 w.add_key_value(key, val, vt)
     vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(0)
-    q6k = gguf.GGMLQuantizationType.Q6_K
-    five = mix == "q5_k_m"
-    base = gguf.GGMLQuantizationType.Q5_K if five else gguf.GGMLQuantizationType.Q4_K
-    all6 = mix == "q6_k"
-    embd = random_q6_k(vocab, HIDDEN, rng) if all6 else random_k_min(vocab, HIDDEN, rng, five)
-    w.add_tensor("token_embd.weight", embd, raw_dtype=q6k if all6 else base)
+    T = gguf.GGMLQuantizationType
+    base = {"q5_k_m": T.Q5_K, "q6_k": T.Q6_K, "q4_0": T.Q4_0, "q8_0": T.Q8_0}.get(mix, T.Q4_K)
+
+    def matrix(rows: int, cols: int, qtype) -> tuple[np.ndarray, T]:
+        if qtype == T.Q6_K:
+            return random_q6_k(rows, cols, rng), qtype
+        if qtype in (T.Q4_K, T.Q5_K):
+            return random_k_min(rows, cols, rng, qtype == T.Q5_K), qtype
+        return random_block32(rows, cols, rng, qtype), qtype
+
+    def add(name: str, data_type: tuple[np.ndarray, T]) -> None:
+        w.add_tensor(name, data_type[0], raw_dtype=data_type[1])
+
+    add("token_embd.weight", matrix(vocab, HIDDEN, base))
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    w.add_tensor("output.weight", random_q6_k(vocab, HIDDEN, rng), raw_dtype=q6k)
+    add("output.weight", matrix(vocab, HIDDEN, T.Q8_0 if mix == "q8_0" else T.Q6_K))
     kv = KV_HEADS * HIDDEN // HEADS
     for i in range(LAYERS):
         for name, rows, cols in (
@@ -92,9 +112,8 @@ def write_model(out: str, mix: str = "q4_k_m") -> None:
             ("ffn_up", MLP, HIDDEN),
             ("ffn_down", HIDDEN, MLP),
         ):
-            six = all6 or (name in ("attn_v", "ffn_down") and more_bits(i))
-            data = random_q6_k(rows, cols, rng) if six else random_k_min(rows, cols, rng, five)
-            w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=q6k if six else base)
+            k_m = mix in ("q4_k_m", "q5_k_m") and name in ("attn_v", "ffn_down") and more_bits(i)
+            add(f"blk.{i}.{name}.weight", matrix(rows, cols, T.Q6_K if k_m else base))
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
     w.write_header_to_file()
@@ -110,9 +129,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--mix",
-        choices=["q4_k_m", "q5_k_m", "q6_k"],
+        choices=["q4_k_m", "q5_k_m", "q6_k", "q4_0", "q8_0"],
         default="q4_k_m",
-        help="the file's types (q6_k: all Q6_K)",
+        help="the file's types (q6_k: all Q6_K; q4_0 / q8_0: all that type)",
     )
     a = ap.parse_args()
     if not os.path.exists(a.out):

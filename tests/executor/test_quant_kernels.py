@@ -313,6 +313,89 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
                 assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, k, m, many_from, (got - ref).abs().max())
 
 
+HAVE_VNNI = HAVE_KERNELS and "avx512_vnni" in kernels.available_isas()
+ROWS16_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+def _many_row_out(x, raw, qtype, n):
+    """act_q8 through the packed rows' many-row kernel at every row count (no copy)."""
+    old, oldp = kernels.set_q8_many_rows(1), kernels.set_prefill_rows(1)  # (Q8_0's many-row threshold)
+    try:
+        out = torch.full((x.shape[0], n + 2), 7.0)
+        kernels.gemm(x, raw, int(qtype), out, 1, act_q8=True)
+    finally:
+        kernels.set_q8_many_rows(old)
+        kernels.set_prefill_rows(oldp)
+    return out[:, 1 : 1 + n]
+
+
+@pytest.mark.skipif(not HAVE_VNNI, reason="this CPU lacks avx512_vnni")
+@pytest.mark.parametrize("qtype", ROWS16_Q8_TYPES, ids=lambda t: t.name)
+def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(qtype):
+    """gguf_q8 on a row-interleaved copy (quant_rows16_vnni.h: 16 output rows a register, Q4's
+    nibbles gathered by one vpshufb a chunk, Q8_0's bytes transposed) sums each block exactly and
+    then rounds as the many-row kernel on the packed rows, so their outputs' bits are equal at
+    every row count (tiles of 1-8 rows and their tails), and a row's bits do not depend on the
+    rows computed with it. One to ten groups of 16 rows, K of 1 to 48 blocks, extreme quants
+    against x at +-127, an all-zero block; only its own columns are written."""
+    rng = np.random.default_rng(int(qtype) + 100)
+    mod = kernels.load()
+    for n, k in ((16, 32), (48, 96), (160, 576), (32, 1536)):
+        raw = torch.from_numpy(_extreme_blocks(random_packed(qtype, n, k, seed=n), qtype, rng))
+        copy = kernels.interleave_rows16(raw, int(qtype), k)
+        for m in (1, 2, 3, 5, 8, 9, 17, 40):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3
+            x[0, :32] = 0.0
+            x[m // 2, 32:] = torch.where(torch.rand(k - 32, generator=torch.Generator().manual_seed(m)) < 0.5, -1.0, 1.0)
+            out = torch.full((m, n + 2), 7.0)
+            before = mod.rows16_q8_calls()
+            kernels.gemm(x, raw, int(qtype), out, 1, act_q8=True, interleaved=copy)
+            assert mod.rows16_q8_calls() == before + 1
+            assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
+            ref = _many_row_out(x, raw, qtype, n)
+            assert torch.equal(out[:, 1:-1].view(torch.int32), ref.view(torch.int32)), (n, k, m)
+            r = m - 1
+            alone = torch.zeros(1, n)
+            kernels.gemm(x[r:].contiguous(), raw, int(qtype), alone, 0, act_q8=True, interleaved=copy)
+            assert torch.equal(alone[0], out[r, 1:-1]), (n, k, m)
+
+
+@pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
+def test_act_q8_reads_the_copy_where_its_kernel_runs():
+    """The copy's int8 kernel runs on AVX512-VNNI and up only (rows16_q8_type; the paths below keep
+    their packed-row kernels and ignore a copy given), for Q4_0 / Q4_1 / Q8_0, and below
+    set_rows16_q8_rows's rows (default: every row count; Q8_0 64)."""
+    mod = kernels.load()
+    n, k = 32, 96
+    raw = torch.from_numpy(random_packed(Q.Q4_1, n, k, seed=3))
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(4))
+    for isa in kernels.available_isas():
+        prev = kernels.set_isa(isa)
+        try:
+            vnni = kernels.ISAS[isa] >= kernels.ISAS["avx512_vnni"]
+            assert [kernels.rows16_q8_type(int(t)) for t in (*ROWS16_Q8_TYPES, Q.Q5_0, Q.Q4_K, Q.Q6_K)] == [vnni] * 3 + [False] * 3
+            copy = kernels.interleave_rows16(raw, int(Q.Q4_1), k)
+            if copy is None:  # (the scalar path makes none)
+                continue
+            before = mod.rows16_q8_calls()
+            kernels.gemm(x, raw, int(Q.Q4_1), torch.zeros(4, n), 0, act_q8=True, interleaved=copy)
+            assert mod.rows16_q8_calls() == before + vnni, isa
+            old = kernels.set_rows16_q8_rows(int(Q.Q4_1), 4)  # 4 rows: the packed rows' kernels
+            try:
+                kernels.gemm(x, raw, int(Q.Q4_1), torch.zeros(4, n), 0, act_q8=True, interleaved=copy)
+            finally:
+                assert kernels.set_rows16_q8_rows(int(Q.Q4_1), old) == 4
+            assert mod.rows16_q8_calls() == before + vnni, isa
+            raw8 = torch.from_numpy(random_packed(Q.Q8_0, n, k, seed=3))
+            copy8 = kernels.interleave_rows16(raw8, int(Q.Q8_0), k)
+            for m, on_copy in ((63, vnni), (64, False)):  # Q8_0: the packed rows' many-row kernel from 64
+                before = mod.rows16_q8_calls()
+                kernels.gemm(torch.randn(m, k), raw8, int(Q.Q8_0), torch.zeros(m, n), 0, act_q8=True, interleaved=copy8)
+                assert mod.rows16_q8_calls() == before + on_copy, (isa, m)
+        finally:
+            kernels.set_isa(prev)
+
+
 KQUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 

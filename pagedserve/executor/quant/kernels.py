@@ -255,6 +255,19 @@ def act_q8_type(qtype: int) -> bool:
     return bool(load().act_q8_type(int(qtype)))
 
 
+def rows16_q8_type(qtype: int) -> bool:
+    """Whether act_q8 (gguf_q8) runs this type's products on its row-interleaved copy where the layer
+    keeps one (csrc/quant_rows16_vnni.h: Q4_0 / Q4_1 / Q8_0 on AVX512-VNNI and up; at 1-8 rows
+    0.5-0.9x the packed rows' time, and no slower from 9 rows on), on the path set now."""
+    return bool(load().rows16_q8_type(int(qtype)))
+
+
+def set_rows16_q8_rows(qtype: int, m: int) -> int:
+    """act_q8 on a Q4_0 / Q4_1 / Q8_0 layer's row-interleaved copy below this many rows (default:
+    every row count; Q8_0 64), the packed rows' kernels from it. Returns the previous value."""
+    return int(load().set_rows16_q8_rows(int(qtype), int(m)))
+
+
 def rows16_copy_size(w: torch.Tensor, qtype: int, k: int) -> int:
     """Bytes `interleave_rows16` would return (0: no copy applies)."""
     return int(load().rows16_copy_size(w, int(qtype), int(k)))

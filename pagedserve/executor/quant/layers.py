@@ -99,7 +99,8 @@ class QuantLinear(nn.Module):
 
     def attach_rows16(self, budget: CopyBudget | None = None) -> bool:
         """Keep beside each block-type segment (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
-        Q6_K; under gguf_q8 only those whose few-row products stay float, not kernels.act_q8_type) its
+        Q6_K; under gguf_q8 those whose few-row products stay float, not kernels.act_q8_type, and
+        those whose int8 products read the copy, kernels.rows16_q8_type: at every row count) its
         row-interleaved copy, which the few-row products (decode at batch 1-11 in float32, 1-8
         in bf16; verification rows) read at ~2x the packed rows' kernel on AVX-512
         (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55), 1.2-2.1x at 1 row on
@@ -109,7 +110,8 @@ class QuantLinear(nn.Module):
         path (no six-bit copy is made on it) reads Q6_K's byte layout only. False (nothing
         kept) where no segment takes it or `budget` has no room for the layer's copies."""
         k = self.in_features
-        int8 = [self.act_q8 and kernels.act_q8_type(t) for t, _, _ in self.segments]  # integer products: no copy
+        # integer products: no copy, unless their own kernel reads one (Q4_0 / Q4_1 / Q8_0 on AVX512-VNNI)
+        int8 = [self.act_q8 and kernels.act_q8_type(t) and not kernels.rows16_q8_type(t) for t, _, _ in self.segments]
         sizes = [0 if i8 else kernels.rows16_copy_size(d, t, k) for (t, d, _), i8 in zip(self.segments, int8)]
         if not any(sizes) or (budget is not None and not budget.take("row-interleaved", sum(sizes))):
             return False
@@ -262,10 +264,12 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
 
 def rows16_copies(model: nn.Module, budget: CopyBudget | None = None) -> int:
     """The packed layers get their row-interleaved copies for the few-row kernels
-    (`attach_rows16`; under `gguf_q8` only the segments whose few-row products stay float: Q5_0 /
-    Q5_1, and the K-quants where `kernels.act_q8_type` says so: Q6_K everywhere, Q4_K / Q5_K on the
-    AVX-512 levels) where the kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far
-    as `budget` allows (None: no bound). Returns how many layers."""
+    (`attach_rows16`; under `gguf_q8` the segments whose few-row products stay float: Q5_0 / Q5_1,
+    and the K-quants where `kernels.act_q8_type` says so: Q6_K everywhere, Q4_K / Q5_K on the
+    AVX-512 levels; and Q4_0 / Q4_1 / Q8_0 where their int8 kernel reads the copy,
+    `kernels.rows16_q8_type`: AVX512-VNNI and up) where the kernels run on AVX2 or above
+    (PAGEDSERVE_CPU_ISA=scalar: none), as far as `budget` allows (None: no bound). Returns how many
+    layers."""
     if kernels.current_isa() == "scalar":
         return 0
     n = 0

@@ -170,6 +170,11 @@ namespace avx512_vnni {
 using namespace avx512;
 #include "quant_vnni.h"
 }  // namespace avx512_vnni
+// few-row act_q8 products on the row-interleaved copies (quant_rows16_vnni.h), same target
+namespace avx512_vnni_rows16 {
+using namespace rows16_layout;
+#include "quant_rows16_vnni.h"
+}  // namespace avx512_vnni_rows16
 ISA_TARGET_END()
 
 // AVX512-BF16: the bf16 many-row products of bfloat16 models (quant_bf16.h)
@@ -653,6 +658,58 @@ static bool act_q8_rows(int64_t type, int64_t M) {
 static int64_t g_rows16_calls = 0;
 int64_t rows16_calls() { return g_rows16_calls; }
 
+// act_q8's products on a row-interleaved copy (quant_rows16_vnni.h): Q4_0 / Q4_1 / Q8_0 on
+// AVX512-VNNI and up, below a type's rows16_q8_rows (the packed rows' kernels from there; both
+// give the same bits from the tiles' rows on). Zen 4, us a layer, copy / packed rows
+// (benchmarks/q8_copy_rows.py): [2048, 5632] Q4_1 1 row 180-229 / 233-240, 2 rows 190-207 /
+// 349-351 (the packed rows' few-row tile), 8 rows 352 / 659, 256 rows 9,842 / 11,017 (their
+// many-row kernel), 1,024 rows 39,142 / 43,717; the default model's [3072, 576] and [576, 1536]
+// 0.5x at 1-8 rows, even (0.97-1.03x) at 256-1,024: so every row count. Q8_0 gains less from
+// 16 rows (even at 64-256 rows, 0.97-1.03x) and a 256-token prefill of an all-Q8_0 0.9 B model
+// took 2-6% longer on the copy: below 64 rows (section 63).
+static int64_t g_rows16_q8_rows[2] = {int64_t(1) << 40, 64};  // Q4_0 and Q4_1; Q8_0
+static int64_t& rows16_q8_rows(int64_t type) { return g_rows16_q8_rows[type == T_Q8_0]; }
+int64_t set_rows16_q8_rows(int64_t type, int64_t m) {
+  TORCH_CHECK(type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0, "set_rows16_q8_rows: Q4_0, Q4_1 or Q8_0, not type ", type);
+  const int64_t old = rows16_q8_rows(type);
+  rows16_q8_rows(type) = m;
+  return old;
+}
+// act_q8 products on a copy so far (tests)
+static int64_t g_rows16_q8_calls = 0;
+int64_t rows16_q8_calls() { return g_rows16_q8_calls; }
+
+// Whether act_q8 runs this type's few-row products on its interleaved copy on the ISA path now
+// set (so that its layers keep one under gguf_q8)
+static bool rows16_q8_type(int64_t type) {
+  return QK_X86 && current_isa() >= ISA_AVX512_VNNI && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0);
+}
+
+// act_q8 over M rows on the copy wi of w (a.xq: the rows' quants as quantize_q8 wrote them)
+static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi, const torch::Tensor& w) {
+  const int64_t M = a.M, N = w.size(0), nb = a.K / 32;
+  if (!rows16_q8_type(a.type) || M >= rows16_q8_rows(a.type) || !rows16_usable(wi, w, a.type)) return false;
+#if QK_X86
+  ++g_rows16_q8_calls;
+  thread_local std::vector<int8_t> xo;
+  thread_local std::vector<int32_t> xc;
+  if (a.type == T_Q8_0) {  // its unsigned weights' offset (128), taken back
+    xc.resize(M * nb);
+    avx512_vnni::q8_block_corr(a.xq, 0, M * nb, xc.data());
+    a.xc = xc.data();
+  } else {  // the quants in the order of the copy's nibbles
+    xo.resize(M * a.K);
+    avx512_vnni_rows16::q4_copy_order(a.xq, 0, M * nb, xo.data());
+    a.xq = xo.data();
+  }
+  const uint8_t* WI = wi->data_ptr<uint8_t>();
+  at::parallel_for(0, N / 16, std::max<int64_t>(1, 4096 / a.K), [&](int64_t g0, int64_t g1) {
+    avx512_vnni_rows16::gemm_rows16_q8(a, WI, g0, g1);
+  });
+#endif
+  return true;
+}
+
 void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int64_t col0, bool act_q8,
           c10::optional<torch::Tensor> wi) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -677,6 +734,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
     quantize_q8(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
     GemmQ8Args g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, xq.data(), xd.data(), xs.data(),
                  out.data_ptr<float>() + col0};
+    if (rows16_q8_gemm(g, wi, w)) return;
     const int64_t many_from = type == T_Q8_0 ? g_prefill_rows : g_q8_many_rows;
     if (QK_X86 && current_isa() >= ISA_AVX2 && M >= many_from) {
 #if QK_X86
@@ -975,6 +1033,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_rows16_bf16", &set_rows16_bf16, "bf16 few-row products on interleaved copies on the bf16 units (on)");
   m.def("set_bf16_rows", &set_bf16_rows, py::arg("m"), py::arg("rows16") = false);
   m.def("rows16_calls", &rows16_calls, "float few-row products on interleaved copies so far");
+  m.def("rows16_q8_calls", &rows16_q8_calls, "act_q8 few-row products on interleaved copies so far");
+  m.def("set_rows16_q8_rows", &set_rows16_q8_rows, "act_q8 on a type's interleaved copy below this many rows",
+        py::arg("type"), py::arg("m"));
+  m.def("rows16_q8_type", &rows16_q8_type, "whether act_q8's few-row products of this type read its copy (ISA now)");
   m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN, interleaved copies]");
   m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows, py::arg("m"), py::arg("amx") = false);
   m.def("set_isa", &set_isa);
