@@ -1,4 +1,4 @@
-"""gguf_q8's few-row products of Q4_0 / Q4_1 / Q8_0 on the row-interleaved copy (AVX512-VNNI:
+"""gguf_q8's products of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K on the row-interleaved copy (AVX512-VNNI:
 csrc/quant_rows16_vnni.h) against the packed rows' int8 kernels (the few-row tiles below the
 many-row threshold, the many-row kernel from it) and against the copy's float kernel (bf16
 kernel for --dtype bfloat16: what the default mode runs), through the layers' one call
@@ -8,7 +8,8 @@ kernel for --dtype bfloat16: what the default mode runs), through the layers' on
 
 Shapes (random blocks): [2048, 5632] x 8 layers (a 1 B model's down projection), the default
 model's gate_up [3072, 576] and down [576, 1536] x 30 layers each (streamed from memory as in a
-decode step). Prints one JSON line per shape and row count: median us a layer for "packed" (int8
+decode step); Q4_K / Q5_K (--type q4_k, q5_k): [2048, 5632] x 8 and the 1 B model's gate_up
+[11264, 2048] x 4, int8 activations at every row count for "packed" and "copy". Prints one JSON line per shape and row count: median us a layer for "packed" (int8
 on the packed rows), "copy" (int8 on the copy, whatever the row count) and "float_copy".
 """
 
@@ -33,7 +34,7 @@ def main() -> None:
     from tests.executor.test_quant_kernels import random_packed
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--type", choices=["q4_0", "q4_1", "q8_0"], default="q4_1")
+    ap.add_argument("--type", choices=["q4_0", "q4_1", "q8_0", "q4_k", "q5_k"], default="q4_1")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
     ap.add_argument("--rounds", type=int, default=7)
@@ -41,7 +42,11 @@ def main() -> None:
     mod, qt = kernels.load(), int(getattr(Q, args.type.upper()))
     if not mod.rows16_q8_type(qt):
         sys.exit(f"no int8 kernel on the copy of {args.type} on the {kernels.current_isa()} path")
-    for n, k, layers in ((2048, 5632, 8), (3072, 576, 30), (576, 1536, 30)):
+    kquant = args.type in ("q4_k", "q5_k")
+    if kquant:  # int8 activations at every row count (by default its rule may keep few rows float)
+        kernels.set_int8_rows(qt, 1)
+    shapes = ((2048, 5632, 8), (11264, 2048, 4)) if kquant else ((2048, 5632, 8), (3072, 576, 30), (576, 1536, 30))
+    for n, k, layers in shapes:
         ws = [torch.from_numpy(random_packed(qt, n, k, seed=i)) for i in range(layers)]
         wis = [kernels.interleave_rows16(w, qt, k) for w in ws]
         empty = torch.empty(0, dtype=torch.uint8)

@@ -314,7 +314,7 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
 
 
 HAVE_VNNI = HAVE_KERNELS and "avx512_vnni" in kernels.available_isas()
-ROWS16_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+ROWS16_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K]
 
 
 def _many_row_out(x, raw, qtype, n):
@@ -336,11 +336,14 @@ def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(qtype):
     nibbles gathered by one vpshufb a chunk, Q8_0's bytes transposed) sums each block exactly and
     then rounds as the many-row kernel on the packed rows, so their outputs' bits are equal at
     every row count (tiles of 1-8 rows and their tails), and a row's bits do not depend on the
-    rows computed with it. One to ten groups of 16 rows, K of 1 to 48 blocks, extreme quants
-    against x at +-127, an all-zero block; only its own columns are written."""
+    rows computed with it. Q4_K / Q5_K: each sub-block of 32 a Q4_1 / Q5_1 block (Q5_K's fifth
+    bits from the copy's masks). One to ten groups of 16 rows, K of 1 to 48 blocks (1 to 6
+    super-blocks), extreme quants against x at +-127, an all-zero block, random 6-bit scales;
+    only its own columns are written."""
     rng = np.random.default_rng(int(qtype) + 100)
     mod = kernels.load()
-    for n, k in ((16, 32), (48, 96), (160, 576), (32, 1536)):
+    shapes = ((16, 256), (48, 512), (160, 1536)) if qtype in SUPER_BLOCKS else ((16, 32), (48, 96), (160, 576), (32, 1536))
+    for n, k in shapes:
         raw = torch.from_numpy(_extreme_blocks(random_packed(qtype, n, k, seed=n), qtype, rng))
         copy = kernels.interleave_rows16(raw, int(qtype), k)
         for m in (1, 2, 3, 5, 8, 9, 17, 40):
@@ -373,7 +376,7 @@ def test_act_q8_reads_the_copy_where_its_kernel_runs():
         prev = kernels.set_isa(isa)
         try:
             vnni = kernels.ISAS[isa] >= kernels.ISAS["avx512_vnni"]
-            assert [kernels.rows16_q8_type(int(t)) for t in (*ROWS16_Q8_TYPES, Q.Q5_0, Q.Q4_K, Q.Q6_K)] == [vnni] * 3 + [False] * 3
+            assert [kernels.rows16_q8_type(int(t)) for t in (*ROWS16_Q8_TYPES, Q.Q5_0, Q.Q6_K)] == [vnni] * 5 + [False] * 2
             copy = kernels.interleave_rows16(raw, int(Q.Q4_1), k)
             if copy is None:  # (the scalar path makes none)
                 continue
@@ -414,18 +417,19 @@ def int8_rows(m: int):
 @pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
 def test_kquant_act_q8_rows_follow_the_isa(qtype):
-    """The K-quants under act_q8 by default: on the AVX-512 levels (and Q6_K everywhere) up to 8
+    """The K-quants under act_q8 by default: on the avx512 level (and Q6_K everywhere) up to 8
     rows float activations (the bits of act_q8=False, on the interleaved copy where given), from
-    9 rows int8 ones (the quantized-activation product, not the float one); below AVX-512 Q4_K
-    and Q5_K int8 at every row count (act_q8_type: their layers keep no copy). qlinear (the
-    layers' one call) draws the same line."""
+    9 rows int8 ones (the quantized-activation product, not the float one); below it and from
+    AVX512-VNNI up Q4_K and Q5_K int8 at every row count (act_q8_type; below AVX-512 their layers
+    keep no copy, from VNNI up an int8 kernel reads it). qlinear (the layers' one call) draws the
+    same line."""
     n, k = 19, 512
     raw = torch.from_numpy(random_packed(qtype, n, k, seed=5))
     assert kernels.set_int8_rows(int(qtype), -1) == -1  # the default: the ISA's rule
     for isa in kernels.available_isas():
         prev = kernels.set_isa(isa)
         try:
-            few_float = qtype == Q.Q6_K or kernels.current_isa().startswith(("avx512", "amx"))
+            few_float = qtype == Q.Q6_K or kernels.current_isa() == "avx512"
             assert kernels.act_q8_type(int(qtype)) is (not few_float)
             copy = kernels.interleave_rows16(raw, int(qtype), k)
             for m in (1, 8, 9, 40):

@@ -617,11 +617,14 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 //   Q6_K from 9 rows everywhere: at 1-8 rows the float and bf16 kernels on its copy took 0.5-0.8x
 //     the int8 kernels' time (1 row even), and from 9-12 rows the float products leave the copy
 //     for slower many-row paths, where the int8 kernel took 0.2-0.75x their time (section 60);
-//   Q4_K and Q5_K from 9 rows on the AVX-512 levels, where the copy's bf16 kernel won at 1-8 rows
-//     (Q4_K 0.42-0.82x the int8 time, Q5_K 0.46-1.0x) and its float kernel at 2-4 rows; at every
-//     row count below AVX-512, where their int8 tiles beat the float kernel on the copy (Q5_K, a
-//     [2048, 5632] layer, 1 row 314 vs 449 us, 8 rows 1,077 vs 1,607), so that no copy is kept
-//     (sections 61, 62 of BENCHMARKS).
+//   Q4_K and Q5_K from 9 rows on the avx512 level (AVX-512F without VNNI), where the copy's float
+//     kernel won at 1-8 rows against the packed rows' int8 tiles (as the bf16 one did, Q4_K
+//     0.42-0.82x their time, Q5_K 0.46-1.0x); at every row count below it, where their int8
+//     tiles beat the float kernel on the copy (Q5_K, a [2048, 5632] layer, 1 row 314 vs 449 us,
+//     8 rows 1,077 vs 1,607), so that no copy is kept (sections 61, 62 of BENCHMARKS), and from
+//     AVX512-VNNI up, where the int8 kernel on the copy (quant_rows16_vnni.h) beats the copy's
+//     bf16 kernel (Q4_K, [2048, 5632]: 1 row 190 vs 194 us, 4 rows 249 vs 299, 8 rows 350 vs 524)
+//     and the packed rows' int8 kernels at every row count (section 63).
 static int64_t g_int8_rows[3] = {-1, -1, -1};  // Q4_K, Q5_K, Q6_K
 static int kquant_index(int64_t type) { return type == T_Q4_K ? 0 : type == T_Q5_K ? 1 : type == T_Q6_K ? 2 : -1; }
 int64_t set_int8_rows(int64_t type, int64_t m) {
@@ -634,12 +637,12 @@ int64_t set_int8_rows(int64_t type, int64_t m) {
 static int64_t int8_rows(int64_t type) {
   const int64_t set = g_int8_rows[kquant_index(type)];
   if (set >= 0) return set;
-  return type == T_Q6_K || current_isa() >= ISA_AVX512 ? 9 : 1;
+  return type == T_Q6_K || current_isa() == ISA_AVX512 ? 9 : 1;
 }
 
 // The types whose products act_q8 ("gguf_q8") runs on int8 activations at every row count, so
-// that their layers need no float few-row copy: Q4_0 / Q4_1 / Q8_0, and a K-quant where its rule
-// says 1 row (Q4_K's and Q5_K's sub-blocks as Q4_1 / Q5_1 blocks; asked at load, after
+// that their layers need no float few-row copy (an int8 one where rows16_q8_type): Q4_0 / Q4_1 /
+// Q8_0, and a K-quant where its rule says 1 row (Q4_K's and Q5_K's sub-blocks as Q4_1 / Q5_1 blocks; asked at load, after
 // PAGEDSERVE_CPU_ISA). The K-quants otherwise from int8_rows on (act_q8_rows); the other types
 // keep float activations.
 static bool act_q8_type(int64_t type) {
@@ -667,10 +670,13 @@ int64_t rows16_calls() { return g_rows16_calls; }
 // 0.5x at 1-8 rows, even (0.97-1.03x) at 256-1,024: so every row count. Q8_0 gains less from
 // 16 rows (even at 64-256 rows, 0.97-1.03x) and a 256-token prefill of an all-Q8_0 0.9 B model
 // took 2-6% longer on the copy: below 64 rows (section 63).
-static int64_t g_rows16_q8_rows[2] = {int64_t(1) << 40, 64};  // Q4_0 and Q4_1; Q8_0
-static int64_t& rows16_q8_rows(int64_t type) { return g_rows16_q8_rows[type == T_Q8_0]; }
+static int64_t g_rows16_q8_rows[3] = {int64_t(1) << 40, 64, int64_t(1) << 40};  // Q4_0 and Q4_1; Q8_0; Q4_K and Q5_K
+static int64_t& rows16_q8_rows(int64_t type) {
+  return g_rows16_q8_rows[type == T_Q8_0 ? 1 : type == T_Q4_K || type == T_Q5_K ? 2 : 0];
+}
 int64_t set_rows16_q8_rows(int64_t type, int64_t m) {
-  TORCH_CHECK(type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0, "set_rows16_q8_rows: Q4_0, Q4_1 or Q8_0, not type ", type);
+  TORCH_CHECK(type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K,
+              "set_rows16_q8_rows: Q4_0, Q4_1, Q8_0, Q4_K or Q5_K, not type ", type);
   const int64_t old = rows16_q8_rows(type);
   rows16_q8_rows(type) = m;
   return old;
@@ -682,7 +688,8 @@ int64_t rows16_q8_calls() { return g_rows16_q8_calls; }
 // Whether act_q8 runs this type's few-row products on its interleaved copy on the ISA path now
 // set (so that its layers keep one under gguf_q8)
 static bool rows16_q8_type(int64_t type) {
-  return QK_X86 && current_isa() >= ISA_AVX512_VNNI && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0);
+  return QK_X86 && current_isa() >= ISA_AVX512_VNNI &&
+         (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K);
 }
 
 // act_q8 over M rows on the copy wi of w (a.xq: the rows' quants as quantize_q8 wrote them)

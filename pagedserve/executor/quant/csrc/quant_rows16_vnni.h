@@ -106,16 +106,81 @@ static void rows16_q8_tile(const GemmQ8Args& a, const uint8_t* WI, int64_t g, in
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
 }
 
+// 16 bytes at p (the 16 rows' 6-bit scales or mins) as floats
+static inline __m512 u8x16_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Q4_K / Q5_K (per super-block: d, dmin, the sub-blocks' scales and mins a byte each, then each
+// sub-block's quants as Q4_1's chunks, Q5_K's after its 8 fifth-bit masks): each sub-block of 32
+// a Q4_1 / Q5_1 block as the integer kernels take it (kmin_sub_scales: scale d sc, min -dmin m,
+// both exact in float), its quants 0 .. 15 (Q5_K: plus 16 where the mask's bit is set, before
+// the gather) against the activations in q4_copy_order; per sub-block the many-row kernel's
+// float steps, as for Q4_1. Prefetch as the other kernels' K-quant tiles (prefetch_sub_block),
+// from 2 rows as above.
+template <int TYPE, int MT>
+static void rows16_q8_tile_k(const GemmQ8Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
+  constexpr bool five = TYPE == T_Q5_K;
+  const int64_t ns = a.K / 256, nb = a.K / 32, BB = rows16_block_bytes(TYPE), kd = a.K / 4;
+  const int64_t sub = five ? Q5K_SUB : Q4K_SUB, qat = five ? 64 : 0;  // a sub-block's bytes, its nibbles
+  const __m512i m4 = _mm512_set1_epi8(15), rows = q4_row_dwords(), b16 = _mm512_set1_epi8(16);
+  const int32_t* x = reinterpret_cast<const int32_t*>(a.xq) + m0 * kd;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < ns; ++i) {
+    const uint8_t* p = WI + (g * ns + i) * BB;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    for (int64_t sb = 0; sb < 8; ++sb) {
+      if constexpr (MT >= 2) prefetch_sub_block(p, BB, 8, sb);
+      const uint8_t* q = p + Q4K_HDR + sub * sb;
+      const int64_t b = i * 8 + sb;  // the block of 32 along K
+      __m512i s0[MT], s1[MT];
+      for (int t = 0; t < MT; ++t) s0[t] = s1[t] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(q + qat + 64 * c);
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if constexpr (five) {
+          uint64_t k[2];
+          std::memcpy(k, q + 16 * c, 16);  // masks 2 c (low nibbles) and 2 c + 1 (high ones)
+          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(k[0]), lo, b16);
+          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(k[1]), hi, b16);
+        }
+        const __m512i w0 = _mm512_shuffle_epi8(lo, rows), w1 = _mm512_shuffle_epi8(hi, rows);
+        for (int t = 0; t < MT; ++t) {
+          const int32_t* xb = x + t * kd + 8 * b + 2 * c;
+          s0[t] = _mm512_dpbusd_epi32(s0[t], w0, _mm512_set1_epi32(xb[0]));
+          s1[t] = _mm512_dpbusd_epi32(s1[t], w1, _mm512_set1_epi32(xb[1]));
+        }
+      }
+      const __m512 dw = _mm512_mul_ps(d, u8x16_ps(p + 64 + 16 * sb));
+      const __m512 mn = _mm512_xor_ps(_mm512_mul_ps(dmin, u8x16_ps(p + 192 + 16 * sb)), _mm512_set1_ps(-0.f));
+      for (int t = 0; t < MT; ++t) {
+        const int64_t r = (m0 + t) * nb + b;
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0[t], s1[t])), _mm512_mul_ps(dw, _mm512_set1_ps(a.xd[r])), acc[t]);
+        acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xs[r]), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16, acc[t]);
+}
+
 // Groups g0 .. g1 of the copy WI (16 output rows each) for all a.M activation rows
 static void gemm_rows16_q8(const GemmQ8Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
   auto groups = [&](auto T) {
     for_each_tile(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
-      rows16_q8_tile<decltype(T)::value, decltype(MT)::value>(a, WI, g, m0);
+      constexpr int TYPE = decltype(T)::value;
+      if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K)
+        rows16_q8_tile_k<TYPE, decltype(MT)::value>(a, WI, g, m0);
+      else
+        rows16_q8_tile<TYPE, decltype(MT)::value>(a, WI, g, m0);
     });
   };
   switch (a.type) {
     case T_Q4_0: return groups(std::integral_constant<int, T_Q4_0>{});
     case T_Q4_1: return groups(std::integral_constant<int, T_Q4_1>{});
+    case T_Q4_K: return groups(std::integral_constant<int, T_Q4_K>{});
+    case T_Q5_K: return groups(std::integral_constant<int, T_Q5_K>{});
     default: return groups(std::integral_constant<int, T_Q8_0>{});
   }
 }
