@@ -313,7 +313,6 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
                 assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, k, m, many_from, (got - ref).abs().max())
 
 
-HAVE_VNNI = HAVE_KERNELS and "avx512_vnni" in kernels.available_isas()
 ROWS16_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K]
 
 
@@ -329,17 +328,19 @@ def _many_row_out(x, raw, qtype, n):
     return out[:, 1 : 1 + n]
 
 
-@pytest.mark.skipif(not HAVE_VNNI, reason="this CPU lacks avx512_vnni")
 @pytest.mark.parametrize("qtype", ROWS16_Q8_TYPES, ids=lambda t: t.name)
-def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(qtype):
-    """gguf_q8 on a row-interleaved copy (quant_rows16_vnni.h: 16 output rows a register, Q4's
-    nibbles gathered by one vpshufb a chunk, Q8_0's bytes transposed) sums each block exactly and
-    then rounds as the many-row kernel on the packed rows, so their outputs' bits are equal at
-    every row count (tiles of 1-8 rows and their tails), and a row's bits do not depend on the
-    rows computed with it. Q4_K / Q5_K: each sub-block of 32 a Q4_1 / Q5_1 block (Q5_K's fifth
-    bits from the copy's masks). One to ten groups of 16 rows, K of 1 to 48 blocks (1 to 6
-    super-blocks), extreme quants against x at +-127, an all-zero block, random 6-bit scales;
-    only its own columns are written."""
+def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(q8_isa, qtype):
+    """gguf_q8 on a row-interleaved copy (quant_rows16_vnni.h on AVX512-VNNI: 16 output rows a
+    register, Q4's nibbles gathered by one vpshufb a chunk, Q8_0's bytes transposed;
+    quant_rows16_q8_avx2.h below it: halves of 8 rows, vpmaddubsw, Q4_0 / Q4_1 / Q4_K / Q5_K) sums
+    each block exactly and then rounds as the many-row kernel on the packed rows, so their
+    outputs' bits are equal at every row count (tiles of 1-8 rows, the AVX2 kernel's of 1-4, and
+    their tails), and a row's bits do not depend on the rows computed with it. Q4_K / Q5_K: each
+    sub-block of 32 a Q4_1 / Q5_1 block (Q5_K's fifth bits from the copy's masks). One to ten
+    groups of 16 rows, K of 1 to 48 blocks (1 to 6 super-blocks), extreme quants against x at
+    +-127, an all-zero block, random 6-bit scales; only its own columns are written."""
+    if not kernels.rows16_q8_type(int(qtype)):
+        pytest.skip(f"no int8 kernel reads {qtype.name}'s copy on the {q8_isa} path")
     rng = np.random.default_rng(int(qtype) + 100)
     mod = kernels.load()
     shapes = ((16, 256), (48, 512), (160, 1536)) if qtype in SUPER_BLOCKS else ((16, 32), (48, 96), (160, 576), (32, 1536))
@@ -352,7 +353,11 @@ def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(qtype):
             x[m // 2, 32:] = torch.where(torch.rand(k - 32, generator=torch.Generator().manual_seed(m)) < 0.5, -1.0, 1.0)
             out = torch.full((m, n + 2), 7.0)
             before = mod.rows16_q8_calls()
-            kernels.gemm(x, raw, int(qtype), out, 1, act_q8=True, interleaved=copy)
+            old = kernels.set_rows16_q8_rows(int(qtype), 10**9)  # (below AVX512-VNNI: from 12 rows by default)
+            try:
+                kernels.gemm(x, raw, int(qtype), out, 1, act_q8=True, interleaved=copy)
+            finally:
+                kernels.set_rows16_q8_rows(int(qtype), old)
             assert mod.rows16_q8_calls() == before + 1
             assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
             ref = _many_row_out(x, raw, qtype, n)
@@ -365,31 +370,37 @@ def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(qtype):
 
 @pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
 def test_act_q8_reads_the_copy_where_its_kernel_runs():
-    """The copy's int8 kernel runs on AVX512-VNNI and up only (rows16_q8_type; the paths below keep
-    their packed-row kernels and ignore a copy given), for Q4_0 / Q4_1 / Q8_0, and below
-    set_rows16_q8_rows's rows (default: every row count; Q8_0 64)."""
+    """Which types' copies the int8 kernels read (rows16_q8_type), on each path: Q4_0 / Q4_1 /
+    Q4_K / Q5_K from AVX2 up, Q8_0 from AVX512-VNNI up, none on the scalar path (a copy given
+    where none applies is ignored: the packed rows' kernels run); and only below the ISA's rows
+    (AVX512-VNNI: every row count, Q8_0 64; below it 12) or set_rows16_q8_rows's."""
     mod = kernels.load()
     n, k = 32, 96
     raw = torch.from_numpy(random_packed(Q.Q4_1, n, k, seed=3))
+    raw8 = torch.from_numpy(random_packed(Q.Q8_0, n, k, seed=3))
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(4))
     for isa in kernels.available_isas():
         prev = kernels.set_isa(isa)
         try:
-            vnni = kernels.ISAS[isa] >= kernels.ISAS["avx512_vnni"]
-            assert [kernels.rows16_q8_type(int(t)) for t in (*ROWS16_Q8_TYPES, Q.Q5_0, Q.Q6_K)] == [vnni] * 5 + [False] * 2
+            avx2, vnni = (kernels.ISAS[isa] >= kernels.ISAS[i] for i in ("avx2", "avx512_vnni"))
+            got = [kernels.rows16_q8_type(int(t)) for t in (*ROWS16_Q8_TYPES, Q.Q5_0, Q.Q6_K)]
+            assert got == [avx2, avx2, vnni, avx2, avx2, False, False], isa
             copy = kernels.interleave_rows16(raw, int(Q.Q4_1), k)
             if copy is None:  # (the scalar path makes none)
                 continue
             before = mod.rows16_q8_calls()
             kernels.gemm(x, raw, int(Q.Q4_1), torch.zeros(4, n), 0, act_q8=True, interleaved=copy)
-            assert mod.rows16_q8_calls() == before + vnni, isa
+            assert mod.rows16_q8_calls() == before + 1, isa
             old = kernels.set_rows16_q8_rows(int(Q.Q4_1), 4)  # 4 rows: the packed rows' kernels
             try:
                 kernels.gemm(x, raw, int(Q.Q4_1), torch.zeros(4, n), 0, act_q8=True, interleaved=copy)
             finally:
                 assert kernels.set_rows16_q8_rows(int(Q.Q4_1), old) == 4
-            assert mod.rows16_q8_calls() == before + vnni, isa
-            raw8 = torch.from_numpy(random_packed(Q.Q8_0, n, k, seed=3))
+            assert mod.rows16_q8_calls() == before + 1, isa
+            for m, on_copy in ((11, True), (12, vnni)):  # below AVX512-VNNI: the packed rows' kernels from 12
+                before = mod.rows16_q8_calls()
+                kernels.gemm(torch.randn(m, k), raw, int(Q.Q4_1), torch.zeros(m, n), 0, act_q8=True, interleaved=copy)
+                assert mod.rows16_q8_calls() == before + on_copy, (isa, m)
             copy8 = kernels.interleave_rows16(raw8, int(Q.Q8_0), k)
             for m, on_copy in ((63, vnni), (64, False)):  # Q8_0: the packed rows' many-row kernel from 64
                 before = mod.rows16_q8_calls()

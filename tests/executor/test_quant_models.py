@@ -309,11 +309,11 @@ def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, m
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
     """On the AVX2 path (a CPU without AVX-512, or PAGEDSERVE_CPU_ISA=avx2) a float32 engine keeps
-    the row-interleaved copies (Q6_K's in the byte layout; under gguf_q8 only the float types':
-    Q6_K, not Q5_K, whose products are int8 at every row count on this path) and its decode
-    steps read them
-    (quant_rows16_avx2.h): the greedy tokens of the same engine without copies (the packed
-    rows' kernels), logits within 1% of the largest."""
+    the row-interleaved copies (Q6_K's in the byte layout; under gguf_q8 too: Q6_K's for its
+    float few rows, Q4_1's, Q4_K's and Q5_K's for their int8 kernel, quant_rows16_q8_avx2.h) and
+    its decode steps read them (quant_rows16_avx2.h; under gguf_q8 the int8 kernel): the greedy
+    tokens of the same engine without copies (the packed rows' kernels), logits within 1% of the
+    largest."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     if qtype in K_QUANTS:
         real = gguf.quants.quantize
@@ -325,13 +325,18 @@ def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_pa
     try:
         converted = resolve_model_path(path)
         assert sum(m.rows16_everywhere for m in quant_layers(converted, torch.float32)) > 0
-        # gguf_q8: no copy where the products are integer (Q4_1, Q4_K, Q5_K on this path), Q6_K's kept
+        assert sum(m.rows16_bytes > 0 for m in quant_layers(converted, torch.float32, "gguf_q8")) > 0
         int8 = kernels.act_q8_type(int(qtype))
-        assert (sum(m.rows16_bytes > 0 for m in quant_layers(converted, torch.float32, "gguf_q8")) > 0) != int8
+        assert kernels.rows16_q8_type(int(qtype)) is int8 is (qtype != Q.Q6_K)
         before = kernels.load().rows16_calls()
         got = run(path, None, "float32")
         assert kernels.load().rows16_calls() > before
         assert_same(got, run(path, None, "float32", weight_copies=CopyPolicy("none")), 1e-2)
+        if int8:
+            before = kernels.load().rows16_q8_calls()
+            got = run(path, "gguf_q8", "float32")
+            assert kernels.load().rows16_q8_calls() > before
+            assert_same(got, run(path, "gguf_q8", "float32", weight_copies=CopyPolicy("none")), 1e-2)
     finally:
         kernels.set_q6k_six_bits(six)
         kernels.set_isa(isa)
@@ -445,8 +450,8 @@ def layer_without_copies(layer, x):
 def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_path, monkeypatch):
     """A GGUF engine keeps row-interleaved copies (the few-row kernels') of its Q4_0 / Q4_1 /
     Q8_0 layers whose rows come in 16s: in float32 and bf16, with PAGEDSERVE_CPU_ISA=avx2 too,
-    under gguf_q8 only where its integer products read them (AVX512-VNNI and up; not on the avx2
-    path), not on the scalar path. A layer with three segments
+    under gguf_q8 too (its int8 kernels read them: Q4_1's on every path from AVX2 up), not on the
+    scalar path. A layer with three segments
     (Q4_1, Q6_K, float rows) gives, at 1-11 rows, the packed kernels' products within float
     rounding."""
     from pagedserve.executor.quant.formats import PackedWeight
@@ -464,11 +469,10 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
 
     have, fit = copies(torch.float32)
     assert fit > 0 and have == fit
-    assert copies(torch.bfloat16)[0] == fit
-    assert copies(torch.float32, "gguf_q8")[0] == (fit if kernels.rows16_q8_type(int(Q.Q4_1)) else 0)
+    assert copies(torch.bfloat16)[0] == fit and copies(torch.float32, "gguf_q8")[0] == fit
     isa = kernels.set_isa("avx2")
     try:
-        assert copies(torch.float32)[0] == fit and copies(torch.float32, "gguf_q8")[0] == 0
+        assert copies(torch.float32)[0] == fit and copies(torch.float32, "gguf_q8")[0] == fit
         kernels.set_isa("scalar")
         assert copies(torch.float32)[0] == 0
     finally:
@@ -499,11 +503,11 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
 @pytest.mark.skipif(not HAVE_AVX2, reason=WHY or "this CPU lacks avx2 (the interleaved kernels' ISA)")
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_a_gguf_q8_layer_keeps_copies_of_its_float_segments_only(isa):
-    """Under gguf_q8 (act_q8) a layer's Q4_1 segment runs on int8 activations and gets no copy,
-    and so does its Q4_K segment on the AVX2 level; on the AVX-512 levels Q4_K's few rows stay
-    float (kernels.set_int8_rows) and it keeps a copy, as the Q6_K segment does everywhere. Their
-    few-row products read the copies: the layer's output at 3 rows is the int8 product of each
-    integer segment and the copy's float product of each other one."""
+    """Under gguf_q8 (act_q8) a layer's Q4_1 segment runs on int8 activations, and so does its Q4_K
+    segment but on the avx512 level, where Q4_K's few rows stay float (kernels.set_int8_rows), as
+    the Q6_K segment's do everywhere. Every segment keeps a copy: the int8 ones for their int8
+    kernel on it (kernels.rows16_q8_type), the others for the float one. The layer's output at 3
+    rows is each segment's product on its copy: int8 or float."""
     from pagedserve.executor.quant.formats import PackedWeight
     from pagedserve.executor.quant.layers import rows16_copies
     from tests.executor.test_quant_kernels import random_packed
@@ -523,15 +527,17 @@ def test_a_gguf_q8_layer_keeps_copies_of_its_float_segments_only(isa):
         assert rows16_copies(torch.nn.Sequential(layer)) == 1
         floats = [not kernels.act_q8_type(int(t)) for t in types]
         assert floats == [False, isa == "avx512", True]
-        sizes = [kernels.rows16_copy_size(raw, int(t), k) if f else 0 for t, raw, f in zip(types, raws, floats)]
-        assert sizes[2] > 0 and layer.rows16_bytes == sum(sizes)
+        assert [f or kernels.rows16_q8_type(int(t)) for t, f in zip(types, floats)] == [True] * 3
+        sizes = [kernels.rows16_copy_size(raw, int(t), k) for t, raw in zip(types, raws)]
+        assert min(sizes) > 0 and layer.rows16_bytes == sum(sizes)
         x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
         want = torch.zeros(3, sum(parts))
         for i, (t, raw, f) in enumerate(zip(types, raws, floats)):
-            copy = layer._rows16[i] if f else None
-            kernels.gemm(x, raw, int(t), want, sum(parts[:i]), act_q8=not f, interleaved=copy)
-        before = kernels.load().rows16_calls()
-        assert torch.equal(layer(x), want) and kernels.load().rows16_calls() == before + sum(floats)
+            kernels.gemm(x, raw, int(t), want, sum(parts[:i]), act_q8=not f, interleaved=layer._rows16[i])
+        before, before8 = kernels.load().rows16_calls(), kernels.load().rows16_q8_calls()
+        assert torch.equal(layer(x), want)
+        assert kernels.load().rows16_calls() == before + sum(floats)
+        assert kernels.load().rows16_q8_calls() == before8 + 3 - sum(floats)
     finally:
         kernels.set_q6k_six_bits(six)
         kernels.set_isa(prev)

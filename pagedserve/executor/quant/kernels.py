@@ -257,14 +257,16 @@ def act_q8_type(qtype: int) -> bool:
 
 def rows16_q8_type(qtype: int) -> bool:
     """Whether act_q8 (gguf_q8) runs this type's products on its row-interleaved copy where the layer
-    keeps one (csrc/quant_rows16_vnni.h: Q4_0 / Q4_1 / Q8_0 on AVX512-VNNI and up; at 1-8 rows
-    0.5-0.9x the packed rows' time, and no slower from 9 rows on), on the path set now."""
+    keeps one, on the path set now: Q4_0 / Q4_1 / Q4_K / Q5_K from AVX2 up
+    (csrc/quant_rows16_q8_avx2.h), Q8_0 too from AVX512-VNNI up (csrc/quant_rows16_vnni.h); at
+    1-8 rows 0.5-0.9x the packed rows' time (BENCHMARKS section 63)."""
     return bool(load().rows16_q8_type(int(qtype)))
 
 
 def set_rows16_q8_rows(qtype: int, m: int) -> int:
-    """act_q8 on a Q4_0 / Q4_1 / Q8_0 layer's row-interleaved copy below this many rows (default:
-    every row count; Q8_0 64), the packed rows' kernels from it. Returns the previous value."""
+    """act_q8 on a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K layer's row-interleaved copy below this many
+    rows, the packed rows' kernels from it; -1 (the default): the ISA's rule (AVX512-VNNI: every
+    row count, Q8_0 64; below it 12). Returns the previous value."""
     return int(load().set_rows16_q8_rows(int(qtype), int(m)))
 
 

@@ -110,7 +110,7 @@ class QuantLinear(nn.Module):
         path (no six-bit copy is made on it) reads Q6_K's byte layout only. False (nothing
         kept) where no segment takes it or `budget` has no room for the layer's copies."""
         k = self.in_features
-        # integer products: no copy, unless their own kernel reads one (Q4_0 / Q4_1 / Q8_0 on AVX512-VNNI)
+        # integer products: no copy, unless their own kernel reads one (kernels.rows16_q8_type)
         int8 = [self.act_q8 and kernels.act_q8_type(t) and not kernels.rows16_q8_type(t) for t, _, _ in self.segments]
         sizes = [0 if i8 else kernels.rows16_copy_size(d, t, k) for (t, d, _), i8 in zip(self.segments, int8)]
         if not any(sizes) or (budget is not None and not budget.take("row-interleaved", sum(sizes))):
@@ -266,8 +266,8 @@ def rows16_copies(model: nn.Module, budget: CopyBudget | None = None) -> int:
     """The packed layers get their row-interleaved copies for the few-row kernels
     (`attach_rows16`; under `gguf_q8` the segments whose few-row products stay float: Q5_0 / Q5_1,
     and the K-quants where `kernels.act_q8_type` says so: Q6_K everywhere, Q4_K / Q5_K on the
-    AVX-512 levels; and Q4_0 / Q4_1 / Q8_0 where their int8 kernel reads the copy,
-    `kernels.rows16_q8_type`: AVX512-VNNI and up) where the kernels run on AVX2 or above
+    avx512 level; and those whose int8 kernel reads the copy, `kernels.rows16_q8_type`: Q4_0 /
+    Q4_1 / Q4_K / Q5_K from AVX2 up, Q8_0 from AVX512-VNNI up) where the kernels run on AVX2 or above
     (PAGEDSERVE_CPU_ISA=scalar: none), as far as `budget` allows (None: no bound). Returns how many
     layers."""
     if kernels.current_isa() == "scalar":

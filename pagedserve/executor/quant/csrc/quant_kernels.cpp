@@ -150,6 +150,7 @@ namespace avx2 {
 namespace avx2_rows16 {
 using namespace rows16_layout;
 #include "quant_rows16_avx2.h"
+#include "quant_rows16_q8_avx2.h"  // act_q8's products on the copies
 }  // namespace avx2_rows16
 ISA_TARGET_END()
 
@@ -661,24 +662,36 @@ static bool act_q8_rows(int64_t type, int64_t M) {
 static int64_t g_rows16_calls = 0;
 int64_t rows16_calls() { return g_rows16_calls; }
 
-// act_q8's products on a row-interleaved copy (quant_rows16_vnni.h): Q4_0 / Q4_1 / Q8_0 on
-// AVX512-VNNI and up, below a type's rows16_q8_rows (the packed rows' kernels from there; both
-// give the same bits from the tiles' rows on). Zen 4, us a layer, copy / packed rows
-// (benchmarks/q8_copy_rows.py): [2048, 5632] Q4_1 1 row 180-229 / 233-240, 2 rows 190-207 /
-// 349-351 (the packed rows' few-row tile), 8 rows 352 / 659, 256 rows 9,842 / 11,017 (their
-// many-row kernel), 1,024 rows 39,142 / 43,717; the default model's [3072, 576] and [576, 1536]
-// 0.5x at 1-8 rows, even (0.97-1.03x) at 256-1,024: so every row count. Q8_0 gains less from
-// 16 rows (even at 64-256 rows, 0.97-1.03x) and a 256-token prefill of an all-Q8_0 0.9 B model
-// took 2-6% longer on the copy: below 64 rows (section 63).
-static int64_t g_rows16_q8_rows[3] = {int64_t(1) << 40, 64, int64_t(1) << 40};  // Q4_0 and Q4_1; Q8_0; Q4_K and Q5_K
-static int64_t& rows16_q8_rows(int64_t type) {
+// act_q8's products on a row-interleaved copy (quant_rows16_vnni.h on AVX512-VNNI and up: Q4_0 /
+// Q4_1 / Q8_0 / Q4_K / Q5_K; quant_rows16_q8_avx2.h on the avx2 and avx512 levels: all but Q8_0)
+// below rows16_q8_rows(type) rows, the packed rows' kernels from there (the same bits from the
+// many-row threshold on, so the line may lie anywhere). Set by set_rows16_q8_rows (tests, A/B);
+// -1, the default, is the ISA's rule (Zen 4, us a layer, copy / packed rows,
+// benchmarks/q8_copy_rows.py; BENCHMARKS section 63):
+//   AVX512-VNNI: every row count, Q8_0 below 64. [2048, 5632] Q4_1 1 row 180-229 / 233-240, 2
+//     rows 190-207 / 349-351 (the packed rows' few-row tile), 8 rows 352 / 659, 256 rows 9,842 /
+//     11,017 (their many-row kernel), 1,024 rows 39,142 / 43,717; the default model's [3072, 576]
+//     and [576, 1536] 0.5x at 1-8 rows, even (0.97-1.03x) at 256-1,024. Q8_0 gains less from 16
+//     rows (even at 64-256 rows) and a 256-token prefill of an all-Q8_0 0.9 B model took 2-6%
+//     longer on the copy;
+//   below it: under 12 rows, where 4-row tiles re-read the copy: [2048, 5632] Q4_1 1-4 rows
+//     0.55-0.89x, 8 rows even, 16 rows 1.2x, 64 rows 1.44x; the default model's shapes 0.5-0.7x
+//     at 1-8 rows, 0.74-0.95x at 16, 1.3x at 64.
+static int64_t g_rows16_q8_rows[3] = {-1, -1, -1};  // Q4_0 and Q4_1; Q8_0; Q4_K and Q5_K
+static int64_t& rows16_q8_set(int64_t type) {
   return g_rows16_q8_rows[type == T_Q8_0 ? 1 : type == T_Q4_K || type == T_Q5_K ? 2 : 0];
+}
+static int64_t rows16_q8_rows(int64_t type) {
+  const int64_t set = rows16_q8_set(type);
+  if (set >= 0) return set;
+  if (current_isa() < ISA_AVX512_VNNI) return 12;
+  return type == T_Q8_0 ? 64 : int64_t(1) << 40;
 }
 int64_t set_rows16_q8_rows(int64_t type, int64_t m) {
   TORCH_CHECK(type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K,
               "set_rows16_q8_rows: Q4_0, Q4_1, Q8_0, Q4_K or Q5_K, not type ", type);
-  const int64_t old = rows16_q8_rows(type);
-  rows16_q8_rows(type) = m;
+  const int64_t old = rows16_q8_set(type);
+  rows16_q8_set(type) = m;
   return old;
 }
 // act_q8 products on a copy so far (tests)
@@ -688,8 +701,9 @@ int64_t rows16_q8_calls() { return g_rows16_q8_calls; }
 // Whether act_q8 runs this type's few-row products on its interleaved copy on the ISA path now
 // set (so that its layers keep one under gguf_q8)
 static bool rows16_q8_type(int64_t type) {
-  return QK_X86 && current_isa() >= ISA_AVX512_VNNI &&
-         (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K);
+  const int isa = current_isa();
+  if (!QK_X86 || isa < ISA_AVX2) return false;
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K || (type == T_Q8_0 && isa >= ISA_AVX512_VNNI);
 }
 
 // act_q8 over M rows on the copy wi of w (a.xq: the rows' quants as quantize_q8 wrote them)
@@ -706,12 +720,16 @@ static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi,
     a.xc = xc.data();
   } else {  // the quants in the order of the copy's nibbles
     xo.resize(M * a.K);
-    avx512_vnni_rows16::q4_copy_order(a.xq, 0, M * nb, xo.data());
+    avx2_rows16::q4_copy_order(a.xq, 0, M * nb, xo.data());
     a.xq = xo.data();
   }
   const uint8_t* WI = wi->data_ptr<uint8_t>();
+  const bool vnni = current_isa() >= ISA_AVX512_VNNI;
   at::parallel_for(0, N / 16, std::max<int64_t>(1, 4096 / a.K), [&](int64_t g0, int64_t g1) {
-    avx512_vnni_rows16::gemm_rows16_q8(a, WI, g0, g1);
+    if (vnni)
+      avx512_vnni_rows16::gemm_rows16_q8(a, WI, g0, g1);
+    else
+      avx2_rows16::gemm_rows16_q8(a, WI, g0, g1);
   });
 #endif
   return true;

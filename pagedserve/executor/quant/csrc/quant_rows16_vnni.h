@@ -16,7 +16,8 @@
 // + 16 s, low nibble, and e + 1, high nibble): one vpshufb per chunk gathers each row's four
 // bytes into its dword (lane L's dword i: bytes 2 i, 2 i + 1, 2 i + 8, 2 i + 9), whose low
 // nibbles are elements (4 c, 4 c + 16, 4 c + 2, 4 c + 18) and high ones (4 c + 1, 4 c + 17, 4 c
-// + 3, 4 c + 19); the activation quants are laid out once per call in that order (q4_copy_order),
+// + 3, 4 c + 19); the activation quants are laid out once per call in that order (q4_copy_order,
+// quant_rows16_q8_avx2.h, both kernels'),
 // so dword 2 c of a block meets the low nibbles and dword 2 c + 1 the high ones. The nibbles go
 // in unsigned (0 .. 15, Q4_0's too).
 // Q8_0 (byte [j][r] = row r's qs[j]): 64 bytes hold elements 4 k .. 4 k + 3 of the 16 rows; a
@@ -37,21 +38,8 @@ static inline __m512i q4_row_dwords() {
   return _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
 }
 
-// Blocks [b0, b1) of activation quants (32 each) into Q4's order: per block, for c < 4 the bytes
-// 4 c, 4 c + 16, 4 c + 2, 4 c + 18, 4 c + 1, 4 c + 17, 4 c + 3, 4 c + 19
-static void q4_copy_order(const int8_t* xq, int64_t b0, int64_t b1, int8_t* out) {
-  const __m128i pairs = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
-  for (int64_t b = b0; b < b1; ++b) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + b * 32));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + b * 32 + 16));
-    // (x0, x16, x1, x17, ..): element pairs (e, e + 16), then pairs 0, 2, 1, 3 of each four
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * 32), _mm_shuffle_epi8(_mm_unpacklo_epi8(lo, hi), pairs));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * 32 + 16), _mm_shuffle_epi8(_mm_unpackhi_epi8(lo, hi), pairs));
-  }
-}
-
 // out[m0 + t][16 g .. 16 g + 15] for group g and MT activation rows from m0; a.xq in the copy's
-// order (Q4: q4_copy_order), a.xc Q8_0's start values.
+// order (Q4: avx2_rows16::q4_copy_order), a.xc Q8_0's start values.
 // The software prefetch (prefetch_ahead) pays from 2 rows (Q8_0: 5), where each byte takes more
 // arithmetic; below it the hardware prefetchers do better alone. Zen 4, weights from memory, us
 // a layer without / with it: [2048, 5632] Q4_1 1 row 152 / 174, 2 rows 220 / 177, 8 rows 484 /
