@@ -570,3 +570,33 @@ def test_a_bf16_layer_with_interleaved_copies_keeps_them_up_to_8_rows():
                 assert (few > 0) == (layer is with_copy and m < first_bf16), (first_bf16, m)
     finally:
         kernels.set_isa(isa)
+
+
+@pytest.mark.skipif(bool(WHY) or "avx2" not in kernels.available_isas(), reason=WHY or "this CPU lacks avx2")
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_gguf_q8_speculation_gives_the_greedy_tokens_of_plain_decode(checkpoint, tmp_path, monkeypatch, isa):
+    """Under gguf_q8 the int8 kernels on the row-interleaved copies round a row as the many-row
+    kernel does, whatever the rows computed with it (quant_rows16_vnni.h, quant_rows16_q8_avx2.h),
+    so n-gram speculation's verification rows (k + 1 at once) compute the logits that 1-row decode
+    steps do: the same greedy tokens, with some guesses accepted, on the CPU's own path and on
+    the AVX2 one (copies below 12 rows, the many-row kernel above: the same bits)."""
+    from pagedserve import LLM, SamplingParams
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(checkpoint("llama"), str(tmp_path / "q4_1.gguf"), Q.Q4_1)
+    prev = kernels.set_isa("avx2" if isa == "avx2" else kernels.current_isa())
+    try:
+        assert kernels.rows16_q8_type(int(Q.Q4_1))
+        kw = dict(quantization="gguf_q8", dtype="float32", max_model_len=256, num_kv_blocks=200)
+        sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": ([7, 8, 9, 10, 11] * 6)[:20]}]
+        base = LLM(path, **kw).generate(prompts, sp, use_tqdm=False)
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        llm = LLM(path, speculative_config=spec, **kw)
+        before = kernels.load().rows16_q8_calls()
+        got = llm.generate(prompts, sp, use_tqdm=False)
+        assert kernels.load().rows16_q8_calls() > before
+        assert got[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+        assert llm.get_stats().spec_num_accepted_tokens > 0
+    finally:
+        kernels.set_isa(prev)
