@@ -100,7 +100,8 @@ class QuantLinear(nn.Module):
     def attach_rows16(self, budget: CopyBudget | None = None) -> bool:
         """Keep beside each block-type segment (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
         Q6_K; under gguf_q8 those whose few-row products stay float, not kernels.act_q8_type, and
-        those whose int8 products read the copy, kernels.rows16_q8_type: at every row count) its
+        those whose int8 kernel reads the copy, kernels.rows16_q8_type, at 1.1-2.5x the packed
+        rows' int8 kernels, section 63) its
         row-interleaved copy, which the few-row products (decode at batch 1-11 in float32, 1-8
         in bf16; verification rows) read at ~2x the packed rows' kernel on AVX-512
         (BENCHMARKS sections 39, 44; the K-quants 3-6x, sections 49, 55), 1.2-2.1x at 1 row on

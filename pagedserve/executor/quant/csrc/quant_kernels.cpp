@@ -9,7 +9,9 @@
 // quant_rows16.h (row-interleaved few-row products), quant_vnni.h (AVX512-VNNI integer
 // products), quant_bf16.h (AVX512-BF16 many-row products), quant_rows16_bf16.h (AVX512-BF16
 // few-row products of bf16 models on the row-interleaved copies) and quant_rows16_q6k_vbmi.h /
-// quant_rows16_q6k_vbmi_bf16.h (both few-row kernels on Q6_K's six-bit copy, AVX512-VBMI). The first three share the
+// quant_rows16_q6k_vbmi_bf16.h (both few-row kernels on Q6_K's six-bit copy, AVX512-VBMI), and
+// the act_q8 kernels on the row-interleaved copies (quant_rows16_q8_avx2.h beside the AVX2 one,
+// quant_rows16_vnni.h beside the VNNI one). The first three share the
 // ISA-neutral block code (quant_dequant.h) and loops (quant_loops.h), compiled into each; a new
 // ISA is one more file and one more region here. The path is chosen at run time from what the
 // CPU has (CPUID; or forced with set_isa, which the Python side drives from
@@ -34,7 +36,10 @@
 //     llama.cpp's q8 dot products (faster, not float-exact): few rows, each packed row against
 //     every activation row; many rows (AVX2), chunks of weights repacked so that each 32-bit
 //     lane is one output column, one vpmaddubsw per step for 8 columns (AVX512-VNNI: one
-//     vpdpbusd per step for 16 columns; the same bits as the AVX2 kernels).
+//     vpdpbusd per step for 16 columns; the same bits as the AVX2 kernels); with a
+//     row-interleaved copy (Q4_0 / Q4_1 / Q4_K / Q5_K from AVX2 up, Q8_0 from VNNI up) below
+//     rows16_q8_rows (VNNI: every row count), the copy's int8 kernel instead, the many-row
+//     kernel's bits (rows16_q8_gemm).
 //   dequant(w, type, K, rows?) -> float [R, K]   (all rows, or the given row ids: embeddings)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -622,7 +627,8 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 //     kernel won at 1-8 rows against the packed rows' int8 tiles (as the bf16 one did, Q4_K
 //     0.42-0.82x their time, Q5_K 0.46-1.0x); at every row count below it, where their int8
 //     tiles beat the float kernel on the copy (Q5_K, a [2048, 5632] layer, 1 row 314 vs 449 us,
-//     8 rows 1,077 vs 1,607), so that no copy is kept (sections 61, 62 of BENCHMARKS), and from
+//     8 rows 1,077 vs 1,607; sections 61, 62 of BENCHMARKS; now the copy's int8 kernel, section
+//     63), and from
 //     AVX512-VNNI up, where the int8 kernel on the copy (quant_rows16_vnni.h) beats the copy's
 //     bf16 kernel (Q4_K, [2048, 5632]: 1 row 190 vs 194 us, 4 rows 249 vs 299, 8 rows 350 vs 524)
 //     and the packed rows' int8 kernels at every row count (section 63).
@@ -714,14 +720,17 @@ static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi,
   ++g_rows16_q8_calls;
   thread_local std::vector<int8_t> xo;
   thread_local std::vector<int32_t> xc;
+  const int8_t* q = a.xq;  // (thread_local: the pointers, not the names, go to the team)
   if (a.type == T_Q8_0) {  // its unsigned weights' offset (128), taken back
     xc.resize(M * nb);
-    avx512_vnni::q8_block_corr(a.xq, 0, M * nb, xc.data());
-    a.xc = xc.data();
+    int32_t* c = xc.data();
+    at::parallel_for(0, M * nb, 1024, [&](int64_t b0, int64_t b1) { avx512_vnni::q8_block_corr(q, b0, b1, c); });
+    a.xc = c;
   } else {  // the quants in the order of the copy's nibbles
     xo.resize(M * a.K);
-    avx2_rows16::q4_copy_order(a.xq, 0, M * nb, xo.data());
-    a.xq = xo.data();
+    int8_t* o = xo.data();
+    at::parallel_for(0, M * nb, 1024, [&](int64_t b0, int64_t b1) { avx2_rows16::q4_copy_order(q, b0, b1, o); });
+    a.xq = o;
   }
   const uint8_t* WI = wi->data_ptr<uint8_t>();
   const bool vnni = current_isa() >= ISA_AVX512_VNNI;
