@@ -1,6 +1,7 @@
-// AVX512-VNNI few-row products of act_q8 ("gguf_q8": int8 activations) on the row-interleaved
-// copies of Q4_0 / Q4_1 / Q8_0 weights (quant_rows16_layout.h: per group of 16 rows and block of
-// 32, the 16 rows' d, Q4_1's m, then the quants). Decode at batch 1-8 and verification rows.
+// AVX512-VNNI products of act_q8 ("gguf_q8": int8 activations) on the row-interleaved copies of
+// Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K weights (quant_rows16_layout.h: per group of 16 rows and block
+// of 32, the 16 rows' d, Q4_1's m, then the quants; the K-quants' per super-block, below): decode,
+// verification rows and, as fast as the packed rows' many-row kernel, prefill (rows16_q8_rows).
 // Included once by quant_kernels.cpp inside namespace avx512_vnni_rows16 within the AVX512-VNNI
 // target region (GemmQ8Args, the block types and the layout's names are the file's). No include
 // guard on purpose.
@@ -17,9 +18,8 @@
 // bytes into its dword (lane L's dword i: bytes 2 i, 2 i + 1, 2 i + 8, 2 i + 9), whose low
 // nibbles are elements (4 c, 4 c + 16, 4 c + 2, 4 c + 18) and high ones (4 c + 1, 4 c + 17, 4 c
 // + 3, 4 c + 19); the activation quants are laid out once per call in that order (q4_copy_order,
-// quant_rows16_q8_avx2.h, both kernels'),
-// so dword 2 c of a block meets the low nibbles and dword 2 c + 1 the high ones. The nibbles go
-// in unsigned (0 .. 15, Q4_0's too).
+// quant_rows16_q8_avx2.h, both kernels'), so dword 2 c of a block meets the low nibbles and dword
+// 2 c + 1 the high ones. The nibbles go in unsigned (0 .. 15, Q4_0's too).
 // Q8_0 (byte [j][r] = row r's qs[j]): 64 bytes hold elements 4 k .. 4 k + 3 of the 16 rows; a
 // dword permute and a vpshufb transpose them to a dword a row (elements in order), xor 0x80
 // makes them unsigned (q + 128), and the block's sum starts from -128 * sum(x quants) (xc).
