@@ -428,19 +428,18 @@ def int8_rows(m: int):
 @pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
 def test_kquant_act_q8_rows_follow_the_isa(qtype):
-    """The K-quants under act_q8 by default: on the avx512 level (and Q6_K everywhere) up to 8
-    rows float activations (the bits of act_q8=False, on the interleaved copy where given), from
-    9 rows int8 ones (the quantized-activation product, not the float one); below it and from
-    AVX512-VNNI up Q4_K and Q5_K int8 at every row count (act_q8_type; below AVX-512 their layers
-    keep no copy, from VNNI up an int8 kernel reads it). qlinear (the layers' one call) draws the
-    same line."""
+    """The K-quants under act_q8 by default: Q6_K up to 8 rows on float activations (the bits of
+    act_q8=False, on the interleaved copy where given), from 9 rows on int8 ones (the
+    quantized-activation product, not the float one); Q4_K and Q5_K int8 at every row count
+    (act_q8_type; their layers keep a copy for the int8 kernels that read it). qlinear (the
+    layers' one call) draws the same line, on every path."""
     n, k = 19, 512
     raw = torch.from_numpy(random_packed(qtype, n, k, seed=5))
     assert kernels.set_int8_rows(int(qtype), -1) == -1  # the default: the ISA's rule
     for isa in kernels.available_isas():
         prev = kernels.set_isa(isa)
         try:
-            few_float = qtype == Q.Q6_K or kernels.current_isa() == "avx512"
+            few_float = qtype == Q.Q6_K
             assert kernels.act_q8_type(int(qtype)) is (not few_float)
             copy = kernels.interleave_rows16(raw, int(qtype), k)
             for m in (1, 8, 9, 40):

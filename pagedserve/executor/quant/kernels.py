@@ -165,9 +165,8 @@ def set_float_blas_rows(m: int) -> int:
 def set_int8_rows(qtype: int, m: int) -> int:
     """act_q8 with a K-quant's weights (Q4_K, Q5_K, Q6_K): int8 activations from m rows; fewer keep
     float activations on the row-interleaved copy, the faster few-row product there. -1 (the
-    default): the ISA's rule, from 9 rows on the avx512 level (Q6_K everywhere), every row count
-    below it and from AVX512-VNNI up (Q4_K, Q5_K: their int8 kernels on the copy, or the packed
-    rows' tiles, beat the float kernel on the copy). Returns the previous value."""
+    default): Q6_K from 9 rows, Q4_K and Q5_K at every row count (their int8 kernels on the copy
+    beat its float and bf16 ones, BENCHMARKS section 63). Returns the previous value."""
     return int(load().set_int8_rows(int(qtype), int(m)))
 
 
@@ -250,8 +249,8 @@ def act_q8_rows(qtype: int, m: int) -> bool:
 
 def act_q8_type(qtype: int) -> bool:
     """Whether gguf_q8 (act_q8) runs this type's products on int8 activations at every row count
-    (Q4_0, Q4_1, Q8_0; Q4_K and Q5_K but on the avx512 level), so that its layers need no float
-    few-row copy (an int8 kernel may read one: rows16_q8_type).
+    (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K), so that its layers need no float few-row copy (an int8 kernel
+    may read one: rows16_q8_type).
     The K-quants otherwise run on int8 activations from set_int8_rows's rows (act_q8_rows); the
     other types keep float ones."""
     return bool(load().act_q8_type(int(qtype)))

@@ -623,15 +623,13 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 //   Q6_K from 9 rows everywhere: at 1-8 rows the float and bf16 kernels on its copy took 0.5-0.8x
 //     the int8 kernels' time (1 row even), and from 9-12 rows the float products leave the copy
 //     for slower many-row paths, where the int8 kernel took 0.2-0.75x their time (section 60);
-//   Q4_K and Q5_K from 9 rows on the avx512 level (AVX-512F without VNNI), where the copy's float
-//     kernel won at 1-8 rows against the packed rows' int8 tiles (as the bf16 one did, Q4_K
-//     0.42-0.82x their time, Q5_K 0.46-1.0x); at every row count below it, where their int8
-//     tiles beat the float kernel on the copy (Q5_K, a [2048, 5632] layer, 1 row 314 vs 449 us,
-//     8 rows 1,077 vs 1,607; sections 61, 62 of BENCHMARKS; now the copy's int8 kernel, section
-//     63), and from
-//     AVX512-VNNI up, where the int8 kernel on the copy (quant_rows16_vnni.h) beats the copy's
-//     bf16 kernel (Q4_K, [2048, 5632]: 1 row 190 vs 194 us, 4 rows 249 vs 299, 8 rows 350 vs 524)
-//     and the packed rows' int8 kernels at every row count (section 63).
+//   Q4_K and Q5_K at every row count: their int8 kernels on the copy (quant_rows16_vnni.h,
+//     quant_rows16_q8_avx2.h) beat the copy's float and bf16 kernels at 1-8 rows on every level
+//     (Q4_K, [2048, 5632], us: VNNI 1 row 190 vs 194 bf16, 4 rows 249 vs 299, 8 rows 350 vs 524;
+//     the avx512 level's float kernel 1 row 164 vs 250, 8 rows 748 vs 915; Q5_K there 1.2-1.3x
+//     at 2-8 rows, 1 row 243 vs 286 for the packed rows' int8 tile, the AVX2 path). Until then
+//     the copy's float or bf16 kernel had won at 1-8 rows on the AVX-512 levels against the
+//     packed rows' int8 tiles (sections 61-63 of BENCHMARKS).
 static int64_t g_int8_rows[3] = {-1, -1, -1};  // Q4_K, Q5_K, Q6_K
 static int kquant_index(int64_t type) { return type == T_Q4_K ? 0 : type == T_Q5_K ? 1 : type == T_Q6_K ? 2 : -1; }
 int64_t set_int8_rows(int64_t type, int64_t m) {
@@ -644,7 +642,7 @@ int64_t set_int8_rows(int64_t type, int64_t m) {
 static int64_t int8_rows(int64_t type) {
   const int64_t set = g_int8_rows[kquant_index(type)];
   if (set >= 0) return set;
-  return type == T_Q6_K || current_isa() == ISA_AVX512 ? 9 : 1;
+  return type == T_Q6_K ? 9 : 1;
 }
 
 // The types whose products act_q8 ("gguf_q8") runs on int8 activations at every row count, so

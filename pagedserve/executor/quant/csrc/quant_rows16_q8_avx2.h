@@ -14,7 +14,9 @@
 // and then in 32 (vpmaddwd by ones): exact, the integer sums of every act_q8 kernel. The float
 // steps are the many-row kernels', so a row's bits equal the AVX2 and VNNI many-row kernels' and
 // quant_rows16_vnni.h's (tests). Tiles of up to 4 rows; 1-2 rows walk the group's blocks once for
-// both halves, 3-4 once per half (the second walk finds the stream in L1 / L2), as the float one.
+// both halves, 3-4 once per half (the second walk finds the stream in L1 / L2), as the float one;
+// Q5_K (two more registers a half and row) from 2 rows once per half. At 1 row its walk per half
+// took 1.14-1.23x the packed rows' tile ([2048, 5632] 327 vs 291 us), both halves at once 0.77-0.85x.
 
 // Blocks [b0, b1) of activation quants (32 each) into the copies' Q4 order: per block, for c < 4
 // the bytes 4 c, 4 c + 16, 4 c + 2, 4 c + 18, 4 c + 1, 4 c + 17, 4 c + 3, 4 c + 19 (the order of
@@ -115,7 +117,7 @@ static void gemm_rows16_q8(const GemmQ8Args& a, const uint8_t* WI, int64_t g0, i
     constexpr int TYPE = decltype(T)::value;
     for_each_tile<4>(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
       constexpr int mt = decltype(MT)::value;
-      if constexpr (mt <= 2 && TYPE != T_Q5_K) {
+      if constexpr (mt == 1 || (mt == 2 && TYPE != T_Q5_K)) {
         rows16_q8_halves<TYPE, mt, 0, 2>(a, WI, g, m0);
       } else {
         rows16_q8_halves<TYPE, mt, 0, 1>(a, WI, g, m0);
