@@ -4,8 +4,7 @@
 // row's four bytes of a Q4 chunk into its dword, the activation quants come in q4_copy_order, the
 // K-quants' sub-blocks are Q4_1 / Q5_1 blocks). Included once by quant_kernels.cpp inside
 // namespace avx2_rows16 within the AVX2 target region, after quant_rows16_avx2.h (byte_mask,
-// u8x8_ps, f16x8_ps). No
-// include guard on purpose.
+// u8x8_ps, f16x8_ps). No include guard on purpose.
 //
 // A group of 16 rows is two halves of 8 (the float kernel's, quant_rows16_avx2.h), a half one
 // 256-bit register's dwords. vpmaddubsw (unsigned nibbles x signed quants, pairs summed in 16
