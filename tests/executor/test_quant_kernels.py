@@ -316,18 +316,6 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
 ROWS16_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K]
 
 
-def _many_row_out(x, raw, qtype, n):
-    """act_q8 through the packed rows' many-row kernel at every row count (no copy)."""
-    old, oldp = kernels.set_q8_many_rows(1), kernels.set_prefill_rows(1)  # (Q8_0's many-row threshold)
-    try:
-        out = torch.full((x.shape[0], n + 2), 7.0)
-        kernels.gemm(x, raw, int(qtype), out, 1, act_q8=True)
-    finally:
-        kernels.set_q8_many_rows(old)
-        kernels.set_prefill_rows(oldp)
-    return out[:, 1 : 1 + n]
-
-
 @pytest.mark.parametrize("qtype", ROWS16_Q8_TYPES, ids=lambda t: t.name)
 def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(q8_isa, qtype):
     """gguf_q8 on a row-interleaved copy (quant_rows16_vnni.h on AVX512-VNNI: 16 output rows a
@@ -360,7 +348,7 @@ def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(q8_isa, qtype):
                 kernels.set_rows16_q8_rows(int(qtype), old)
             assert mod.rows16_q8_calls() == before + 1
             assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
-            ref = _many_row_out(x, raw, qtype, n)
+            ref = _act_q8_out(q8_isa, x, raw.numpy(), qtype, n, 1)  # the packed rows' many-row kernel
             assert torch.equal(out[:, 1:-1].view(torch.int32), ref.view(torch.int32)), (n, k, m)
             r = m - 1
             alone = torch.zeros(1, n)

@@ -112,8 +112,8 @@ class QuantLinear(nn.Module):
         kept) where no segment takes it or `budget` has no room for the layer's copies."""
         k = self.in_features
         # integer products: no copy, unless their own kernel reads one (kernels.rows16_q8_type)
-        int8 = [self.act_q8 and kernels.act_q8_type(t) and not kernels.rows16_q8_type(t) for t, _, _ in self.segments]
-        sizes = [0 if i8 else kernels.rows16_copy_size(d, t, k) for (t, d, _), i8 in zip(self.segments, int8)]
+        no_copy = [self.act_q8 and kernels.act_q8_type(t) and not kernels.rows16_q8_type(t) for t, _, _ in self.segments]
+        sizes = [0 if nc else kernels.rows16_copy_size(d, t, k) for (t, d, _), nc in zip(self.segments, no_copy)]
         if not any(sizes) or (budget is not None and not budget.take("row-interleaved", sum(sizes))):
             return False
         empty = torch.empty(0, dtype=torch.uint8)

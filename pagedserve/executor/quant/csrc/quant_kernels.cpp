@@ -619,7 +619,7 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 
 // The K-quants under act_q8 (Q4_K, Q5_K, Q6_K): int8 activations from int8_rows(type) rows, on
 // the integer kernels; fewer rows keep float activations on the row-interleaved copy. Set by
-// set_int8_rows (tests, A/B); -1, the default, is the ISA's rule:
+// set_int8_rows (tests, A/B); -1, the default, is the type's rule, the same on every ISA:
 //   Q6_K from 9 rows everywhere: at 1-8 rows the float and bf16 kernels on its copy took 0.5-0.8x
 //     the int8 kernels' time (1 row even), and from 9-12 rows the float products leave the copy
 //     for slower many-row paths, where the int8 kernel took 0.2-0.75x their time (section 60);
@@ -710,22 +710,41 @@ static bool rows16_q8_type(int64_t type) {
   return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K || (type == T_Q8_0 && isa >= ISA_AVX512_VNNI);
 }
 
+// The VNNI integer kernels' start values (GemmQ8Args::xc) for g.M rows' quants: Q8_0's unsigned
+// weights' offset (128), Q6_K's (32 per half block), taken back. Nothing for the other types or
+// below AVX512-VNNI, whose kernels take signed weights.
+static void q8_start_values(GemmQ8Args& g) {
+#if QK_X86
+  if ((g.type != T_Q8_0 && g.type != T_Q6_K) || current_isa() < ISA_AVX512_VNNI) return;
+  thread_local std::vector<int32_t> xc;
+  const int64_t nb = g.K / 32;
+  const bool q6k = g.type == T_Q6_K;
+  xc.resize((q6k ? 2 : 1) * g.M * nb);
+  const int8_t* q = g.xq;  // (thread_local: the pointers, not the names, go to the team)
+  int32_t* c = xc.data();
+  at::parallel_for(0, g.M * nb, 256, [&](int64_t b0, int64_t b1) {
+    if (q6k)
+      avx512_vnni::q8_half_corr(q, b0, b1, c);
+    else
+      avx512_vnni::q8_block_corr(q, b0, b1, c);
+  });
+  g.xc = c;
+#else
+  (void)g;
+#endif
+}
+
 // act_q8 over M rows on the copy wi of w (a.xq: the rows' quants as quantize_q8 wrote them)
 static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi, const torch::Tensor& w) {
   const int64_t M = a.M, N = w.size(0), nb = a.K / 32;
   if (!rows16_q8_type(a.type) || M >= rows16_q8_rows(a.type) || !rows16_usable(wi, w, a.type)) return false;
 #if QK_X86
   ++g_rows16_q8_calls;
-  thread_local std::vector<int8_t> xo;
-  thread_local std::vector<int32_t> xc;
-  const int8_t* q = a.xq;  // (thread_local: the pointers, not the names, go to the team)
-  if (a.type == T_Q8_0) {  // its unsigned weights' offset (128), taken back
-    xc.resize(M * nb);
-    int32_t* c = xc.data();
-    at::parallel_for(0, M * nb, 1024, [&](int64_t b0, int64_t b1) { avx512_vnni::q8_block_corr(q, b0, b1, c); });
-    a.xc = c;
-  } else {  // the quants in the order of the copy's nibbles
+  q8_start_values(a);  // (Q8_0's)
+  if (a.type != T_Q8_0) {  // the quants in the order of the copy's nibbles
+    thread_local std::vector<int8_t> xo;
     xo.resize(M * a.K);
+    const int8_t* q = a.xq;  // (thread_local: the pointers, not the names, go to the team)
     int8_t* o = xo.data();
     at::parallel_for(0, M * nb, 1024, [&](int64_t b0, int64_t b1) { avx2_rows16::q4_copy_order(q, b0, b1, o); });
     a.xq = o;
@@ -769,22 +788,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
     if (rows16_q8_gemm(g, wi, w)) return;
     const int64_t many_from = type == T_Q8_0 ? g_prefill_rows : g_q8_many_rows;
     if (QK_X86 && current_isa() >= ISA_AVX2 && M >= many_from) {
-#if QK_X86
-      thread_local std::vector<int32_t> xc;
-      if ((type == T_Q8_0 || type == T_Q6_K) && current_isa() >= ISA_AVX512_VNNI) {
-        // Q8_0's unsigned weights' offset (128), Q6_K's (32 per half block), taken back
-        xc.resize(type == T_Q6_K ? 2 * M * nb : M * nb);
-        const int8_t* q = xq.data();  // (thread_local: the pointers, not the names, go to the team)
-        int32_t* c = xc.data();
-        at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
-          if (type == T_Q6_K)
-            avx512_vnni::q8_half_corr(q, b0, b1, c);
-          else
-            avx512_vnni::q8_block_corr(q, b0, b1, c);
-        });
-        g.xc = c;
-      }
-#endif
+      q8_start_values(g);
       at::parallel_for(0, (N + 15) / 16, 1,  // tasks of two groups of 8 columns
                        [&](int64_t a, int64_t b) { isa_gemm_q8_many(g, a * 16, std::min(N, b * 16)); });
     } else {
