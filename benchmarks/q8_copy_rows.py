@@ -34,7 +34,7 @@ def main() -> None:
     from tests.executor.test_quant_kernels import random_packed
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--type", choices=["q4_0", "q4_1", "q8_0", "q4_k", "q5_k"], default="q4_1")
+    ap.add_argument("--type", choices=["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"], default="q4_1")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
     ap.add_argument("--rounds", type=int, default=7)
@@ -42,10 +42,12 @@ def main() -> None:
     mod, qt = kernels.load(), int(getattr(Q, args.type.upper()))
     if not mod.rows16_q8_type(qt):
         sys.exit(f"no int8 kernel on the copy of {args.type} on the {kernels.current_isa()} path")
-    kquant = args.type in ("q4_k", "q5_k")
+    kquant = args.type in ("q4_k", "q5_k", "q6_k")
     if kquant:  # int8 activations at every row count (by default its rule may keep few rows float)
         kernels.set_int8_rows(qt, 1)
     shapes = ((2048, 5632, 8), (11264, 2048, 4)) if kquant else ((2048, 5632, 8), (3072, 576, 30), (576, 1536, 30))
+    if args.type == "q6_k":  # the 1 B model's down projection and its 49,152-token LM head
+        shapes = ((2048, 5632, 8), (49152, 2048, 1))
     for n, k, layers in shapes:
         ws = [torch.from_numpy(random_packed(qt, n, k, seed=i)) for i in range(layers)]
         wis = [kernels.interleave_rows16(w, qt, k) for w in ws]

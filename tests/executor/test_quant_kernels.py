@@ -7,6 +7,7 @@ avx512, the int8-activation ones also on avx512_vnni (bit-equal to avx2's), the 
 products of bfloat16 models on avx512_bf16; the AMX levels' refusal path simulated."""
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -313,66 +314,87 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
                 assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, k, m, many_from, (got - ref).abs().max())
 
 
-ROWS16_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K]
+ROWS16_Q8_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def q6k_layouts(qtype):
+    """The copy layouts a test walks: Q6_K's byte layout, and its six bits where the CPU has
+    AVX512-VBMI (and the path is AVX-512); one (None: as it is) for the other types."""
+    if qtype != Q.Q6_K:
+        return [None]
+    return [False, True] if HAVE_VBMI and kernels.ISAS[kernels.current_isa()] >= kernels.ISAS["avx512"] else [False]
 
 
 @pytest.mark.parametrize("qtype", ROWS16_Q8_TYPES, ids=lambda t: t.name)
 def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(q8_isa, qtype):
     """gguf_q8 on a row-interleaved copy (quant_rows16_vnni.h on AVX512-VNNI: 16 output rows a
-    register, Q4's nibbles gathered by one vpshufb a chunk, Q8_0's bytes transposed;
-    quant_rows16_q8_avx2.h below it: halves of 8 rows, vpmaddubsw, Q4_0 / Q4_1 / Q4_K / Q5_K) sums
+    register, Q4's nibbles gathered by one vpshufb a chunk, Q8_0's bytes transposed; Q6_K's
+    quant_rows16_q6k_vnni.h on its six-bit copy, vpermb + vpmultishiftqb, and on its byte copy, as
+    Q8_0; quant_rows16_q8_avx2.h below it: halves of 8 rows, vpmaddubsw, Q4_0 / Q4_1 / Q4_K / Q5_K) sums
     each block exactly and then rounds as the many-row kernel on the packed rows, so their
     outputs' bits are equal at every row count (tiles of 1-8 rows, the AVX2 kernel's of 1-4, and
     their tails), and a row's bits do not depend on the rows computed with it. Q4_K / Q5_K: each
-    sub-block of 32 a Q4_1 / Q5_1 block (Q5_K's fifth bits from the copy's masks). One to ten
-    groups of 16 rows, K of 1 to 48 blocks (1 to 6 super-blocks), extreme quants against x at
-    +-127, an all-zero block, random 6-bit scales; only its own columns are written."""
+    sub-block of 32 a Q4_1 / Q5_1 block (Q5_K's fifth bits from the copy's masks); Q6_K's halves
+    times their int8 scales. One to ten groups of 16 rows, K of 1 to 48 blocks (1 to 6
+    super-blocks), extreme quants against x at +-127, an all-zero block, random scales; only its
+    own columns are written."""
     if not kernels.rows16_q8_type(int(qtype)):
         pytest.skip(f"no int8 kernel reads {qtype.name}'s copy on the {q8_isa} path")
     rng = np.random.default_rng(int(qtype) + 100)
     mod = kernels.load()
     shapes = ((16, 256), (48, 512), (160, 1536)) if qtype in SUPER_BLOCKS else ((16, 32), (48, 96), (160, 576), (32, 1536))
-    for n, k in shapes:
+    for six, (n, k) in itertools.product(q6k_layouts(qtype), shapes):
         raw = torch.from_numpy(_extreme_blocks(random_packed(qtype, n, k, seed=n), qtype, rng))
-        copy = kernels.interleave_rows16(raw, int(qtype), k)
-        for m in (1, 2, 3, 5, 8, 9, 17, 40):
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3
-            x[0, :32] = 0.0
-            x[m // 2, 32:] = torch.where(torch.rand(k - 32, generator=torch.Generator().manual_seed(m)) < 0.5, -1.0, 1.0)
-            out = torch.full((m, n + 2), 7.0)
-            before = mod.rows16_q8_calls()
-            old = kernels.set_rows16_q8_rows(int(qtype), 10**9)  # (below AVX512-VNNI: from 12 rows by default)
-            try:
-                kernels.gemm(x, raw, int(qtype), out, 1, act_q8=True, interleaved=copy)
-            finally:
-                kernels.set_rows16_q8_rows(int(qtype), old)
-            assert mod.rows16_q8_calls() == before + 1
-            assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
-            ref = _act_q8_out(q8_isa, x, raw.numpy(), qtype, n, 1)  # the packed rows' many-row kernel
-            assert torch.equal(out[:, 1:-1].view(torch.int32), ref.view(torch.int32)), (n, k, m)
-            r = m - 1
-            alone = torch.zeros(1, n)
-            kernels.gemm(x[r:].contiguous(), raw, int(qtype), alone, 0, act_q8=True, interleaved=copy)
-            assert torch.equal(alone[0], out[r, 1:-1]), (n, k, m)
+        prev = kernels.set_q6k_six_bits(six) if six is not None else None
+        try:
+            copy = kernels.interleave_rows16(raw, int(qtype), k)
+            _copy_bits_equal(mod, q8_isa, raw, copy, qtype, n, k)
+        finally:
+            if six is not None:
+                kernels.set_q6k_six_bits(prev)
+
+
+def _copy_bits_equal(mod, q8_isa, raw, copy, qtype, n, k):
+    """The copy's int8 kernel against the packed rows' many-row kernel, bit for bit, at 1-40 rows."""
+    for m in (1, 2, 3, 5, 8, 9, 17, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3
+        x[0, :32] = 0.0
+        x[m // 2, 32:] = torch.where(torch.rand(k - 32, generator=torch.Generator().manual_seed(m)) < 0.5, -1.0, 1.0)
+        out = torch.full((m, n + 2), 7.0)
+        before = mod.rows16_q8_calls()
+        old = kernels.set_rows16_q8_rows(int(qtype), 10**9)  # (below AVX512-VNNI: from 12 rows by default)
+        try:
+            kernels.gemm(x, raw, int(qtype), out, 1, act_q8=True, interleaved=copy)
+        finally:
+            kernels.set_rows16_q8_rows(int(qtype), old)
+        assert mod.rows16_q8_calls() == before + 1
+        assert torch.all(out[:, 0] == 7.0) and torch.all(out[:, -1] == 7.0)
+        ref = _act_q8_out(q8_isa, x, raw.numpy(), qtype, n, 1)  # the packed rows' many-row kernel
+        assert torch.equal(out[:, 1:-1].view(torch.int32), ref.view(torch.int32)), (n, k, m)
+        r = m - 1
+        alone = torch.zeros(1, n)
+        kernels.gemm(x[r:].contiguous(), raw, int(qtype), alone, 0, act_q8=True, interleaved=copy)
+        assert torch.equal(alone[0], out[r, 1:-1]), (n, k, m)
 
 
 @pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
 def test_act_q8_reads_the_copy_where_its_kernel_runs():
     """Which types' copies the int8 kernels read (rows16_q8_type), on each path: Q4_0 / Q4_1 /
-    Q4_K / Q5_K from AVX2 up, Q8_0 from AVX512-VNNI up, none on the scalar path (a copy given
-    where none applies is ignored: the packed rows' kernels run); and only below the ISA's rows
-    (AVX512-VNNI: every row count, Q8_0 64; below it 12) or set_rows16_q8_rows's."""
+    Q4_K / Q5_K from AVX2 up, Q8_0 and Q6_K from AVX512-VNNI up, none on the scalar path (a copy
+    given where none applies is ignored: the packed rows' kernels run); and only below the ISA's
+    rows (AVX512-VNNI: every row count, Q8_0 and Q6_K 64; below it 12) or set_rows16_q8_rows's."""
     mod = kernels.load()
     n, k = 32, 96
     raw = torch.from_numpy(random_packed(Q.Q4_1, n, k, seed=3))
     raw8 = torch.from_numpy(random_packed(Q.Q8_0, n, k, seed=3))
+    raw6 = torch.from_numpy(random_packed(Q.Q6_K, n, 256, seed=3))
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(4))
     for isa in kernels.available_isas():
         prev = kernels.set_isa(isa)
         try:
             avx2, vnni = (kernels.ISAS[isa] >= kernels.ISAS[i] for i in ("avx2", "avx512_vnni"))
             got = [kernels.rows16_q8_type(int(t)) for t in (*ROWS16_Q8_TYPES, Q.Q5_0, Q.Q6_K)]
-            assert got == [avx2, avx2, vnni, avx2, avx2, False, False], isa
+            assert got == [avx2, avx2, vnni, avx2, avx2, vnni, False, vnni], isa
             copy = kernels.interleave_rows16(raw, int(Q.Q4_1), k)
             if copy is None:  # (the scalar path makes none)
                 continue
@@ -389,11 +411,12 @@ def test_act_q8_reads_the_copy_where_its_kernel_runs():
                 before = mod.rows16_q8_calls()
                 kernels.gemm(torch.randn(m, k), raw, int(Q.Q4_1), torch.zeros(m, n), 0, act_q8=True, interleaved=copy)
                 assert mod.rows16_q8_calls() == before + on_copy, (isa, m)
-            copy8 = kernels.interleave_rows16(raw8, int(Q.Q8_0), k)
-            for m, on_copy in ((63, vnni), (64, False)):  # Q8_0: the packed rows' many-row kernel from 64
-                before = mod.rows16_q8_calls()
-                kernels.gemm(torch.randn(m, k), raw8, int(Q.Q8_0), torch.zeros(m, n), 0, act_q8=True, interleaved=copy8)
-                assert mod.rows16_q8_calls() == before + on_copy, (isa, m)
+            for qt, w, kw in ((Q.Q8_0, raw8, k), (Q.Q6_K, raw6, 256)):  # the packed rows' many-row kernel from 64
+                wi = kernels.interleave_rows16(w, int(qt), kw)
+                for m, on_copy in ((63, vnni), (64, False)):
+                    before = mod.rows16_q8_calls()
+                    kernels.gemm(torch.randn(m, kw), w, int(qt), torch.zeros(m, n), 0, act_q8=True, interleaved=wi)
+                    assert mod.rows16_q8_calls() == before + on_copy, (isa, qt.name, m)
         finally:
             kernels.set_isa(prev)
 
@@ -416,18 +439,18 @@ def int8_rows(m: int):
 @pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
 def test_kquant_act_q8_rows_follow_the_isa(qtype):
-    """The K-quants under act_q8 by default: Q6_K up to 8 rows on float activations (the bits of
-    act_q8=False, on the interleaved copy where given), from 9 rows on int8 ones (the
-    quantized-activation product, not the float one); Q4_K and Q5_K int8 at every row count
-    (act_q8_type; their layers keep a copy for the int8 kernels that read it). qlinear (the
-    layers' one call) draws the same line, on every path."""
+    """The K-quants under act_q8 by default: Q6_K below AVX512-VNNI up to 8 rows on float
+    activations (the bits of act_q8=False, on the interleaved copy where given), from 9 rows on
+    int8 ones (the quantized-activation product, not the float one); Q4_K and Q5_K, and Q6_K on
+    AVX512-VNNI, int8 at every row count (act_q8_type; their layers keep a copy for the int8
+    kernels that read it). qlinear (the layers' one call) draws the same line, on every path."""
     n, k = 19, 512
     raw = torch.from_numpy(random_packed(qtype, n, k, seed=5))
     assert kernels.set_int8_rows(int(qtype), -1) == -1  # the default: the ISA's rule
     for isa in kernels.available_isas():
         prev = kernels.set_isa(isa)
         try:
-            few_float = qtype == Q.Q6_K
+            few_float = qtype == Q.Q6_K and kernels.ISAS[isa] < kernels.ISAS["avx512_vnni"]
             assert kernels.act_q8_type(int(qtype)) is (not few_float)
             copy = kernels.interleave_rows16(raw, int(qtype), k)
             for m in (1, 8, 9, 40):

@@ -11,7 +11,8 @@
 // few-row products of bf16 models on the row-interleaved copies) and quant_rows16_q6k_vbmi.h /
 // quant_rows16_q6k_vbmi_bf16.h (both few-row kernels on Q6_K's six-bit copy, AVX512-VBMI), and
 // the act_q8 kernels on the row-interleaved copies (quant_rows16_q8_avx2.h beside the AVX2 one,
-// quant_rows16_vnni.h beside the VNNI one). The first three share the
+// quant_rows16_vnni.h beside the VNNI one, quant_rows16_q6k_vnni.h for Q6_K's copies there). The
+// first three share the
 // ISA-neutral block code (quant_dequant.h) and loops (quant_loops.h), compiled into each; a new
 // ISA is one more file and one more region here. The path is chosen at run time from what the
 // CPU has (CPUID; or forced with set_isa, which the Python side drives from
@@ -37,8 +38,8 @@
 //     every activation row; many rows (AVX2), chunks of weights repacked so that each 32-bit
 //     lane is one output column, one vpmaddubsw per step for 8 columns (AVX512-VNNI: one
 //     vpdpbusd per step for 16 columns; the same bits as the AVX2 kernels); with a
-//     row-interleaved copy (Q4_0 / Q4_1 / Q4_K / Q5_K from AVX2 up, Q8_0 from VNNI up) below
-//     rows16_q8_rows (VNNI: every row count), the copy's int8 kernel instead, the many-row
+//     row-interleaved copy (Q4_0 / Q4_1 / Q4_K / Q5_K from AVX2 up, Q8_0 and Q6_K from VNNI up)
+//     below rows16_q8_rows (VNNI: every row count; Q8_0, Q6_K 64), the copy's int8 kernel instead, the many-row
 //     kernel's bits (rows16_q8_gemm).
 //   dequant(w, type, K, rows?) -> float [R, K]   (all rows, or the given row ids: embeddings)
 #include <torch/extension.h>
@@ -180,7 +181,15 @@ using namespace avx512;
 namespace avx512_vnni_rows16 {
 using namespace rows16_layout;
 #include "quant_rows16_vnni.h"
+#include "quant_rows16_q6k_vnni.h"  // Q6_K's byte layout
 }  // namespace avx512_vnni_rows16
+ISA_TARGET_END()
+// and Q6_K's six-bit layout (quant_rows16_q6k_vnni.h again), with AVX512-VBMI
+ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")
+namespace avx512_vnni_vbmi {
+using namespace rows16_layout;
+#include "quant_rows16_q6k_vnni.h"
+}  // namespace avx512_vnni_vbmi
 ISA_TARGET_END()
 
 // AVX512-BF16: the bf16 many-row products of bfloat16 models (quant_bf16.h)
@@ -619,8 +628,13 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 
 // The K-quants under act_q8 (Q4_K, Q5_K, Q6_K): int8 activations from int8_rows(type) rows, on
 // the integer kernels; fewer rows keep float activations on the row-interleaved copy. Set by
-// set_int8_rows (tests, A/B); -1, the default, is the type's rule, the same on every ISA:
-//   Q6_K from 9 rows everywhere: at 1-8 rows the float and bf16 kernels on its copy took 0.5-0.8x
+// set_int8_rows (tests, A/B); -1, the default, is the type's rule:
+//   Q6_K on AVX512-VNNI at every row count: its int8 kernel on the copy (quant_rows16_q6k_vnni.h)
+//     took 0.87-1.02x the copy's float and bf16 kernels' time at 1-2 rows, 0.72-0.89x at 4-8,
+//     0.3-0.5x at 12-16, where they leave the copy ([2048, 5632] and the 1 B model's [49152,
+//     2048] LM head, Zen 4; BENCHMARKS section 64); with no copy, the packed rows' int8 kernels
+//     took 0.4-0.9x the packed rows' float ones at 1-8 rows;
+//   Q6_K below it from 9 rows: at 1-8 rows the float and bf16 kernels on its copy took 0.5-0.8x
 //     the int8 kernels' time (1 row even), and from 9-12 rows the float products leave the copy
 //     for slower many-row paths, where the int8 kernel took 0.2-0.75x their time (section 60);
 //   Q4_K and Q5_K at every row count: their int8 kernels on the copy (quant_rows16_vnni.h,
@@ -642,12 +656,12 @@ int64_t set_int8_rows(int64_t type, int64_t m) {
 static int64_t int8_rows(int64_t type) {
   const int64_t set = g_int8_rows[kquant_index(type)];
   if (set >= 0) return set;
-  return type == T_Q6_K ? 9 : 1;
+  return type == T_Q6_K && current_isa() < ISA_AVX512_VNNI ? 9 : 1;
 }
 
 // The types whose products act_q8 ("gguf_q8") runs on int8 activations at every row count, so
 // that their layers need no float few-row copy (an int8 one where rows16_q8_type): Q4_0 / Q4_1 /
-// Q8_0, and a K-quant where its rule says 1 row (Q4_K's and Q5_K's sub-blocks as Q4_1 / Q5_1 blocks; asked at load, after
+// Q8_0, and a K-quant where its rule says 1 row (Q4_K's and Q5_K's everywhere, Q6_K's on AVX512-VNNI; asked at load, after
 // PAGEDSERVE_CPU_ISA). The K-quants otherwise from int8_rows on (act_q8_rows); the other types
 // keep float activations.
 static bool act_q8_type(int64_t type) {
@@ -667,33 +681,35 @@ static int64_t g_rows16_calls = 0;
 int64_t rows16_calls() { return g_rows16_calls; }
 
 // act_q8's products on a row-interleaved copy (quant_rows16_vnni.h on AVX512-VNNI and up: Q4_0 /
-// Q4_1 / Q8_0 / Q4_K / Q5_K; quant_rows16_q8_avx2.h on the avx2 and avx512 levels: all but Q8_0)
+// Q4_1 / Q8_0 / Q4_K / Q5_K, and Q6_K's quant_rows16_q6k_vnni.h; quant_rows16_q8_avx2.h on the
+// avx2 and avx512 levels: Q4_0 / Q4_1 / Q4_K / Q5_K)
 // below rows16_q8_rows(type) rows, the packed rows' kernels from there (the same bits from the
 // many-row threshold on, so the line may lie anywhere). Set by set_rows16_q8_rows (tests, A/B);
 // -1, the default, is the ISA's rule (Zen 4, us a layer, copy / packed rows,
 // benchmarks/q8_copy_rows.py; BENCHMARKS section 63):
-//   AVX512-VNNI: every row count, Q8_0 below 64. [2048, 5632] Q4_1 1 row 180-229 / 233-240, 2
+//   AVX512-VNNI: every row count, Q8_0 and Q6_K below 64. [2048, 5632] Q4_1 1 row 180-229 / 233-240, 2
 //     rows 190-207 / 349-351 (the packed rows' few-row tile), 8 rows 352 / 659, 256 rows 9,842 /
 //     11,017 (their many-row kernel), 1,024 rows 39,142 / 43,717; the default model's [3072, 576]
 //     and [576, 1536] 0.5x at 1-8 rows, even (0.97-1.03x) at 256-1,024. Q8_0 gains less from 16
 //     rows (even at 64-256 rows) and a 256-token prefill of an all-Q8_0 0.9 B model took 2-6%
-//     longer on the copy;
+//     longer on the copy. Q6_K [2048, 5632]: 16 rows 954-1,285 / 1,355-1,833, 64 rows 4,224 /
+//     4,668, 256 rows 14,929 / 14,261 (the LM head [49152, 2048] even at 64 rows, 1.18x at 256);
 //   below it: under 12 rows, where 4-row tiles re-read the copy: [2048, 5632] Q4_1 1-4 rows
 //     0.55-0.89x, 8 rows even, 16 rows 1.2x, 64 rows 1.44x; the default model's shapes 0.5-0.7x
 //     at 1-8 rows, 0.74-0.95x at 16, 1.3x at 64.
-static int64_t g_rows16_q8_rows[3] = {-1, -1, -1};  // Q4_0 and Q4_1; Q8_0; Q4_K and Q5_K
+static int64_t g_rows16_q8_rows[4] = {-1, -1, -1, -1};  // Q4_0 and Q4_1; Q8_0; Q4_K and Q5_K; Q6_K
 static int64_t& rows16_q8_set(int64_t type) {
-  return g_rows16_q8_rows[type == T_Q8_0 ? 1 : type == T_Q4_K || type == T_Q5_K ? 2 : 0];
+  return g_rows16_q8_rows[type == T_Q8_0 ? 1 : type == T_Q4_K || type == T_Q5_K ? 2 : type == T_Q6_K ? 3 : 0];
 }
 static int64_t rows16_q8_rows(int64_t type) {
   const int64_t set = rows16_q8_set(type);
   if (set >= 0) return set;
   if (current_isa() < ISA_AVX512_VNNI) return 12;
-  return type == T_Q8_0 ? 64 : int64_t(1) << 40;
+  return type == T_Q8_0 || type == T_Q6_K ? 64 : int64_t(1) << 40;
 }
 int64_t set_rows16_q8_rows(int64_t type, int64_t m) {
-  TORCH_CHECK(type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K,
-              "set_rows16_q8_rows: Q4_0, Q4_1, Q8_0, Q4_K or Q5_K, not type ", type);
+  TORCH_CHECK(type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || kquant_index(type) >= 0,
+              "set_rows16_q8_rows: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K, not type ", type);
   const int64_t old = rows16_q8_set(type);
   rows16_q8_set(type) = m;
   return old;
@@ -707,7 +723,8 @@ int64_t rows16_q8_calls() { return g_rows16_q8_calls; }
 static bool rows16_q8_type(int64_t type) {
   const int isa = current_isa();
   if (!QK_X86 || isa < ISA_AVX2) return false;
-  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K || (type == T_Q8_0 && isa >= ISA_AVX512_VNNI);
+  if (type == T_Q8_0 || type == T_Q6_K) return isa >= ISA_AVX512_VNNI;
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K;
 }
 
 // The VNNI integer kernels' start values (GemmQ8Args::xc) for g.M rows' quants: Q8_0's unsigned
@@ -740,8 +757,8 @@ static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi,
   if (!rows16_q8_type(a.type) || M >= rows16_q8_rows(a.type) || !rows16_usable(wi, w, a.type)) return false;
 #if QK_X86
   ++g_rows16_q8_calls;
-  q8_start_values(a);  // (Q8_0's)
-  if (a.type != T_Q8_0) {  // the quants in the order of the copy's nibbles
+  q8_start_values(a);  // (Q8_0's and Q6_K's)
+  if (a.type != T_Q8_0 && a.type != T_Q6_K) {  // the quants in the order of the copy's nibbles
     thread_local std::vector<int8_t> xo;
     xo.resize(M * a.K);
     const int8_t* q = a.xq;  // (thread_local: the pointers, not the names, go to the team)
@@ -750,9 +767,13 @@ static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi,
     a.xq = o;
   }
   const uint8_t* WI = wi->data_ptr<uint8_t>();
-  const bool vnni = current_isa() >= ISA_AVX512_VNNI;
+  const bool vnni = current_isa() >= ISA_AVX512_VNNI, six = q6k_six_bits();
   at::parallel_for(0, N / 16, std::max<int64_t>(1, 4096 / a.K), [&](int64_t g0, int64_t g1) {
-    if (vnni)
+    if (a.type == T_Q6_K && six)
+      avx512_vnni_vbmi::gemm_rows16_q8_q6k<true>(a, WI, g0, g1);
+    else if (a.type == T_Q6_K)
+      avx512_vnni_rows16::gemm_rows16_q8_q6k<false>(a, WI, g0, g1);
+    else if (vnni)
       avx512_vnni_rows16::gemm_rows16_q8(a, WI, g0, g1);
     else
       avx2_rows16::gemm_rows16_q8(a, WI, g0, g1);
