@@ -5,7 +5,8 @@
 // adds avx512vnni to the AVX-512 set; the AVX-512 build's helpers (q8_weight_block, hsum8,
 // transpose8x8_epi32, row_tiles, h2f) come from `using namespace avx512`. Q4_0, Q4_1, Q8_0,
 // Q4_K / Q5_K (their sub-blocks of 32 as Q4_1 / Q5_1 blocks; 1-2 rows run the AVX2 tile,
-// gemm_q8_rows says why) and Q6_K (many rows only: its few rows run the AVX2 tile).
+// gemm_q8_rows says why) and Q6_K (many rows only: its few rows run the AVX2 tile, or its copy's
+// kernel, quant_rows16_q6k_vnni.h).
 // No include guard on purpose.
 //
 // Same numbers as the AVX2 kernels, bit for bit: every integer block sum is exact in both
@@ -167,8 +168,8 @@ static void gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
       else
         gemm_q8_vnni<T_Q5_K>(g, n0, n1);
       break;
-    case T_Q6_K:  // (only below int8_rows's default) the AVX2 tile: a vpdpbusd + vpmulld
-      avx512::gemm_q8_rows(g, n0, n1);  // one took 1.02-1.45x its time at 1-5 rows, so was dropped
+    case T_Q6_K:  // (a layer without a copy: quant_rows16_q6k_vnni.h reads it) the AVX2 tile: a
+      avx512::gemm_q8_rows(g, n0, n1);  // vpdpbusd + vpmulld one took 1.02-1.45x its time at 1-5 rows, so was dropped
       break;
     case T_Q4_0: gemm_q8_vnni<T_Q4_0>(g, n0, n1); break;
     case T_Q4_1: gemm_q8_vnni<T_Q4_1>(g, n0, n1); break;
