@@ -165,8 +165,9 @@ def set_float_blas_rows(m: int) -> int:
 def set_int8_rows(qtype: int, m: int) -> int:
     """act_q8 with a K-quant's weights (Q4_K, Q5_K, Q6_K): int8 activations from m rows; fewer keep
     float activations on the row-interleaved copy, the faster few-row product there. -1 (the
-    default): Q6_K from 9 rows, Q4_K and Q5_K at every row count (their int8 kernels on the copy
-    beat its float and bf16 ones, BENCHMARKS section 63). Returns the previous value."""
+    default): Q4_K and Q5_K at every row count (their int8 kernels on the copy beat its float and
+    bf16 ones, BENCHMARKS section 63), Q6_K too on AVX512-VNNI (section 64), below it from 9 rows.
+    Returns the previous value."""
     return int(load().set_int8_rows(int(qtype), int(m)))
 
 
@@ -203,7 +204,8 @@ def set_rows16_bf16(on: bool) -> bool:
 
 def set_q6k_six_bits(on: bool) -> bool:
     """Whether Q6_K's interleaved copies keep six bits a quant (the packed size; the default
-    where the CPU has AVX512-VBMI, which their kernel needs: csrc/quant_rows16_q6k_vbmi.h, unless
+    where the CPU has AVX512-VBMI, which their kernels need: csrc/quant_rows16_q6k_vbmi.h and
+    gguf_q8's quant_rows16_q6k_vnni.h, unless
     PAGEDSERVE_CPU_ISA forced a path below avx512) or a byte (30% more). Copies written before a
     switch no longer fit the kernels (other size). Returns the previous setting; RuntimeError
     asking for six bits without AVX512-VBMI."""
@@ -249,7 +251,7 @@ def act_q8_rows(qtype: int, m: int) -> bool:
 
 def act_q8_type(qtype: int) -> bool:
     """Whether gguf_q8 (act_q8) runs this type's products on int8 activations at every row count
-    (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K), so that its layers need no float few-row copy (an int8 kernel
+    (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K; Q6_K on AVX512-VNNI), so that its layers need no float few-row copy (an int8 kernel
     may read one: rows16_q8_type).
     The K-quants otherwise run on int8 activations from set_int8_rows's rows (act_q8_rows); the
     other types keep float ones."""
@@ -259,15 +261,16 @@ def act_q8_type(qtype: int) -> bool:
 def rows16_q8_type(qtype: int) -> bool:
     """Whether act_q8 (gguf_q8) runs this type's products on its row-interleaved copy where the layer
     keeps one, on the path set now: Q4_0 / Q4_1 / Q4_K / Q5_K from AVX2 up
-    (csrc/quant_rows16_q8_avx2.h), Q8_0 too from AVX512-VNNI up (csrc/quant_rows16_vnni.h); at
-    1-8 rows 0.5-0.9x the packed rows' time (BENCHMARKS section 63)."""
+    (csrc/quant_rows16_q8_avx2.h), Q8_0 and Q6_K too from AVX512-VNNI up (csrc/quant_rows16_vnni.h,
+    quant_rows16_q6k_vnni.h); at 1-8 rows 0.3-0.9x the packed rows' time (BENCHMARKS sections
+    63-64)."""
     return bool(load().rows16_q8_type(int(qtype)))
 
 
 def set_rows16_q8_rows(qtype: int, m: int) -> int:
-    """act_q8 on a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K layer's row-interleaved copy below this many
-    rows, the packed rows' kernels from it; -1 (the default): the ISA's rule (AVX512-VNNI: every
-    row count, Q8_0 64; below it 12). Returns the previous value."""
+    """act_q8 on a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K layer's row-interleaved copy below this
+    many rows, the packed rows' kernels from it; -1 (the default): the ISA's rule (AVX512-VNNI:
+    every row count, Q8_0 and Q6_K 64; below it 12). Returns the previous value."""
     return int(load().set_rows16_q8_rows(int(qtype), int(m)))
 
 

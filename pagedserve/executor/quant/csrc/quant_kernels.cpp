@@ -630,10 +630,10 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 // the integer kernels; fewer rows keep float activations on the row-interleaved copy. Set by
 // set_int8_rows (tests, A/B); -1, the default, is the type's rule:
 //   Q6_K on AVX512-VNNI at every row count: its int8 kernel on the copy (quant_rows16_q6k_vnni.h)
-//     took 0.87-1.02x the copy's float and bf16 kernels' time at 1-2 rows, 0.72-0.89x at 4-8,
-//     0.3-0.5x at 12-16, where they leave the copy ([2048, 5632] and the 1 B model's [49152,
-//     2048] LM head, Zen 4; BENCHMARKS section 64); with no copy, the packed rows' int8 kernels
-//     took 0.4-0.9x the packed rows' float ones at 1-8 rows;
+//     took 0.73-1.03x the copy's float and bf16 kernels' time at 1-2 rows, 0.46-0.91x at 4-8
+//     (float32 engines gain most), 0.26-0.47x at 12-16, where they leave the copy ([2048, 5632]
+//     and the 1 B model's [49152, 2048] LM head, Zen 4; BENCHMARKS section 64); with no copy, the
+//     packed rows' int8 kernels took 0.4-0.9x the packed rows' float ones at 1-8 rows;
 //   Q6_K below it from 9 rows: at 1-8 rows the float and bf16 kernels on its copy took 0.5-0.8x
 //     the int8 kernels' time (1 row even), and from 9-12 rows the float products leave the copy
 //     for slower many-row paths, where the int8 kernel took 0.2-0.75x their time (section 60);
@@ -686,14 +686,14 @@ int64_t rows16_calls() { return g_rows16_calls; }
 // below rows16_q8_rows(type) rows, the packed rows' kernels from there (the same bits from the
 // many-row threshold on, so the line may lie anywhere). Set by set_rows16_q8_rows (tests, A/B);
 // -1, the default, is the ISA's rule (Zen 4, us a layer, copy / packed rows,
-// benchmarks/q8_copy_rows.py; BENCHMARKS section 63):
+// benchmarks/q8_copy_rows.py; BENCHMARKS sections 63, Q6_K's 64):
 //   AVX512-VNNI: every row count, Q8_0 and Q6_K below 64. [2048, 5632] Q4_1 1 row 180-229 / 233-240, 2
 //     rows 190-207 / 349-351 (the packed rows' few-row tile), 8 rows 352 / 659, 256 rows 9,842 /
 //     11,017 (their many-row kernel), 1,024 rows 39,142 / 43,717; the default model's [3072, 576]
 //     and [576, 1536] 0.5x at 1-8 rows, even (0.97-1.03x) at 256-1,024. Q8_0 gains less from 16
 //     rows (even at 64-256 rows) and a 256-token prefill of an all-Q8_0 0.9 B model took 2-6%
-//     longer on the copy. Q6_K [2048, 5632]: 16 rows 954-1,285 / 1,355-1,833, 64 rows 4,224 /
-//     4,668, 256 rows 14,929 / 14,261 (the LM head [49152, 2048] even at 64 rows, 1.18x at 256);
+//     longer on the copy. Q6_K [2048, 5632], float32: 16 rows 943 / 1,345, 64 rows 3,495 /
+//     3,805, 256 rows 14,035 / 13,278 (the LM head [49152, 2048] even at 64 rows, 1.28x at 256);
 //   below it: under 12 rows, where 4-row tiles re-read the copy: [2048, 5632] Q4_1 1-4 rows
 //     0.55-0.89x, 8 rows even, 16 rows 1.2x, 64 rows 1.44x; the default model's shapes 0.5-0.7x
 //     at 1-8 rows, 0.74-0.95x at 16, 1.3x at 64.

@@ -41,7 +41,8 @@
 constexpr int64_t Q4K_HDR = 320, Q4K_SUB = 256;
 // Q6_K, per (group of 16 rows, super-block of 256): d[16] (fp16) | sc[16][16] (each sub-block
 // of 16's int8 scale, [sub-block][row]) | 16 sub-blocks of 16 elements, each's quants in one of
-// two layouts (q6k_six_bits(): where the CPU has AVX512-VBMI), both read by both kernels:
+// two layouts (q6k_six_bits(): where the CPU has AVX512-VBMI), both read by both float / bf16
+// kernels and by gguf_q8's int8 one (quant_rows16_q6k_vnni.h):
 //   six bits: 8 runs of 24 bytes; run p holds the element pairs (2 p, 2 p + 1) of the 16 rows as
 //   a little-endian stream of 32 six-bit fields, field 2 r + h = row r's quant 2 p + h (0 .. 63,
 //   unsigned as in ql / qh). 3,360 bytes, the 16 packed blocks' size (quant_rows16_q6k_vbmi*.h);

@@ -19,7 +19,7 @@
 //
 // Numerics: the VNNI many-row kernel's (quant_vnni.h's q8_micro16 for Q6_K), lane for lane: per
 // output row and block of 32 the exact integer s = sa * sum_a + sb * sum_b (the two halves'
-// centred sums times their int8 scales; at most 16 * 32 * 127 * 128 in magnitude), then acc =
+// centred sums times their int8 scales; at most 2 * 16 * 32 * 127 * 128 < 2^24 in magnitude), then acc =
 // fma(float(s), d_w * d_x, acc). So a row's bits equal the many-row kernel's on the packed rows
 // (tests), do not depend on the rows computed with it, and prefill and decode round alike.
 
