@@ -7,7 +7,6 @@ avx512, the int8-activation ones also on avx512_vnni (bit-equal to avx2's), the 
 products of bfloat16 models on avx512_bf16; the AMX levels' refusal path simulated."""
 
 import contextlib
-import itertools
 import os
 import subprocess
 import sys
@@ -330,7 +329,8 @@ def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(q8_isa, qtype):
     """gguf_q8 on a row-interleaved copy (quant_rows16_vnni.h on AVX512-VNNI: 16 output rows a
     register, Q4's nibbles gathered by one vpshufb a chunk, Q8_0's bytes transposed; Q6_K's
     quant_rows16_q6k_vnni.h on its six-bit copy, vpermb + vpmultishiftqb, and on its byte copy, as
-    Q8_0; quant_rows16_q8_avx2.h below it: halves of 8 rows, vpmaddubsw, Q4_0 / Q4_1 / Q4_K / Q5_K) sums
+    Q8_0; quant_rows16_q8_avx2.h below it: halves of 8 rows, vpmaddubsw, Q4_0 / Q4_1 / Q4_K / Q5_K
+    and Q6_K's byte layout, transposed a dword a row) sums
     each block exactly and then rounds as the many-row kernel on the packed rows, so their
     outputs' bits are equal at every row count (tiles of 1-8 rows, the AVX2 kernel's of 1-4, and
     their tails), and a row's bits do not depend on the rows computed with it. Q4_K / Q5_K: each
@@ -338,20 +338,25 @@ def test_act_q8_on_the_copy_gives_the_many_row_kernels_bits(q8_isa, qtype):
     times their int8 scales. One to ten groups of 16 rows, K of 1 to 48 blocks (1 to 6
     super-blocks), extreme quants against x at +-127, an all-zero block, random scales; only its
     own columns are written."""
-    if not kernels.rows16_q8_type(int(qtype)):
-        pytest.skip(f"no int8 kernel reads {qtype.name}'s copy on the {q8_isa} path")
     rng = np.random.default_rng(int(qtype) + 100)
     mod = kernels.load()
     shapes = ((16, 256), (48, 512), (160, 1536)) if qtype in SUPER_BLOCKS else ((16, 32), (48, 96), (160, 576), (32, 1536))
-    for six, (n, k) in itertools.product(q6k_layouts(qtype), shapes):
-        raw = torch.from_numpy(_extreme_blocks(random_packed(qtype, n, k, seed=n), qtype, rng))
+    ran = 0
+    for six in q6k_layouts(qtype):
         prev = kernels.set_q6k_six_bits(six) if six is not None else None
         try:
-            copy = kernels.interleave_rows16(raw, int(qtype), k)
-            _copy_bits_equal(mod, q8_isa, raw, copy, qtype, n, k)
+            if not kernels.rows16_q8_type(int(qtype)):  # (Q6_K's six bits below AVX512-VNNI)
+                continue
+            for n, k in shapes:
+                raw = torch.from_numpy(_extreme_blocks(random_packed(qtype, n, k, seed=n), qtype, rng))
+                copy = kernels.interleave_rows16(raw, int(qtype), k)
+                _copy_bits_equal(mod, q8_isa, raw, copy, qtype, n, k)
+                ran += 1
         finally:
             if six is not None:
                 kernels.set_q6k_six_bits(prev)
+    if not ran:
+        pytest.skip(f"no int8 kernel reads {qtype.name}'s copy on the {q8_isa} path")
 
 
 def _copy_bits_equal(mod, q8_isa, raw, copy, qtype, n, k):
@@ -380,9 +385,10 @@ def _copy_bits_equal(mod, q8_isa, raw, copy, qtype, n, k):
 @pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
 def test_act_q8_reads_the_copy_where_its_kernel_runs():
     """Which types' copies the int8 kernels read (rows16_q8_type), on each path: Q4_0 / Q4_1 /
-    Q4_K / Q5_K from AVX2 up, Q8_0 and Q6_K from AVX512-VNNI up, none on the scalar path (a copy
-    given where none applies is ignored: the packed rows' kernels run); and only below the ISA's
-    rows (AVX512-VNNI: every row count, Q8_0 and Q6_K 64; below it 12) or set_rows16_q8_rows's."""
+    Q4_K / Q5_K and Q6_K's byte layout from AVX2 up, Q8_0 and Q6_K's six bits from AVX512-VNNI up,
+    none on the scalar path (a copy given where none applies is ignored: the packed rows' kernels
+    run); and only below the ISA's rows (AVX512-VNNI: every row count, Q8_0 and Q6_K 64; below
+    it 12, Q6_K 32) or set_rows16_q8_rows's."""
     mod = kernels.load()
     n, k = 32, 96
     raw = torch.from_numpy(random_packed(Q.Q4_1, n, k, seed=3))
@@ -393,8 +399,9 @@ def test_act_q8_reads_the_copy_where_its_kernel_runs():
         prev = kernels.set_isa(isa)
         try:
             avx2, vnni = (kernels.ISAS[isa] >= kernels.ISAS[i] for i in ("avx2", "avx512_vnni"))
+            q6 = vnni or (avx2 and not kernels.q6k_six_bits())  # (AVX2's kernel: the byte layout)
             got = [kernels.rows16_q8_type(int(t)) for t in (*ROWS16_Q8_TYPES, Q.Q5_0)]
-            assert got == [avx2, avx2, vnni, avx2, avx2, vnni, False], isa
+            assert got == [avx2, avx2, vnni, avx2, avx2, q6, False], isa
             copy = kernels.interleave_rows16(raw, int(Q.Q4_1), k)
             if copy is None:  # (the scalar path makes none)
                 continue
@@ -411,9 +418,10 @@ def test_act_q8_reads_the_copy_where_its_kernel_runs():
                 before = mod.rows16_q8_calls()
                 kernels.gemm(torch.randn(m, k), raw, int(Q.Q4_1), torch.zeros(m, n), 0, act_q8=True, interleaved=copy)
                 assert mod.rows16_q8_calls() == before + on_copy, (isa, m)
-            for qt, w, kw in ((Q.Q8_0, raw8, k), (Q.Q6_K, raw6, 256)):  # the packed rows' many-row kernel from 64
+            q6_from = 64 if vnni else 32  # the packed rows' many-row kernels from there
+            for qt, w, kw, lines in ((Q.Q8_0, raw8, k, ((63, vnni), (64, False))), (Q.Q6_K, raw6, 256, ((q6_from - 1, q6), (q6_from, False)))):
                 wi = kernels.interleave_rows16(w, int(qt), kw)
-                for m, on_copy in ((63, vnni), (64, False)):
+                for m, on_copy in lines:
                     before = mod.rows16_q8_calls()
                     kernels.gemm(torch.randn(m, kw), w, int(qt), torch.zeros(m, n), 0, act_q8=True, interleaved=wi)
                     assert mod.rows16_q8_calls() == before + on_copy, (isa, qt.name, m)
@@ -439,18 +447,19 @@ def int8_rows(m: int):
 @pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
 def test_kquant_act_q8_rows_follow_the_isa(qtype):
-    """The K-quants under act_q8 by default: Q6_K below AVX512-VNNI up to 8 rows on float
-    activations (the bits of act_q8=False, on the interleaved copy where given), from 9 rows on
-    int8 ones (the quantized-activation product, not the float one); Q4_K and Q5_K, and Q6_K on
-    AVX512-VNNI, int8 at every row count (act_q8_type; their layers keep a copy for the int8
-    kernels that read it). qlinear (the layers' one call) draws the same line, on every path."""
+    """The K-quants under act_q8 by default: Q6_K where no int8 kernel reads its copy (its six
+    bits below AVX512-VNNI; the scalar path) up to 8 rows on float activations (the bits of
+    act_q8=False, on the interleaved copy where given), from 9 rows on int8 ones (the
+    quantized-activation product, not the float one); Q4_K and Q5_K, and Q6_K elsewhere, int8
+    at every row count (act_q8_type; their layers keep a copy for the int8 kernels that read
+    it). qlinear (the layers' one call) draws the same line, on every path."""
     n, k = 19, 512
     raw = torch.from_numpy(random_packed(qtype, n, k, seed=5))
     assert kernels.set_int8_rows(int(qtype), -1) == -1  # the default: the ISA's rule
     for isa in kernels.available_isas():
         prev = kernels.set_isa(isa)
         try:
-            few_float = qtype == Q.Q6_K and kernels.ISAS[isa] < kernels.ISAS["avx512_vnni"]
+            few_float = qtype == Q.Q6_K and not kernels.rows16_q8_type(int(qtype))
             assert kernels.act_q8_type(int(qtype)) is (not few_float)
             copy = kernels.interleave_rows16(raw, int(qtype), k)
             for m in (1, 8, 9, 40):

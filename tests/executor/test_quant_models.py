@@ -309,8 +309,8 @@ def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, m
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
     """On the AVX2 path (a CPU without AVX-512, or PAGEDSERVE_CPU_ISA=avx2) a float32 engine keeps
-    the row-interleaved copies (Q6_K's in the byte layout; under gguf_q8 too: Q6_K's for its
-    float few rows, Q4_1's, Q4_K's and Q5_K's for their int8 kernel, quant_rows16_q8_avx2.h) and
+    the row-interleaved copies (Q6_K's in the byte layout; under gguf_q8 too, for the int8 kernel
+    of each type, quant_rows16_q8_avx2.h) and
     its decode steps read them (quant_rows16_avx2.h; under gguf_q8 the int8 kernel): the greedy
     tokens of the same engine without copies (the packed rows' kernels), logits within 1% of the
     largest."""
@@ -327,7 +327,7 @@ def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_pa
         assert sum(m.rows16_everywhere for m in quant_layers(converted, torch.float32)) > 0
         assert sum(m.rows16_bytes > 0 for m in quant_layers(converted, torch.float32, "gguf_q8")) > 0
         int8 = kernels.act_q8_type(int(qtype))
-        assert kernels.rows16_q8_type(int(qtype)) is int8 is (qtype != Q.Q6_K)
+        assert kernels.rows16_q8_type(int(qtype)) is int8 is True
         before = kernels.load().rows16_calls()
         got = run(path, None, "float32")
         assert kernels.load().rows16_calls() > before
@@ -504,7 +504,8 @@ def test_rows16_copies_where_they_apply_and_the_layer_on_them(checkpoint, tmp_pa
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_a_gguf_q8_layer_keeps_copies_of_its_float_segments_only(isa):
     """Under gguf_q8 (act_q8) a layer's Q4_1 and Q4_K segments run on int8 activations, while the
-    Q6_K segment's few rows stay float (kernels.set_int8_rows). Every segment keeps a copy: the
+    Q6_K segment's few rows stay float (kernels.set_int8_rows at 9, its rule where no int8 kernel
+    reads its copy: its six bits below AVX512-VNNI). Every segment keeps a copy: the
     int8 ones for their int8 kernel on it (kernels.rows16_q8_type), the other for the float one.
     The layer's output at 3 rows is each segment's product on its copy: int8 or float."""
     from pagedserve.executor.quant.formats import PackedWeight
@@ -517,6 +518,7 @@ def test_a_gguf_q8_layer_keeps_copies_of_its_float_segments_only(isa):
     raws = [torch.from_numpy(random_packed(t, n, k, seed=i)) for i, (t, n) in enumerate(zip(types, parts))]
     prev = kernels.set_isa(isa)
     six = kernels.set_q6k_six_bits(False)  # the byte layout, which both levels read
+    old9 = kernels.set_int8_rows(int(Q.Q6_K), 9)
     try:
         layer = QuantLinear(k, parts)
         for i, (t, raw) in enumerate(zip(types, raws)):
@@ -538,6 +540,7 @@ def test_a_gguf_q8_layer_keeps_copies_of_its_float_segments_only(isa):
         assert kernels.load().rows16_calls() == before + sum(floats)
         assert kernels.load().rows16_q8_calls() == before8 + 3 - sum(floats)
     finally:
+        kernels.set_int8_rows(int(Q.Q6_K), old9)
         kernels.set_q6k_six_bits(six)
         kernels.set_isa(prev)
 

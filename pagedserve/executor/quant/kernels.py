@@ -166,7 +166,8 @@ def set_int8_rows(qtype: int, m: int) -> int:
     """act_q8 with a K-quant's weights (Q4_K, Q5_K, Q6_K): int8 activations from m rows; fewer keep
     float activations on the row-interleaved copy, the faster few-row product there. -1 (the
     default): Q4_K and Q5_K at every row count (their int8 kernels on the copy beat its float and
-    bf16 ones, BENCHMARKS section 63), Q6_K too on AVX512-VNNI (section 64), below it from 9 rows.
+    bf16 ones, BENCHMARKS section 63), Q6_K too where an int8 kernel reads its copy
+    (rows16_q8_type: AVX512-VNNI, or the byte layout; section 64), else from 9 rows.
     Returns the previous value."""
     return int(load().set_int8_rows(int(qtype), int(m)))
 
@@ -251,7 +252,7 @@ def act_q8_rows(qtype: int, m: int) -> bool:
 
 def act_q8_type(qtype: int) -> bool:
     """Whether gguf_q8 (act_q8) runs this type's products on int8 activations at every row count
-    (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K; Q6_K on AVX512-VNNI), so that its layers need no float few-row copy (an int8 kernel
+    (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K; Q6_K where rows16_q8_type), so that its layers need no float few-row copy (an int8 kernel
     may read one: rows16_q8_type).
     The K-quants otherwise run on int8 activations from set_int8_rows's rows (act_q8_rows); the
     other types keep float ones."""
@@ -260,17 +261,17 @@ def act_q8_type(qtype: int) -> bool:
 
 def rows16_q8_type(qtype: int) -> bool:
     """Whether act_q8 (gguf_q8) runs this type's products on its row-interleaved copy where the layer
-    keeps one, on the path set now: Q4_0 / Q4_1 / Q4_K / Q5_K from AVX2 up
-    (csrc/quant_rows16_q8_avx2.h), Q8_0 and Q6_K too from AVX512-VNNI up (csrc/quant_rows16_vnni.h,
-    quant_rows16_q6k_vnni.h); at 1-8 rows 0.3-0.9x the packed rows' time (BENCHMARKS sections
-    63-64)."""
+    keeps one, on the path set now: Q4_0 / Q4_1 / Q4_K / Q5_K and Q6_K's byte layout from AVX2 up
+    (csrc/quant_rows16_q8_avx2.h), Q8_0 and Q6_K's six bits too from AVX512-VNNI up
+    (csrc/quant_rows16_vnni.h, quant_rows16_q6k_vnni.h); at 1-8 rows 0.3-0.9x the packed rows'
+    time (BENCHMARKS sections 63-64)."""
     return bool(load().rows16_q8_type(int(qtype)))
 
 
 def set_rows16_q8_rows(qtype: int, m: int) -> int:
     """act_q8 on a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K layer's row-interleaved copy below this
     many rows, the packed rows' kernels from it; -1 (the default): the ISA's rule (AVX512-VNNI:
-    every row count, Q8_0 and Q6_K 64; below it 12). Returns the previous value."""
+    every row count, Q8_0 and Q6_K 64; below it 12, Q6_K 32). Returns the previous value."""
     return int(load().set_rows16_q8_rows(int(qtype), int(m)))
 
 

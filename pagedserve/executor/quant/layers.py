@@ -266,9 +266,9 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
 def rows16_copies(model: nn.Module, budget: CopyBudget | None = None) -> int:
     """The packed layers get their row-interleaved copies for the few-row kernels
     (`attach_rows16`; under `gguf_q8` the segments whose few-row products stay float, not
-    `kernels.act_q8_type`: Q5_0 / Q5_1, Q6_K below AVX512-VNNI; and those whose int8 kernel reads
-    the copy, `kernels.rows16_q8_type`: Q4_0 / Q4_1 / Q4_K / Q5_K from AVX2 up, Q8_0 and Q6_K from
-    AVX512-VNNI up)
+    `kernels.act_q8_type`: Q5_0 / Q5_1, Q6_K's six-bit copies below AVX512-VNNI; and those whose
+    int8 kernel reads the copy, `kernels.rows16_q8_type`: Q4_0 / Q4_1 / Q4_K / Q5_K and Q6_K's byte
+    layout from AVX2 up, Q8_0 and Q6_K's six bits from AVX512-VNNI up)
     where the kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far as `budget`
     allows (None: no bound). Returns how many layers."""
     if kernels.current_isa() == "scalar":

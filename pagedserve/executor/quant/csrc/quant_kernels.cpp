@@ -38,8 +38,9 @@
 //     every activation row; many rows (AVX2), chunks of weights repacked so that each 32-bit
 //     lane is one output column, one vpmaddubsw per step for 8 columns (AVX512-VNNI: one
 //     vpdpbusd per step for 16 columns; the same bits as the AVX2 kernels); with a
-//     row-interleaved copy (Q4_0 / Q4_1 / Q4_K / Q5_K from AVX2 up, Q8_0 and Q6_K from VNNI up)
-//     below rows16_q8_rows (VNNI: every row count; Q8_0, Q6_K 64), the copy's int8 kernel instead, the many-row
+//     row-interleaved copy (Q4_0 / Q4_1 / Q4_K / Q5_K and Q6_K's byte layout from AVX2 up, Q8_0
+//     and Q6_K's six bits from VNNI up) below rows16_q8_rows (VNNI: every row count, Q8_0 and
+//     Q6_K 64; AVX2: 12, Q6_K 32), the copy's int8 kernel instead, the many-row
 //     kernel's bits (rows16_q8_gemm).
 //   dequant(w, type, K, rows?) -> float [R, K]   (all rows, or the given row ids: embeddings)
 #include <torch/extension.h>
@@ -634,7 +635,13 @@ static bool rows16_usable(const c10::optional<torch::Tensor>& wi, const torch::T
 //     (float32 engines gain most), 0.26-0.47x at 12-16, where they leave the copy ([2048, 5632]
 //     and the 1 B model's [49152, 2048] LM head, Zen 4; BENCHMARKS section 64); with no copy, the
 //     packed rows' int8 kernels took 0.4-0.9x the packed rows' float ones at 1-8 rows;
-//   Q6_K below it from 9 rows: at 1-8 rows the float and bf16 kernels on its copy took 0.5-0.8x
+//   Q6_K below it at every row count too where its copy is in the byte layout (AVX2 CPUs, AVX-512 ones without
+//     VBMI), which quant_rows16_q8_avx2.h reads: [2048, 5632] and [49152, 2048], us, int8 copy /
+//     float copy, 1 row 350 / 340 and 4,108 / 3,723, 2 rows 347 / 421 and 2,921 / 3,422, 4 rows
+//     495 / 850 and 4,002 / 6,890, 8 rows 944 / 1,461 and 8,990 / 12,251 (section 64); the
+//     packed rows' int8 kernels took 0.46-0.83x their float ones at 1-8 rows;
+//   Q6_K's six-bit copy below AVX512-VNNI (a path forced below it) from 9 rows: no int8 kernel
+//     reads it, and at 1-8 rows the float and bf16 kernels on its copy took 0.5-0.8x
 //     the int8 kernels' time (1 row even), and from 9-12 rows the float products leave the copy
 //     for slower many-row paths, where the int8 kernel took 0.2-0.75x their time (section 60);
 //   Q4_K and Q5_K at every row count: their int8 kernels on the copy (quant_rows16_vnni.h,
@@ -653,10 +660,11 @@ int64_t set_int8_rows(int64_t type, int64_t m) {
   g_int8_rows[i] = m;
   return old;
 }
+static bool rows16_q8_type(int64_t type);
 static int64_t int8_rows(int64_t type) {
   const int64_t set = g_int8_rows[kquant_index(type)];
   if (set >= 0) return set;
-  return type == T_Q6_K && current_isa() < ISA_AVX512_VNNI ? 9 : 1;
+  return type == T_Q6_K && !rows16_q8_type(type) ? 9 : 1;
 }
 
 // The types whose products act_q8 ("gguf_q8") runs on int8 activations at every row count, so
@@ -682,7 +690,7 @@ int64_t rows16_calls() { return g_rows16_calls; }
 
 // act_q8's products on a row-interleaved copy (quant_rows16_vnni.h on AVX512-VNNI and up: Q4_0 /
 // Q4_1 / Q8_0 / Q4_K / Q5_K, and Q6_K's quant_rows16_q6k_vnni.h; quant_rows16_q8_avx2.h on the
-// avx2 and avx512 levels: Q4_0 / Q4_1 / Q4_K / Q5_K)
+// avx2 and avx512 levels: Q4_0 / Q4_1 / Q4_K / Q5_K, Q6_K's byte layout)
 // below rows16_q8_rows(type) rows, the packed rows' kernels from there (the same bits from the
 // many-row threshold on, so the line may lie anywhere). Set by set_rows16_q8_rows (tests, A/B);
 // -1, the default, is the ISA's rule (Zen 4, us a layer, copy / packed rows,
@@ -696,7 +704,9 @@ int64_t rows16_calls() { return g_rows16_calls; }
 //     3,805, 256 rows 14,035 / 13,278 (the LM head [49152, 2048] even at 64 rows, 1.28x at 256);
 //   below it: under 12 rows, where 4-row tiles re-read the copy: [2048, 5632] Q4_1 1-4 rows
 //     0.55-0.89x, 8 rows even, 16 rows 1.2x, 64 rows 1.44x; the default model's shapes 0.5-0.7x
-//     at 1-8 rows, 0.74-0.95x at 16, 1.3x at 64.
+//     at 1-8 rows, 0.74-0.95x at 16, 1.3x at 64. Q6_K (its byte layout) under 32 rows, its tiles
+//     walking both halves at once: [2048, 5632] 1 row 350 / 365, 4 rows 495 / 1,068, 16 rows
+//     2,102 / 2,573, 24 rows 2,559 / 3,151, 32 rows 3,328 / 3,265, 48 rows 4,990 / 4,568.
 static int64_t g_rows16_q8_rows[4] = {-1, -1, -1, -1};  // Q4_0 and Q4_1; Q8_0; Q4_K and Q5_K; Q6_K
 static int64_t& rows16_q8_set(int64_t type) {
   return g_rows16_q8_rows[type == T_Q8_0 ? 1 : type == T_Q4_K || type == T_Q5_K ? 2 : type == T_Q6_K ? 3 : 0];
@@ -704,7 +714,7 @@ static int64_t& rows16_q8_set(int64_t type) {
 static int64_t rows16_q8_rows(int64_t type) {
   const int64_t set = rows16_q8_set(type);
   if (set >= 0) return set;
-  if (current_isa() < ISA_AVX512_VNNI) return 12;
+  if (current_isa() < ISA_AVX512_VNNI) return type == T_Q6_K ? 32 : 12;
   return type == T_Q8_0 || type == T_Q6_K ? 64 : int64_t(1) << 40;
 }
 int64_t set_rows16_q8_rows(int64_t type, int64_t m) {
@@ -723,16 +733,19 @@ int64_t rows16_q8_calls() { return g_rows16_q8_calls; }
 static bool rows16_q8_type(int64_t type) {
   const int isa = current_isa();
   if (!QK_X86 || isa < ISA_AVX2) return false;
-  if (type == T_Q8_0 || type == T_Q6_K) return isa >= ISA_AVX512_VNNI;
+  if (type == T_Q8_0) return isa >= ISA_AVX512_VNNI;
+  if (type == T_Q6_K) return isa >= ISA_AVX512_VNNI || !q6k_six_bits();  // (AVX2's kernel: the byte layout)
   return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_K;
 }
 
-// The VNNI integer kernels' start values (GemmQ8Args::xc) for g.M rows' quants: Q8_0's unsigned
-// weights' offset (128), Q6_K's (32 per half block), taken back. Nothing for the other types or
-// below AVX512-VNNI, whose kernels take signed weights.
-static void q8_start_values(GemmQ8Args& g) {
+// The integer kernels' start values (GemmQ8Args::xc) for g.M rows' quants: Q8_0's unsigned
+// weights' offset (128) on AVX512-VNNI, Q6_K's (32 per half block) there and for the copies'
+// kernels (`copy`, AVX2 too). Nothing for the other types or the AVX2 many-row kernels, which
+// take signed weights.
+static void q8_start_values(GemmQ8Args& g, bool copy = false) {
 #if QK_X86
-  if ((g.type != T_Q8_0 && g.type != T_Q6_K) || current_isa() < ISA_AVX512_VNNI) return;
+  const bool vnni = current_isa() >= ISA_AVX512_VNNI;
+  if (!(g.type == T_Q8_0 && vnni) && !(g.type == T_Q6_K && (vnni || copy))) return;
   thread_local std::vector<int32_t> xc;
   const int64_t nb = g.K / 32;
   const bool q6k = g.type == T_Q6_K;
@@ -741,13 +754,13 @@ static void q8_start_values(GemmQ8Args& g) {
   int32_t* c = xc.data();
   at::parallel_for(0, g.M * nb, 256, [&](int64_t b0, int64_t b1) {
     if (q6k)
-      avx512_vnni::q8_half_corr(q, b0, b1, c);
+      avx2_rows16::q8_half_corr(q, b0, b1, c);
     else
       avx512_vnni::q8_block_corr(q, b0, b1, c);
   });
   g.xc = c;
 #else
-  (void)g;
+  (void)g, (void)copy;
 #endif
 }
 
@@ -757,7 +770,7 @@ static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi,
   if (!rows16_q8_type(a.type) || M >= rows16_q8_rows(a.type) || !rows16_usable(wi, w, a.type)) return false;
 #if QK_X86
   ++g_rows16_q8_calls;
-  q8_start_values(a);  // (Q8_0's and Q6_K's)
+  q8_start_values(a, true);  // (Q8_0's and Q6_K's)
   if (a.type != T_Q8_0 && a.type != T_Q6_K) {  // the quants in the order of the copy's nibbles
     thread_local std::vector<int8_t> xo;
     xo.resize(M * a.K);
@@ -769,9 +782,9 @@ static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi,
   const uint8_t* WI = wi->data_ptr<uint8_t>();
   const bool vnni = current_isa() >= ISA_AVX512_VNNI, six = q6k_six_bits();
   at::parallel_for(0, N / 16, std::max<int64_t>(1, 4096 / a.K), [&](int64_t g0, int64_t g1) {
-    if (a.type == T_Q6_K && six)
+    if (vnni && a.type == T_Q6_K && six)
       avx512_vnni_vbmi::gemm_rows16_q8_q6k<true>(a, WI, g0, g1);
-    else if (a.type == T_Q6_K)
+    else if (vnni && a.type == T_Q6_K)
       avx512_vnni_rows16::gemm_rows16_q8_q6k<false>(a, WI, g0, g1);
     else if (vnni)
       avx512_vnni_rows16::gemm_rows16_q8(a, WI, g0, g1);

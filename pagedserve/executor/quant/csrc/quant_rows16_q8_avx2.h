@@ -1,5 +1,6 @@
 // AVX2 products of act_q8 ("gguf_q8": int8 activations) on the row-interleaved copies of Q4_0 /
-// Q4_1 / Q4_K / Q5_K weights (quant_rows16_layout.h): the CPUs without AVX512-VNNI, the AVX2
+// Q4_1 / Q4_K / Q5_K weights and Q6_K's byte layout (quant_rows16_layout.h; Q6_K's own tile is
+// rows16_q8_q6k, below): the CPUs without AVX512-VNNI, the AVX2
 // level's counterpart of quant_rows16_vnni.h (its comment holds: one vpshufb a chunk gathers each
 // row's four bytes of a Q4 chunk into its dword, the activation quants come in q4_copy_order, the
 // K-quants' sub-blocks are Q4_1 / Q5_1 blocks). Included once by quant_kernels.cpp inside
@@ -28,6 +29,19 @@ static void q4_copy_order(const int8_t* xq, int64_t b0, int64_t b1, int8_t* out)
     // (x0, x16, x1, x17, ..): element pairs (e, e + 16), then pairs 0, 2, 1, 3 of each four
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * 32), _mm_shuffle_epi8(_mm_unpacklo_epi8(lo, hi), pairs));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * 32 + 16), _mm_shuffle_epi8(_mm_unpackhi_epi8(lo, hi), pairs));
+  }
+}
+
+// -32 * sum of each 16-quant half of x's 32-quant blocks (Q6_K's start values: the VNNI many-row
+// kernel's and both Q6_K copy kernels'): two per block, [M, K/16]. vpsadbw sums 8 bytes of x ^
+// 0x80 (x + 128) a lane.
+static void q8_half_corr(const int8_t* xq, int64_t b0, int64_t b1, int32_t* xc) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
+    const __m256i s = _mm256_sad_epu8(_mm256_xor_si256(x, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
+    const __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);  // the halves' 2 x 8 bytes
+    xc[2 * b] = -32 * (_mm_cvtsi128_si32(_mm_add_epi64(lo, _mm_unpackhi_epi64(lo, lo))) - 16 * 128);
+    xc[2 * b + 1] = -32 * (_mm_cvtsi128_si32(_mm_add_epi64(hi, _mm_unpackhi_epi64(hi, hi))) - 16 * 128);
   }
 }
 
@@ -109,6 +123,76 @@ static void rows16_q8_halves(const GemmQ8Args& a, const uint8_t* WI, int64_t g, 
     for (int t = 0; t < MT; ++t) _mm256_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16 + 8 * (H0 + h), acc[h][t]);
 }
 
+// Q6_K's byte layout (byte [e][r] = row r's quant - 32 per sub-block of 16; AVX2 CPUs have no
+// six-bit copy): a step takes elements 4 s .. 4 s + 3 of the 16 rows (64 bytes) and transposes
+// them to a dword a row, each half's 8 rows in one register (two 128-bit lane swaps for both
+// halves, then per half an unpack, a qword permute and a vpshufb), + 32 makes them unsigned (0
+// .. 63): vpmaddubsw pairs at most 2 * 63 * 127, two steps summed in 16 bits, then in 32. Each
+// half block starts from -32 * sum(its x quants) (a.xc), is multiplied by its int8 scale, and the
+// block's two halves summed exactly; then the many-row kernel's float steps. So the bits equal
+// the VNNI many-row kernel's, and quant_rows16_q6k_vnni.h's.
+template <int MT>
+static void rows16_q8_q6k(const GemmQ8Args& a, const uint8_t* WI, int64_t g, int64_t m0) {
+  constexpr int NH = 2;
+  const int64_t ns = a.K / 256, nb = a.K / 32, kd = a.K / 4, BB = Q6K_HDR + 16 * Q6K_SUB;
+  const __m256i ones = _mm256_set1_epi16(1), b32 = _mm256_set1_epi8(32);
+  const __m256i rows = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+  const int32_t* x = reinterpret_cast<const int32_t*>(a.xq) + m0 * kd;
+  __m256 acc[NH][MT];
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < MT; ++t) acc[h][t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < ns; ++i) {
+    const uint8_t* p = WI + (g * ns + i) * BB;
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t b = i * 8 + j;  // the block of 32: sub-blocks 2 j and 2 j + 1
+      if (MT >= 2) prefetch_sub_block(p, BB, 8, j);
+      __m256i s32[NH][MT];  // the block's sum, its halves times their scales
+      for (int64_t hb = 0; hb < 2; ++hb) {
+        const uint8_t* q = p + Q6K_HDR + Q6K_SUB * (2 * j + hb);
+        __m256i s16[NH][MT], wide[NH][MT];
+        for (int h = 0; h < NH; ++h)
+          for (int t = 0; t < MT; ++t) s16[h][t] = _mm256_setzero_si256();
+        for (int64_t st = 0; st < 4; ++st) {
+          const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * st));  // elements 4 st, + 1
+          const __m256i r2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * st + 32));  // + 2, + 3
+          const __m256i e02 = _mm256_add_epi8(_mm256_permute2x128_si256(r1, r2, 0x20), b32);
+          const __m256i e13 = _mm256_add_epi8(_mm256_permute2x128_si256(r1, r2, 0x31), b32);
+          for (int h = 0; h < NH; ++h) {  // rows 8 H .. 8 H + 7: (e0, e1 | e2, e3) pairs, then a dword a row
+            const __m256i u = h == 0 ? _mm256_unpacklo_epi8(e02, e13) : _mm256_unpackhi_epi8(e02, e13);
+            const __m256i w = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(u, 0xD8), rows);
+            for (int t = 0; t < MT; ++t)
+              s16[h][t] = _mm256_add_epi16(s16[h][t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(x[t * kd + 8 * b + 4 * hb + st])));
+          }
+          if (st % 2 == 1)
+            for (int h = 0; h < NH; ++h)
+              for (int t = 0; t < MT; ++t) {
+                const __m256i s = _mm256_madd_epi16(s16[h][t], ones);
+                wide[h][t] = st == 1 ? s : _mm256_add_epi32(wide[h][t], s);
+                s16[h][t] = _mm256_setzero_si256();
+              }
+        }
+        for (int h = 0; h < NH; ++h) {
+          const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 + 16 * (2 * j + hb) + 8 * h)));
+          for (int t = 0; t < MT; ++t) {
+            const __m256i centred = _mm256_add_epi32(wide[h][t], _mm256_set1_epi32(a.xc[((m0 + t) * nb + b) * 2 + hb]));
+            const __m256i scaled = _mm256_mullo_epi32(centred, sc);
+            s32[h][t] = hb == 0 ? scaled : _mm256_add_epi32(s32[h][t], scaled);
+          }
+        }
+      }
+      for (int h = 0; h < NH; ++h) {
+        const __m256 d = f16x8_ps(p + 16 * h);
+        for (int t = 0; t < MT; ++t) {
+          const __m256 sc = _mm256_mul_ps(d, _mm256_broadcast_ss(a.xd + (m0 + t) * nb + b));
+          acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[h][t]), sc, acc[h][t]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < MT; ++t) _mm256_storeu_ps(a.out + (m0 + t) * a.ldo + g * 16 + 8 * h, acc[h][t]);
+}
+
 // Groups g0 .. g1 of the copy WI (16 output rows each) for all a.M activation rows (a.xq in
 // q4_copy_order)
 static void gemm_rows16_q8(const GemmQ8Args& a, const uint8_t* WI, int64_t g0, int64_t g1) {
@@ -116,7 +200,9 @@ static void gemm_rows16_q8(const GemmQ8Args& a, const uint8_t* WI, int64_t g0, i
     constexpr int TYPE = decltype(T)::value;
     for_each_tile<4>(a.M, g0, g1, [&](auto MT, int64_t g, int64_t m0) {
       constexpr int mt = decltype(MT)::value;
-      if constexpr (mt == 1 || (mt == 2 && TYPE != T_Q5_K)) {
+      if constexpr (TYPE == T_Q6_K) {
+        rows16_q8_q6k<mt>(a, WI, g, m0);
+      } else if constexpr (mt == 1 || (mt == 2 && TYPE != T_Q5_K)) {
         rows16_q8_halves<TYPE, mt, 0, 2>(a, WI, g, m0);
       } else {
         rows16_q8_halves<TYPE, mt, 0, 1>(a, WI, g, m0);
@@ -128,6 +214,7 @@ static void gemm_rows16_q8(const GemmQ8Args& a, const uint8_t* WI, int64_t g0, i
     case T_Q4_0: return groups(std::integral_constant<int, T_Q4_0>{});
     case T_Q4_1: return groups(std::integral_constant<int, T_Q4_1>{});
     case T_Q4_K: return groups(std::integral_constant<int, T_Q4_K>{});
+    case T_Q6_K: return groups(std::integral_constant<int, T_Q6_K>{});
     default: return groups(std::integral_constant<int, T_Q5_K>{});
   }
 }

@@ -369,15 +369,3 @@ static void q8_block_corr(const int8_t* xq, int64_t b0, int64_t b1, int32_t* xc)
     xc[b] = -128 * _mm_cvtsi128_si32(s4);
   }
 }
-
-// -32 * sum of each 16-quant half of x's 32-quant blocks (Q6_K's start values in the many-row
-// kernel): two per block, [M, K/16]. vpsadbw sums 8 bytes of x ^ 0x80 (x + 128) a lane.
-static void q8_half_corr(const int8_t* xq, int64_t b0, int64_t b1, int32_t* xc) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
-    const __m256i s = _mm256_sad_epu8(_mm256_xor_si256(x, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
-    const __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);  // the halves' 2 x 8 bytes
-    xc[2 * b] = -32 * (_mm_cvtsi128_si32(_mm_add_epi64(lo, _mm_unpackhi_epi64(lo, lo))) - 16 * 128);
-    xc[2 * b + 1] = -32 * (_mm_cvtsi128_si32(_mm_add_epi64(hi, _mm_unpackhi_epi64(hi, hi))) - 16 * 128);
-  }
-}
