@@ -26,6 +26,17 @@ def test_a_copy_is_kept_only_where_it_and_its_making_fit():
     assert unbounded.take("bf16", 1 << 50, transient=1 << 50) and unbounded.left is None
 
 
+def test_bytes_given_back_after_a_copy_fit_the_next_one():
+    """gguf_q8 drops the packed rows a copy replaces (quant/layers.py): their bytes return."""
+    b = CopyBudget(100)
+    assert b.take("row-interleaved", 100) and not b.take("row-interleaved", 100)
+    b.give_back(100)
+    assert b.take("row-interleaved", 100) and b.kept == {"row-interleaved": [2, 200]}
+    unbounded = CopyBudget(None)
+    unbounded.give_back(5)
+    assert unbounded.left is None
+
+
 def test_policies_all_none_and_auto_from_the_free_memory(monkeypatch):
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 20 * GIB)
     assert CopyPolicy("all").budget().left is None

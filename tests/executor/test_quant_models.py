@@ -602,3 +602,73 @@ def test_gguf_q8_speculation_gives_the_greedy_tokens_of_plain_decode(checkpoint,
         assert llm.get_stats().spec_num_accepted_tokens > 0
     finally:
         kernels.set_isa(prev)
+
+
+HAVE_VNNI = not WHY and "avx512_vnni" in kernels.available_isas()
+needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason=WHY or "this CPU lacks avx512_vnni (where gguf_q8's copies serve every row count)")
+
+
+@needs_vnni
+def test_a_dropped_layer_runs_on_its_copy_and_refuses_the_packed_paths():
+    """QuantLinear.drop_packed_rows (gguf_q8, AVX512-VNNI): a Q4_1 + Q4_K layer with copies gives
+    up its packed rows (the bytes freed: both segments'), and its products stay the same to the
+    bit at 1-300 rows (the copy's int8 kernel at every row count). A rule that would send a
+    product to the packed rows (set_rows16_q8_rows) and any other reader (dequant) raise a clear
+    error instead of reading them; data that another module shares (`keep`) is not dropped."""
+    from pagedserve.executor.quant.formats import PackedWeight
+    from tests.executor.test_quant_kernels import random_packed
+
+    types, k, parts = (Q.Q4_1, Q.Q4_K), 512, [32, 16]
+    raws = [torch.from_numpy(random_packed(t, n, k, seed=i)) for i, (t, n) in enumerate(zip(types, parts))]
+    layer = QuantLinear(k, parts)
+    for i, (t, raw) in enumerate(zip(types, raws)):
+        layer.set_part(i, PackedWeight(int(t), raw, (parts[i], k)))
+    layer.act_q8 = True
+    assert layer.attach_rows16() and all(kernels.rows16_q8_every_row(int(t)) for t in types)
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for m in (1, 5, 300)]
+    before = [layer(x) for x in xs]
+    assert layer.drop_packed_rows({layer.segments[0][1].data_ptr()}) == raws[1].numel()  # the first is shared
+    assert layer.drop_packed_rows(set()) == raws[0].numel() and layer.packed_bytes == 0
+    assert layer.drop_packed_rows(set()) == 0  # (once)
+    for x, want in zip(xs, before):
+        assert torch.equal(layer(x), want)
+    old = kernels.set_rows16_q8_rows(int(Q.Q4_1), 4)
+    try:
+        with pytest.raises(RuntimeError, match="packed rows were dropped"):
+            layer(xs[1])
+    finally:
+        kernels.set_rows16_q8_rows(int(Q.Q4_1), old)
+    with pytest.raises(RuntimeError, match="packed rows were dropped"):
+        kernels.dequant(layer.segments[0][1], int(Q.Q4_1), k)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+def test_gguf_q8_engine_drops_the_packed_rows_its_copies_replace(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
+    """A gguf_q8 engine on AVX512-VNNI keeps only the row-interleaved copies of its Q4_1 / Q4_K
+    layers (rows16_copies' drop_packed, at load): fewer packed bytes, and the same greedy tokens and logits,
+    bit for bit, as the same engine keeping its packed rows. A tied LM head keeps the packed rows
+    its embedding reads (test_packed_tied_embeddings' model)."""
+    from pagedserve.executor.quant import layers as qlayers
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    if qtype in K_QUANTS:
+        real = gguf.quants.quantize
+        monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
+    hf_dir = kquant_checkpoint if qtype in K_QUANTS else checkpoint("llama")
+    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    converted = resolve_model_path(path)
+    dropped = quant_layers(converted, torch.float32, "gguf_q8")
+    got = run(path, "gguf_q8")
+    with monkeypatch.context() as m:
+        m.setattr(qlayers.QuantLinear, "drop_packed_rows", lambda self, keep: 0)
+        kept = quant_layers(converted, torch.float32, "gguf_q8")
+        ref = run(path, "gguf_q8")
+    assert sum(q.packed_bytes for q in dropped) < sum(q.packed_bytes for q in kept)
+    assert sum(q.rows16_bytes for q in dropped) == sum(q.rows16_bytes for q in kept) > 0
+    assert_same(got, ref, 0.0)
+    tied_dir = build_checkpoint(str(tmp_path / "tied"), "llama_tied_llama3rope")
+    tied = write_gguf(tied_dir, str(tmp_path / "tied.gguf"), Q.Q4_1)
+    layers = quant_layers(resolve_model_path(tied), torch.float32, "gguf_q8")
+    assert layers[-1].packed_bytes > 0  # the LM head: its embedding's rows
+    run(tied, "gguf_q8")

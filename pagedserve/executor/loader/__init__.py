@@ -107,7 +107,7 @@ def build_model(
 
         budget = (weight_copies or CopyPolicy()).budget()
         # first: a layer with them gets its bf16 copy from more rows (gguf_q8: the float segments' only)
-        rows16_copies(model, budget)
+        rows16_copies(model, budget, drop_packed=quant == "gguf_q8")  # (gguf_q8: the packed rows they replace go)
         if quant == "gguf":
             bf16_copies(model, dtype, budget)
         budget.log()

@@ -115,6 +115,12 @@ class CopyBudget:
         _count(self.kept, kind, nbytes)
         return True
 
+    def give_back(self, nbytes: int) -> None:
+        """Bytes freed after a copy was kept (gguf_q8's packed rows that it replaced): later
+        copies may take them."""
+        if self.left is not None:
+            self.left += nbytes
+
     def log(self) -> None:
         """One line of what was kept; a warning naming the setting when copies were left out."""
         if not self.kept and not self.refused:

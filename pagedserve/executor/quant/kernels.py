@@ -268,6 +268,13 @@ def rows16_q8_type(qtype: int) -> bool:
     return bool(load().rows16_q8_type(int(qtype)))
 
 
+def rows16_q8_every_row(qtype: int) -> bool:
+    """Whether act_q8 (gguf_q8) runs every product of this type on its row-interleaved copy, at
+    any row count, on the path set now (AVX512-VNNI: Q4_0 / Q4_1 / Q4_K / Q5_K), so that a layer
+    with the copy needs no packed rows (quant/layers.py's drop_packed_rows)."""
+    return bool(load().rows16_q8_every_row(int(qtype)))
+
+
 def set_rows16_q8_rows(qtype: int, m: int) -> int:
     """act_q8 on a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K layer's row-interleaved copy below this
     many rows, the packed rows' kernels from it; -1 (the default): the ISA's rule (AVX512-VNNI:

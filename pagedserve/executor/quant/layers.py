@@ -9,6 +9,8 @@ float32 for the kernel and the result back to the model dtype; `act_q8` (quantiz
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -17,6 +19,8 @@ from pagedserve.executor import onednn_linear
 from pagedserve.executor.quant import kernels
 from pagedserve.executor.quant.copy_budget import CopyBudget
 from pagedserve.executor.quant.formats import F32, NAMES, QUANTIZERS, PackedWeight
+
+logger = logging.getLogger(__name__)
 
 
 class QuantLinear(nn.Module):
@@ -61,6 +65,11 @@ class QuantLinear(nn.Module):
             col += sum(w.shape[0] for w in run)
             i = j + 1
         self._pending = [None] * len(self.parts)
+        self._set_args()
+        self._op = kernels.load().qlinear
+        self._bias = self.bias  # a plain attribute (the Parameter, loaded in place)
+
+    def _set_args(self) -> None:
         self._args = (
             [d for _, d, _ in self.segments],
             [t for t, _, _ in self.segments],
@@ -68,8 +77,6 @@ class QuantLinear(nn.Module):
             self.out_features,
             self._rows16,
         )
-        self._op = kernels.load().qlinear
-        self._bias = self.bias  # a plain attribute (the Parameter, loaded in place)
 
     @classmethod
     def from_packed(cls, w: PackedWeight, bias: nn.Parameter | None = None) -> QuantLinear:
@@ -133,9 +140,27 @@ class QuantLinear(nn.Module):
         ws, types, cols, n, rows16 = self._args
         return self._op(x, ws, types, cols, n, self._bias, self.act_q8, rows16)
 
+    def drop_packed_rows(self, keep: set[int]) -> int:
+        """Under gguf_q8, free the packed rows of each segment whose row-interleaved copy serves
+        every product (`kernels.rows16_q8_every_row`: AVX512-VNNI, Q4_0 / Q4_1 / Q4_K / Q5_K) and
+        whose data no other module reads (`keep`: data pointers, e.g. a tied embedding's). The
+        segment keeps its shape as one byte expanded, which only that product accepts (the C++
+        kernels refuse it anywhere else). Returns the bytes freed."""
+        freed = 0
+        for i, (t, d, col) in enumerate(self.segments):
+            if not self.act_q8 or i >= len(self._rows16) or not self._rows16[i].numel():
+                continue
+            if _dropped(d) or d.data_ptr() in keep or not kernels.rows16_q8_every_row(t):
+                continue
+            self.segments[i] = (t, torch.zeros(1, dtype=torch.uint8).expand(*d.shape), col)
+            freed += d.numel()
+        if freed:
+            self._set_args()
+        return freed
+
     @property
     def packed_bytes(self) -> int:
-        return sum(d.numel() for _, d, _ in self.segments)
+        return sum(d.numel() for _, d, _ in self.segments if not _dropped(d))
 
     @property
     def copy_bytes(self) -> int:
@@ -263,21 +288,44 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
     return n
 
 
-def rows16_copies(model: nn.Module, budget: CopyBudget | None = None) -> int:
+def rows16_copies(model: nn.Module, budget: CopyBudget | None = None, drop_packed: bool = False) -> int:
     """The packed layers get their row-interleaved copies for the few-row kernels
     (`attach_rows16`; under `gguf_q8` the segments whose few-row products stay float, not
     `kernels.act_q8_type`: Q5_0 / Q5_1, Q6_K's six-bit copies below AVX512-VNNI; and those whose
     int8 kernel reads the copy, `kernels.rows16_q8_type`: Q4_0 / Q4_1 / Q4_K / Q5_K and Q6_K's byte
     layout from AVX2 up, Q8_0 and Q6_K's six bits from AVX512-VNNI up)
     where the kernels run on AVX2 or above (PAGEDSERVE_CPU_ISA=scalar: none), as far as `budget`
-    allows (None: no bound). Returns how many layers."""
+    allows (None: no bound). Returns how many layers.
+
+    `drop_packed` (gguf_q8): each layer then gives up the packed rows its copies make useless
+    (`QuantLinear.drop_packed_rows`; not rows an embedding reads, a tied LM head's), before the
+    next layer's copies are made, and their bytes go back to `budget`: on AVX512-VNNI a Q4_0 /
+    Q4_1 layer ends where it began in memory, a Q4_K / Q5_K one 2-3% above."""
     if kernels.current_isa() == "scalar":
         return 0
-    n = 0
+    n, freed = 0, 0
+    keep = _shared_packed(model) if drop_packed else set()
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.complete:
             n += mod.attach_rows16(budget)
+            if drop_packed:
+                f = mod.drop_packed_rows(keep)
+                freed += f
+                if budget is not None:
+                    budget.give_back(f)
+    if freed:
+        logger.info("gguf_q8: %.1f MB of packed rows dropped (their row-interleaved copies serve every product)", freed / 2**20)
     return n
+
+
+def _shared_packed(model: nn.Module) -> set[int]:
+    """Data pointers of the packed rows an embedding reads (a tied LM head shares them)."""
+    return {m.weight_packed.data.data_ptr() for m in model.modules() if isinstance(m, QuantEmbedding)}
+
+
+def _dropped(d: torch.Tensor) -> bool:
+    """Whether a segment's packed rows were dropped (one byte expanded to their shape)."""
+    return d.dim() == 2 and d.shape[1] > 1 and d.stride(1) == 0
 
 
 def packed_bytes(model: nn.Module) -> int:
@@ -285,7 +333,7 @@ def packed_bytes(model: nn.Module) -> int:
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             for _, d, _ in mod.segments:
-                if d.data_ptr() not in seen:
+                if not _dropped(d) and d.data_ptr() not in seen:
                     seen.add(d.data_ptr())
                     total += d.numel()
     return total

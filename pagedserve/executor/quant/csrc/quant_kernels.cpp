@@ -537,11 +537,20 @@ static int64_t block_bytes(int type) {
   }
 }
 
-static void check_packed(const torch::Tensor& w, int64_t type, int64_t K) {
+// A layer's packed rows dropped under gguf_q8 (quant/layers.py's drop_packed_rows: their
+// row-interleaved copy serves every row count): [N, row_bytes] expanded from one byte, which
+// only gemm's act_q8 product on the copy accepts; every other reader refuses it (check_packed).
+static bool packed_dropped(const torch::Tensor& w) { return w.dim() == 2 && w.size(1) > 1 && w.stride(1) == 0; }
+
+static void check_packed(const torch::Tensor& w, int64_t type, int64_t K, bool dropped_ok = false) {
   const int64_t be = block_elems((int)type);
   TORCH_CHECK(be > 0, "unsupported packed type ", type);
   TORCH_CHECK(K > 0 && K % be == 0, "K=", K, " is not a positive multiple of the block size ", be);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "w: contiguous uint8 [N, row_bytes]");
+  TORCH_CHECK(dropped_ok || !packed_dropped(w),
+              "w: its packed rows were dropped (gguf_q8 keeps only their row-interleaved copy, which act_q8's "
+              "products read); nothing else can read them");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && (w.is_contiguous() || packed_dropped(w)),
+              "w: contiguous uint8 [N, row_bytes]");
   TORCH_CHECK(w.size(1) == K / be * block_bytes((int)type), "row bytes ", w.size(1), " do not match K=", K);
 }
 
@@ -728,6 +737,12 @@ int64_t set_rows16_q8_rows(int64_t type, int64_t m) {
 static int64_t g_rows16_q8_calls = 0;
 int64_t rows16_q8_calls() { return g_rows16_q8_calls; }
 
+// Whether act_q8 runs every product of this type on its interleaved copy, whatever the row count
+// (so that a layer with the copy needs no packed rows: quant/layers.py's drop_packed_rows)
+static bool rows16_q8_every_row(int64_t type) {
+  return act_q8_type(type) && rows16_q8_type(type) && rows16_q8_rows(type) >= (int64_t(1) << 40);
+}
+
 // Whether act_q8 runs this type's few-row products on its interleaved copy on the ISA path now
 // set (so that its layers keep one under gguf_q8)
 static bool rows16_q8_type(int64_t type) {
@@ -800,11 +815,14 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  check_packed(w, type, K);
+  check_packed(w, type, K, true);
   TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
   if (M == 0 || N == 0) return;
   const int64_t ldo = out.size(1);
   const bool q8 = act_q8 && act_q8_rows(type, M);
+  const char* dropped = "w: its packed rows were dropped (gguf_q8 keeps their row-interleaved copy only), and this "
+                        "product would read them: the copy's kernel does not run here (another ISA path or rule)";
+  TORCH_CHECK(q8 || !packed_dropped(w), dropped);
   if (q8) {
     // int8 activations (llama.cpp's q8_1 blocks), then integer products: the column-interleaved
     // many-row kernel (AVX2 code, which AVX-512 CPUs run too; 2.2-2.5x the float kernel at 12+
@@ -820,6 +838,7 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
     GemmQ8Args g{(int)type, w.data_ptr<uint8_t>(), w.size(1), K, M, ldo, xq.data(), xd.data(), xs.data(),
                  out.data_ptr<float>() + col0};
     if (rows16_q8_gemm(g, wi, w)) return;
+    TORCH_CHECK(!packed_dropped(w), dropped);
     const int64_t many_from = type == T_Q8_0 ? g_prefill_rows : g_q8_many_rows;
     if (QK_X86 && current_isa() >= ISA_AVX2 && M >= many_from) {
       q8_start_values(g);
@@ -1107,6 +1126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_rows16_q8_rows", &set_rows16_q8_rows, "act_q8 on a type's interleaved copy below this many rows",
         py::arg("type"), py::arg("m"));
   m.def("rows16_q8_type", &rows16_q8_type, "whether act_q8's few-row products of this type read its copy (ISA now)");
+  m.def("rows16_q8_every_row", &rows16_q8_every_row, "whether act_q8 runs every product of this type on its copy (ISA now)");
   m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN, interleaved copies]");
   m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows, py::arg("m"), py::arg("amx") = false);
   m.def("set_isa", &set_isa);
