@@ -604,8 +604,10 @@ def test_gguf_q8_speculation_gives_the_greedy_tokens_of_plain_decode(checkpoint,
         kernels.set_isa(prev)
 
 
-HAVE_VNNI = not WHY and "avx512_vnni" in kernels.available_isas()
-needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason=WHY or "this CPU lacks avx512_vnni (where gguf_q8's copies serve every row count)")
+HAVE_VNNI = not WHY and kernels.ISAS[kernels.current_isa()] >= kernels.ISAS["avx512_vnni"]
+needs_vnni = pytest.mark.skipif(
+    not HAVE_VNNI, reason=WHY or "the path is below avx512_vnni (the CPU or PAGEDSERVE_CPU_ISA), where gguf_q8's copies do not serve every row count"
+)
 
 
 @needs_vnni
@@ -647,8 +649,8 @@ def test_a_dropped_layer_runs_on_its_copy_and_refuses_the_packed_paths():
 def test_gguf_q8_engine_drops_the_packed_rows_its_copies_replace(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
     """A gguf_q8 engine on AVX512-VNNI keeps only the row-interleaved copies of its Q4_1 / Q4_K
     layers (rows16_copies' drop_packed, at load): fewer packed bytes, and the same greedy tokens and logits,
-    bit for bit, as the same engine keeping its packed rows. A tied LM head keeps the packed rows
-    its embedding reads (test_packed_tied_embeddings' model)."""
+    bit for bit, as the same engine keeping its packed rows. A tied LM head (its vocabulary a
+    multiple of 16, so that it has a copy) keeps the packed rows its embedding reads."""
     from pagedserve.executor.quant import layers as qlayers
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
@@ -667,8 +669,10 @@ def test_gguf_q8_engine_drops_the_packed_rows_its_copies_replace(checkpoint, kqu
     assert sum(q.packed_bytes for q in dropped) < sum(q.packed_bytes for q in kept)
     assert sum(q.rows16_bytes for q in dropped) == sum(q.rows16_bytes for q in kept) > 0
     assert_same(got, ref, 0.0)
-    tied_dir = build_checkpoint(str(tmp_path / "tied"), "llama_tied_llama3rope")
+    tied_dir = build_checkpoint(str(tmp_path / "tied"), "llama_tied_llama3rope", vocab_size=1008)
     tied = write_gguf(tied_dir, str(tmp_path / "tied.gguf"), Q.Q4_1)
     layers = quant_layers(resolve_model_path(tied), torch.float32, "gguf_q8")
-    assert layers[-1].packed_bytes > 0  # the LM head: its embedding's rows
+    head = layers[-1]
+    assert head.out_features == 1008 and head.rows16_bytes > 0 and head.packed_bytes > 0  # its embedding's rows
+    assert all(q.packed_bytes == 0 for q in layers[:-1])  # (the others: dropped)
     run(tied, "gguf_q8")
