@@ -628,7 +628,7 @@ def test_bf16_products_only_for_bf16_models():
     def qlinear(x, act_q8=False):
         before = mod.bf16_calls()
         y = mod.qlinear(x, ws, types, cols, n, bias, act_q8)
-        return y, [a - b for a, b in zip(mod.bf16_calls(), before)]
+        return y, [a - b for a, b in zip(mod.bf16_calls()[:3], before)]  # (no AMX tiles: avx512_bf16 below)
 
     def by_hand(bf16_types, act_q8=False, onednn=False):
         out = torch.empty(m, n)
@@ -675,6 +675,98 @@ def test_bf16_products_only_for_bf16_models():
     finally:
         kernels.set_bf16_rows(old)
         kernels.set_bf16_onednn_rows(old_dnn)
+        kernels.set_isa(prev)
+
+
+HAVE_AMX = HAVE_KERNELS and "amx_bf16" in kernels.available_isas()
+needs_amx = pytest.mark.skipif(not HAVE_AMX, reason="this CPU lacks AMX-BF16 (or Linux refused the tiles)")
+AMX_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+
+
+def amx_path():
+    """The best AMX path whatever PAGEDSERVE_CPU_ISA chose (restore with kernels.set_isa)."""
+    return kernels.set_isa(kernels.available_isas()[-1])
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", AMX_TYPES, ids=lambda t: t.name)
+def test_amx_tile_products_match_the_bf16_reference(qtype):
+    """The AMX tile kernel (csrc/quant_rows16_amx.h) equals x @ W.T with W the dequantized
+    weights rounded to bf16, in float64, up to float32 sums: every row count (1, 3: a short
+    tile; 16, 17: a 16-row block and a tail; 64; 300: 32-row blocks and tails), N of one, two,
+    three (an item of one group) and five groups, K of 3 to 48 blocks (the next item's
+    dequantization spread over few or many steps); only its own columns written."""
+    mod = kernels.load()
+    prev = amx_path()
+    try:
+        for n, k in ((48, 96), (16, 576), (80, 1536), (32, 160)):
+            for m in (1, 3, 16, 17, 64, 300):
+                raw = random_packed(qtype, n, k, seed=m)
+                w = torch.from_numpy(raw)
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).bfloat16()
+                wb = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k)).bfloat16().double()
+                ref, mag = (x.double() @ wb.T).numpy(), (x.double().abs() @ wb.abs().T).numpy()
+                out = torch.full((m, n + 3), 7.0)
+                before = mod.bf16_calls()[3]
+                kernels.gemm_amx_rows16(x, w, kernels.interleave_rows16(w, int(qtype), k), int(qtype), out, 2)
+                assert mod.bf16_calls()[3] == before + 1
+                got = out[:, 2 : 2 + n].numpy()
+                assert np.all(np.abs(got - ref) <= 1e-5 * mag + 1e-6), (n, k, m, np.abs(got - ref).max())
+                assert torch.all(out[:, :2] == 7.0) and torch.all(out[:, 2 + n :] == 7.0)
+    finally:
+        kernels.set_isa(prev)
+
+
+@needs_amx
+def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
+    """On an AMX path a bf16 layer's products from 9 rows run on the tile kernel over its
+    copies: every segment there (Q4_1 + Q8_0, a float bias): bf16 straight out of the kernel,
+    the bias added before rounding, the bits of the float product plus bias rounded once; a
+    segment of another type (Q6_K) beside them keeps its own product and the others still take
+    the tiles. Fewer rows, set_amx_rows16(False), a path below AMX, float32 activations: no tile
+    product."""
+    mod = kernels.load()
+    k = 512
+    raws = [random_packed(Q.Q4_1, 32, k, seed=1), random_packed(Q.Q8_0, 48, k, seed=2), random_packed(Q.Q6_K, 16, k, seed=3)]
+    ws = [torch.from_numpy(r) for r in raws]
+    types = [int(Q.Q4_1), int(Q.Q8_0), int(Q.Q6_K)]
+    wis = [kernels.interleave_rows16(w, t, k) for w, t in zip(ws, types)]
+    bias = torch.randn(96)
+
+    def qlinear(x, n_seg):
+        before = mod.bf16_calls()[3]
+        y = mod.qlinear(x, ws[:n_seg], types[:n_seg], [0, 32, 80][:n_seg], [32, 80, 96][n_seg - 1], bias[: [32, 80, 96][n_seg - 1]], False, wis[:n_seg])
+        return y, mod.bf16_calls()[3] - before
+
+    def by_hand(x, n_seg):
+        n = [32, 80, 96][n_seg - 1]
+        out = torch.empty(x.shape[0], n)
+        for w, wi, t, c in list(zip(ws, wis, types, [0, 32, 80]))[:2]:
+            kernels.gemm_amx_rows16(x, w, wi, t, out, c)
+        return out, n
+
+    prev = amx_path()
+    try:
+        for m in (9, 40):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+            y, calls = qlinear(x, 2)
+            out, n = by_hand(x, 2)
+            assert calls == 2 and y.dtype == torch.bfloat16 and torch.equal(y, (out + bias[:n]).bfloat16())
+            y3, calls = qlinear(x, 3)  # with a Q6_K segment: the float output, the same two tile products
+            assert calls == 2 and torch.equal(y3[:, :80], y)
+        x8 = torch.randn(8, k).bfloat16()
+        assert qlinear(x8, 2)[1] == 0  # few rows: the copies' few-row kernel
+        assert qlinear(x8.float(), 2)[1] == 0 and qlinear(torch.randn(20, k), 2)[1] == 0  # a float32 model
+        assert kernels.set_amx_rows16(False) is True
+        try:
+            assert not kernels.amx_rows16(int(Q.Q4_1)) and qlinear(torch.randn(20, k).bfloat16(), 2)[1] == 0
+        finally:
+            kernels.set_amx_rows16(True)
+        kernels.set_isa("avx512_bf16")
+        assert not kernels.amx_rows16(int(Q.Q4_1)) and qlinear(torch.randn(20, k).bfloat16(), 2)[1] == 0
+        with pytest.raises(RuntimeError, match="amx_bf16 path"):
+            kernels.gemm_amx_rows16(x8, ws[0], wis[0], types[0], torch.empty(8, 32))
+    finally:
         kernels.set_isa(prev)
 
 
@@ -926,7 +1018,7 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
     def qlinear(x, act_q8=False):
         before = mod.bf16_calls()
         y = mod.qlinear(x, ws, types, cols, n, None, act_q8, wis)
-        return y, [a - b for a, b in zip(mod.bf16_calls(), before)]
+        return y, [a - b for a, b in zip(mod.bf16_calls()[:3], before)]  # (no AMX tiles: avx512_bf16 below)
 
     def by_hand(bf16_copy):
         out = torch.empty(m, n)

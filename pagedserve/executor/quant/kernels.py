@@ -196,11 +196,35 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, c
     load().gemm_bf16(x, w, int(qtype), out, int(col0), bool(onednn), interleaved)
 
 
+def gemm_amx_rows16(x: torch.Tensor, w: torch.Tensor, interleaved: torch.Tensor, qtype: int, out: torch.Tensor,
+                    col0: int = 0) -> None:
+    """out[:, col0:col0+N] (float32) = x (bf16) @ dequant(w).T on the AMX tiles, the weights read
+    from `interleaved` (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q8_0) and rounded to bf16 as
+    they are used (csrc/quant_rows16_amx.h). Needs an AMX path."""
+    load().gemm_amx_rows16(x, w, interleaved, int(qtype), out, int(col0))
+
+
 def set_rows16_bf16(on: bool) -> bool:
     """Whether a bf16 model's few-row products on interleaved copies run on the bf16 units
     (csrc/quant_rows16_bf16.h, the default) or on float activations (csrc/quant_rows16.h).
     Returns the previous setting."""
     return bool(load().set_rows16_bf16(bool(on)))
+
+
+def amx_rows16(qtype: int) -> bool:
+    """Whether a bfloat16 model's products of this type from 9 rows run on the AMX tiles over the
+    row-interleaved copy (csrc/quant_rows16_amx.h: Q4_0 / Q4_1 / Q8_0, weights dequantized to
+    bf16 as they are used) where the layer keeps one, on the path set now: an AMX path and
+    set_amx_rows16 on. 1.1-2x oneDNN on the bf16 copies at 9-512 rows (BENCHMARKS section 65),
+    so such layers keep no bf16 copy (layers.bf16_copies)."""
+    return try_load() is not None and bool(load().amx_rows16(int(qtype)))
+
+
+def set_amx_rows16(on: bool) -> bool:
+    """The AMX tile products over the copies on (the default) or off (then the bf16 copies or
+    the vdpbf16ps kernel, as below AMX; layers loaded with it on keep no bf16 copy). Returns the
+    previous setting."""
+    return bool(load().set_amx_rows16(bool(on)))
 
 
 def set_q6k_six_bits(on: bool) -> bool:

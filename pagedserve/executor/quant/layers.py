@@ -173,6 +173,12 @@ class QuantLinear(nn.Module):
         return bool(self._rows16) and all(c.numel() for c in self._rows16)
 
     @property
+    def amx_rows16_everywhere(self) -> bool:
+        """Whether every segment's many-row bf16 products run on the AMX tiles over its copy
+        (kernels.amx_rows16): the layer needs no bf16 copy."""
+        return self.rows16_everywhere and all(kernels.amx_rows16(t) for t, _, _ in self.segments)
+
+    @property
     def rows16_bytes(self) -> int:
         """Bytes of the row-interleaved copies (0 without them)."""
         return sum(c.numel() for c in self._rows16)
@@ -276,12 +282,14 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
     (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off), as far as `budget` allows (None: no bound).
     oneDNN's tiles run these products 2-10x faster than any of the packed kernels on AMX
     (BENCHMARKS section 33), its vdpbf16ps products 1.3-1.8x from 16 rows on a Zen 4 (section
-    41). Not with `gguf_q8` (act_q8 layers keep its integer numerics). Returns how many layers."""
+    41). Not with `gguf_q8` (act_q8 layers keep its integer numerics), nor where the AMX tiles
+    read the layer's row-interleaved copies (`QuantLinear.amx_rows16_everywhere`: Q4_0 / Q4_1 /
+    Q8_0 layers on AMX, 1.1-2x these copies, section 65). Returns how many layers."""
     if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16) or not kernels.native_bf16_in_use():
         return 0
     n = 0
     for mod in model.modules():
-        if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
+        if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8 and not mod.amx_rows16_everywhere:
             # rows16_copies came first
             min_rows = ROWS16_COPY_MIN_ROWS if mod.rows16_everywhere else BF16_COPY_MIN_ROWS
             n += mod.attach_bf16_copy(min_rows, budget)

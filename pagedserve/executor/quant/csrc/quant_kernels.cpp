@@ -205,6 +205,15 @@ namespace avx512_bf16_rows16 {
 }  // namespace avx512_bf16_rows16
 ISA_TARGET_END()
 
+// AMX-BF16: bf16 models' many-row products on the tiles, weights dequantized from the
+// row-interleaved copies as they are used (quant_rows16_amx.h)
+ISA_TARGET_BEGIN("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+namespace amx_bf16_rows16 {
+using namespace rows16_layout;
+#include "quant_rows16_amx.h"
+}  // namespace amx_bf16_rows16
+ISA_TARGET_END()
+
 // AVX512-VBMI: Q6_K's six-bit copy, its run decoder and the float kernel's tile
 // (quant_rows16_q6k_vbmi.h), and beside AVX512-BF16 the bf16 kernel's tile
 // (quant_rows16_q6k_vbmi_bf16.h). Not a level of the ladder below (Ice Lake has VBMI without
@@ -913,8 +922,8 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
 
 static bool bf16_products() { return QK_X86 && current_isa() >= ISA_AVX512_BF16; }
 // products on the vdpbf16ps kernel / oneDNN / the interleaved copies' bf16 kernel (tests)
-static int64_t g_bf16_calls[3] = {0, 0, 0};
-std::vector<int64_t> bf16_calls() { return {g_bf16_calls[0], g_bf16_calls[1], g_bf16_calls[2]}; }
+static int64_t g_bf16_calls[4] = {0, 0, 0, 0};
+std::vector<int64_t> bf16_calls() { return {g_bf16_calls[0], g_bf16_calls[1], g_bf16_calls[2], g_bf16_calls[3]}; }
 // Whether a bf16 model's few-row products on segments with an interleaved copy run on the
 // bf16 units (quant_rows16_bf16.h) or widen the activations for the float kernel
 // (quant_rows16.h). On by default; off: the A/B of BENCHMARKS section 44.
@@ -962,6 +971,55 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
       avx512_bf16_rows16::gemm_rows16_bf16(g, WI, g0, g1);
   });
 #endif
+}
+
+// Types the AMX tile kernel dequantizes from their copies (quant_rows16_amx.h)
+static bool amx_rows16_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+// Whether a bf16 model's products of this type, g_rows16_bf16_rows rows and more, run on the AMX
+// tile kernel over the type's copy (an AMX path; set_amx_rows16(false): oneDNN's bf16 copies or
+// the vdpbf16ps kernel instead, the A/B of BENCHMARKS section 65)
+static bool g_amx_rows16 = true;
+bool amx_rows16(int64_t type) { return QK_X86 && g_amx_rows16 && current_isa() >= ISA_AMX_BF16 && amx_rows16_type(type); }
+bool set_amx_rows16(bool on) {
+  const bool prev = g_amx_rows16;
+  g_amx_rows16 = on;
+  return prev;
+}
+
+// x (bf16 [M, K]) @ dequant(the copy wi of N rows).T on the AMX tiles into float columns f or
+// bf16 ones h (the float bias added first; may be null), row stride ldo
+static void amx_rows16_run(const torch::Tensor& x, const torch::Tensor& wi, int64_t type, int64_t N, float* f, uint16_t* h,
+                           const float* bias, int64_t ldo) {
+  ++g_bf16_calls[3];
+#if QK_X86
+  const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* WI = wi.data_ptr<uint8_t>();
+  const int64_t M = x.size(0), K = x.size(1), pairs = (N / 16 + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t a, int64_t b) {
+    amx_bf16_rows16::Out o;
+    o.f = f;
+    o.h = h;
+    o.bias = bias;
+    o.ldo = ldo;
+    amx_bf16_rows16::gemm((int)type, WI, K, X, M, o, 2 * a, std::min(N / 16, 2 * b));
+  });
+#else
+  (void)x, (void)wi, (void)type, (void)N, (void)f, (void)h, (void)bias, (void)ldo;
+#endif
+}
+
+// out[:, col0:col0+N] (float32) = x (bf16 [M, K]) @ dequant(w).T on the AMX tiles, the weights
+// read from wi (w's interleave_rows16 copy) and rounded to bf16 as they are used
+void gemm_amx_rows16(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(current_isa() >= ISA_AMX_BF16, "the AMX tile products need the amx_bf16 path (or above)");
+  TORCH_CHECK(amx_rows16_type(type), "the AMX tile products take Q4_0 / Q4_1 / Q8_0 copies");
+  TORCH_CHECK(K % 32 == 0 && rows16_usable(wi, w, type, true), "wi: w's interleave_rows16 copy, K a multiple of 32");
+  TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
+  if (M == 0 || N == 0) return;
+  amx_rows16_run(x, wi, type, N, out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
 }
 
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K], K a multiple of 32) @ dequant(w).T on the
@@ -1052,6 +1110,17 @@ static torch::Tensor narrow_bf16(const torch::Tensor& x) {
   return y;
 }
 
+// Whether a bf16 layer's product runs wholly on the AMX tiles: every segment has its copy and
+// a type they take, no int8 activations, the bias (if any) float32 of N
+static bool amx_layer(const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
+                      const std::vector<torch::Tensor>& wis, bool act_q8, const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (act_q8 || wis.size() != types.size()) return false;
+  for (size_t i = 0; i < types.size(); ++i)
+    if (wis[i].numel() == 0 || !amx_rows16(types[i]) || !rows16_usable(wis[i], ws[i], types[i], true)) return false;
+  return !(bias.has_value() && bias->defined()) ||
+         (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N);
+}
+
 // A whole QuantLinear forward in one call (the Python version cost ~20 us of tensor ops per
 // layer): x [..., K] of any float dtype -> [..., N] of x's dtype; segments of packed rows
 // (one per run of equal types) write their own output columns; optional float bias.
@@ -1068,12 +1137,27 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   // an interleaved copy from g_rows16_bf16_rows rows), and fewer on an interleaved copy
   const bool bf16 = x2.scalar_type() == at::kBFloat16 && K % 32 == 0 && bf16_products();
   if (bf16) xb = x2.contiguous();
+  if (bf16 && M >= g_rows16_bf16_rows && amx_layer(ws, types, wis, act_q8, bias, N)) {
+    // every segment on the AMX tiles: bf16 out of the kernel, the bias added before rounding
+    torch::Tensor o = at::detail::empty_cpu({M, N}, at::kBFloat16, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
+    uint16_t* h = reinterpret_cast<uint16_t*>(o.data_ptr<at::BFloat16>());
+    const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+    for (size_t i = 0; i < ws.size(); ++i)
+      amx_rows16_run(xb, wis[i], types[i], ws[i].size(0), nullptr, h + cols[i], b ? b + cols[i] : nullptr, N);
+    auto sizes = x.sizes().vec();
+    sizes.back() = N;
+    return o.view(sizes);
+  }
   torch::Tensor out = at::detail::empty_cpu({M, N}, at::kFloat, c10::nullopt, c10::nullopt, c10::nullopt,
                                             c10::nullopt);
   for (size_t i = 0; i < ws.size(); ++i) {
     const int64_t t = types[i];
     const bool rows16 = !wis.empty() && wis[i].numel() > 0;
     const bool int8 = act_q8 && act_q8_rows(t, M);
+    if (bf16 && rows16 && M >= g_rows16_bf16_rows && !int8 && amx_rows16(t)) {
+      gemm_amx_rows16(xb, ws[i], wis[i], t, out, cols[i]);
+      continue;
+    }
     if (bf16 && M >= (rows16 ? g_rows16_bf16_rows : g_bf16_rows) && bf16_type(t) && !int8) {
       const bool onednn = M >= (current_isa() >= ISA_AMX_BF16 ? g_amx_onednn_rows : g_bf16_onednn_rows);
       gemm_bf16(xb, ws[i], t, out, cols[i], onednn, c10::nullopt);
@@ -1117,6 +1201,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the bf16 units (vdpbf16ps, or oneDNN)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("out"), py::arg("col0") = 0, py::arg("onednn") = false,
         py::arg("wi") = py::none());
+  m.def("amx_rows16", &amx_rows16, "whether a bf16 model's many-row products of this type run on the AMX tiles over its copy",
+        py::arg("type"));
+  m.def("set_amx_rows16", &set_amx_rows16, "the AMX tile products over the copies on (default) or off");
+  m.def("gemm_amx_rows16", &gemm_amx_rows16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the AMX tiles, read from wi",
+        py::arg("x"), py::arg("w"), py::arg("wi"), py::arg("type"), py::arg("out"), py::arg("col0") = 0);
   m.def("set_q6k_six_bits", &set_q6k_six_bits, "Q6_K's interleaved copies six bits a quant (AVX512-VBMI; else a byte)");
   m.def("q6k_six_bits", &q6k_six_bits, "whether Q6_K's interleaved copies keep six bits a quant");
   m.def("set_rows16_bf16", &set_rows16_bf16, "bf16 few-row products on interleaved copies on the bf16 units (on)");

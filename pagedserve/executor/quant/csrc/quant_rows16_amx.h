@@ -1,0 +1,239 @@
+// Many-row products of bfloat16 models on the AMX tiles, the weights dequantized from the
+// row-interleaved copy (quant_rows16_layout.h) as they are used: no bf16 copy of the weights is
+// kept, and each step streams the copy's 4.5 (Q4_0 / Q4_1) or 8.5 (Q8_0) bits a weight from
+// memory instead of 16. Included once by quant_kernels.cpp inside namespace amx_bf16_rows16, in a
+// region compiled for AMX-BF16 and AVX512-BF16; run only where the CPU has the tiles and Linux
+// granted them (current_isa() >= ISA_AMX_BF16). No include guard on purpose.
+//
+// Work: items of 32 output columns (two 16-row groups of the copy; the last may be one). An
+// item dequantizes its columns' K weights into a thread's buffer, in the layout TDPBF16PS takes
+// as B (per group [K / 2][16 columns][2], pairs of K interleaved: a 32-element block of the copy
+// is one 1 KB tile), then runs every 32 activation rows against it: tiles 0-1 A (rows 0-15,
+// 16-31), 2-3 B (the two groups), 4-7 C (float32 sums over the whole K), stored straight into
+// the output's float columns. M % 16 rows run last on tiles configured for that many rows.
+//
+// Numerics: each weight is fma(q, d, m) in float32 (Q4_0: fma(q, d, -8 d), the exact (q - 8) d;
+// Q8_0: q d), rounded once to bf16 (round to nearest even): the bf16 copy's weights
+// (QuantLinear.attach_bf16_copy) up to that fma's rounding; products summed in float32 by the
+// tiles (the order of oneDNN's brgemm on the same tiles is its own). A row's result does not
+// depend on the other rows.
+
+struct alignas(64) TileCfg {  // ldtilecfg's 64-byte operand, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-1 and 4-7 (A, C) of m rows (1 .. 16), 2-3 (B) of 16 pairs; 64 bytes a row each
+inline void configure(int64_t m) {
+  TileCfg c;
+  for (int i = 0; i < 8; ++i) {
+    c.colsb[i] = 64;
+    c.rows[i] = static_cast<uint8_t>(i == 2 || i == 3 ? 16 : m);
+  }
+  asm volatile("ldtilecfg %0" ::"m"(c));  // (GCC 12's builtin lets the stores to c be dropped)
+}
+
+// vpshufb controls: dword i of lane L <- byte 8 h + s + 2 i of the lane (row 4 L + i's pair
+// 2 c + h + 8 s in chunk c of a Q4 block), zero-extended
+inline __m512i pair_ctl(int h, int s) {
+  alignas(16) uint8_t b[16];
+  for (int i = 0; i < 4; ++i) {
+    b[4 * i] = static_cast<uint8_t>(8 * h + s + 2 * i);
+    b[4 * i + 1] = b[4 * i + 2] = b[4 * i + 3] = 0x80;
+  }
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(b)));
+}
+
+// bf16 element 2 n <- lo[n], 2 n + 1 <- hi[n]: one tile row of 16 columns' pairs
+inline __m512i pack_pairs(__m512 lo, __m512 hi, __m512i idx) {
+  return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// One block of 32 along K of a 16-row group of a Q4_0 / Q4_1 copy -> 16 tile rows at dst
+template <bool MIN>
+inline void deq_q4(const uint8_t* blk, uint16_t* dst, const __m512i ctl[4], __m512i idx) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+  const __m512 m = MIN ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))
+                       : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+  const uint8_t* q = blk + (MIN ? 64 : 32);
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(q + 64 * c);
+    for (int hs = 0; hs < 4; ++hs) {  // hs = h + 2 s: the pair 2 c + h + 8 s
+      const __m512i x = _mm512_shuffle_epi8(v, ctl[hs]);
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, low)), d, m);
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)), d, m);
+      const int p = 2 * c + (hs & 1) + 8 * (hs >> 1);
+      _mm512_storeu_si512(dst + 32 * p, pack_pairs(lo, hi, idx));
+    }
+  }
+}
+
+// The same for a Q8_0 copy (byte [j][r] = row r's quant j)
+inline void deq_q8(const uint8_t* blk, uint16_t* dst, __m512i idx) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+  const int8_t* q = reinterpret_cast<const int8_t*>(blk + 32);
+  for (int p = 0; p < 16; ++p) {
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * p)))), d);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 32 * p + 16)))), d);
+    _mm512_storeu_si512(dst + 32 * p, pack_pairs(lo, hi, idx));
+  }
+}
+
+// The next item's dequantization, done a slice at a time between the current item's tile
+// products (the tiles run beside the vector units: the two overlap where interleaved)
+struct NextItem {
+  int type = 0;
+  const uint8_t* src = nullptr;  // its first group's copy (a second follows it)
+  uint16_t* dst = nullptr;       // its buffer
+  int64_t K = 0, nb = 0, bb = 0, total = 0, done = 0;
+  __m512i ctl[4], idx;
+
+  void init(int t, int64_t k) {
+    type = t;
+    K = k;
+    nb = K / 32;
+    bb = rows16_block_bytes(t);
+    ctl[0] = pair_ctl(0, 0);
+    ctl[1] = pair_ctl(1, 0);
+    ctl[2] = pair_ctl(0, 1);
+    ctl[3] = pair_ctl(1, 1);
+    alignas(64) uint16_t ix[32];
+    for (int n = 0; n < 16; ++n) {
+      ix[2 * n] = static_cast<uint16_t>(n);
+      ix[2 * n + 1] = static_cast<uint16_t>(16 + n);
+    }
+    idx = _mm512_load_si512(ix);
+  }
+  // groups (1 or 2) from src into dst; nothing left for groups = 0
+  void start(const uint8_t* s, uint16_t* d, int64_t groups) {
+    src = s;
+    dst = d;
+    total = groups * nb;
+    done = 0;
+  }
+  // blocks 0 .. t - 1 done (group b / nb's block b % nb: the copy's order, so src + b * bb)
+  inline void upto(int64_t t) {
+    for (t = std::min(t, total); done < t; ++done) {
+      const uint8_t* blk = src + done * bb;
+      uint16_t* o = dst + (done / nb) * 16 * K + (done % nb) * 512;
+      if (type == T_Q4_1) deq_q4<true>(blk, o, ctl, idx);
+      else if (type == T_Q4_0) deq_q4<false>(blk, o, ctl, idx);
+      else deq_q8(blk, o, idx);
+    }
+  }
+};
+
+// C (float, ldc) [rows x 16 * cols] = A rows (bf16, lda) @ B (one or two groups, b1 = b0 + 16 K);
+// after each step along K, the next item's share of its blocks (step of steps)
+template <bool TWO_ROWS, bool TWO_COLS>
+inline void block(const uint16_t* a, int64_t lda, const uint16_t* b0, int64_t K, float* c, int64_t ldc, NextItem& nx,
+                  int64_t& step, int64_t steps) {
+  const uint16_t* b1 = b0 + 16 * K;
+  const uint16_t* a1 = a + 16 * lda;
+  _tile_zero(4);
+  if (TWO_COLS) _tile_zero(5);
+  if (TWO_ROWS) _tile_zero(6);
+  if (TWO_ROWS && TWO_COLS) _tile_zero(7);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(0, a + k, lda * 2);
+    _tile_loadd(2, b0 + k * 16, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if (TWO_COLS) {
+      _tile_loadd(3, b1 + k * 16, 64);
+      _tile_dpbf16ps(5, 0, 3);
+    }
+    if (TWO_ROWS) {
+      _tile_loadd(1, a1 + k, lda * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      if (TWO_COLS) _tile_dpbf16ps(7, 1, 3);
+    }
+    ++step;
+    nx.upto((step * nx.total + steps - 1) / steps);
+  }
+  _tile_stored(4, c, ldc * 4);
+  if (TWO_COLS) _tile_stored(5, c + 16, ldc * 4);
+  if (TWO_ROWS) _tile_stored(6, c + 16 * ldc, ldc * 4);
+  if (TWO_ROWS && TWO_COLS) _tile_stored(7, c + 16 * ldc + 16, ldc * 4);
+}
+
+// Where an item's sums go: float columns (f, row stride ldo), or rounded to bf16 (h, row
+// stride ldo) after the bias (float, the item's columns; may be null) is added, through a
+// 32 x 32 float scratch that stays in L1
+struct Out {
+  float* f = nullptr;
+  uint16_t* h = nullptr;
+  const float* bias = nullptr;
+  int64_t ldo = 0;
+  alignas(64) float c[32 * 32];
+};
+
+// 16 floats -> bf16, rounded to nearest even, NaN -> 0x7FC0 (c10::BFloat16's bits, and
+// quant_kernels.cpp's narrow_bf16)
+inline __m256i round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+// rows r0 .. r0 + rows - 1, columns col .. col + 16 cols - 1 of the output from the scratch
+inline void to_bf16(Out& o, int64_t r0, int64_t rows, int64_t col, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < 16 * cols; j += 16) {
+      __m512 v = _mm512_load_ps(o.c + 32 * r + j);
+      if (o.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o.bias + col + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.h + (r0 + r) * o.ldo + col + j), round_bf16(v));
+    }
+}
+
+// The item's columns col .. (16 or 32 of them, b their weights) against every row of X
+template <bool TWO_COLS>
+inline void rows_block(const uint16_t* X, int64_t M, int64_t K, const uint16_t* b, Out& o, int64_t col, int64_t& cfg,
+                       NextItem& nx) {
+  const int64_t steps = (M / 32 + (M % 32 >= 16) + (M % 16 != 0)) * (K / 32);  // blocks of 32, 16 and the rest
+  constexpr int64_t cols = TWO_COLS ? 2 : 1;
+  int64_t m0 = 0, step = 0;
+  const bool f = o.f != nullptr;
+  auto c = [&](int64_t m) { return f ? o.f + m * o.ldo + col : o.c; };
+  const int64_t ldc = f ? o.ldo : 32;
+  if (cfg != 16) configure(cfg = 16);
+  for (; m0 + 32 <= M; m0 += 32) {
+    block<true, TWO_COLS>(X + m0 * K, K, b, K, c(m0), ldc, nx, step, steps);
+    if (!f) to_bf16(o, m0, 32, col, cols);
+  }
+  if (m0 + 16 <= M) {
+    block<false, TWO_COLS>(X + m0 * K, K, b, K, c(m0), ldc, nx, step, steps);
+    if (!f) to_bf16(o, m0, 16, col, cols);
+    m0 += 16;
+  }
+  if (m0 < M) {
+    configure(cfg = M - m0);
+    block<false, TWO_COLS>(X + m0 * K, K, b, K, c(m0), ldc, nx, step, steps);
+    if (!f) to_bf16(o, m0, M - m0, col, cols);
+  }
+  nx.upto(nx.total);
+}
+
+// The output's columns 16 g0 .. 16 g1 (o: float, or bf16 after the bias) = X [M, K] bf16 @ the
+// copy's groups g0 .. g1, transposed; items of two groups, each item's weights dequantized
+// during the one before it
+inline void gemm(int type, const uint8_t* W, int64_t K, const uint16_t* X, int64_t M, Out& o, int64_t g0, int64_t g1) {
+  const int64_t gb = (K / 32) * rows16_block_bytes(type);  // a group's bytes
+  thread_local std::vector<uint16_t> buf;
+  if (static_cast<int64_t>(buf.size()) < 64 * K) buf.resize(64 * K);
+  uint16_t* bufs[2] = {buf.data(), buf.data() + 32 * K};
+  NextItem nx;
+  nx.init(type, K);
+  nx.start(W + g0 * gb, bufs[0], std::min<int64_t>(2, g1 - g0));
+  nx.upto(nx.total);
+  int64_t cfg = -1, cur = 0;
+  for (int64_t g = g0; g < g1; g += 2, cur ^= 1) {
+    nx.start(W + (g + 2) * gb, bufs[cur ^ 1], std::clamp<int64_t>(g1 - g - 2, 0, 2));
+    if (g + 1 < g1) rows_block<true>(X, M, K, bufs[cur], o, 16 * g, cfg, nx);
+    else rows_block<false>(X, M, K, bufs[cur], o, 16 * g, cfg, nx);
+  }
+  _tile_release();
+}
