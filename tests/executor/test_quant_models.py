@@ -235,8 +235,8 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
     not with PAGEDSERVE_CPU_ISA below avx512_bf16, not with PAGEDSERVE_NO_ONEDNN_PACK=1. With
     copies for every row count its greedy tokens are those of the dequantized bf16 model
     (quantization="none": the same bf16 weights on oneDNN), logits within 1% of the largest. On
-    AMX the Q4_1 layers keep no copy: the tiles read their interleaved copies (unless
-    set_amx_rows16(False)), with the tokens of the engine that keeps the copies."""
+    AMX the Q4_1 layers' products below 1,024 rows run on the tiles over their interleaved copies,
+    with the tokens of the engine that runs them on the bf16 copies."""
     from pagedserve.executor.quant import layers
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
@@ -249,19 +249,15 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
     per_model = 4 * 2 + 1  # qkv, o, gate_up, down per layer (2 layers) + the tied head
     isa = kernels.set_isa(kernels.available_isas()[-1])  # the best path, whatever PAGEDSERVE_CPU_ISA chose
     try:
-        if kernels.amx_rows16(Q.Q4_1):  # AMX: the tiles read the Q4_1 layers' interleaved copies
-            assert copies(torch.bfloat16) == 1  # the head only (1,001 rows: no interleaved copy)
+        assert copies(torch.bfloat16) == per_model
+        if kernels.amx_rows16(Q.Q4_1):  # AMX: the tiles read the Q4_1 layers' interleaved copies below 1,024 rows
             before = kernels.load().bf16_calls()[3]
             tiles = run(path, None, "bfloat16")
             assert kernels.load().bf16_calls()[3] > before
-            kernels.set_amx_rows16(False)
-            try:
-                assert copies(torch.bfloat16) == per_model
-                assert_same(tiles, run(path, None, "bfloat16"), 1e-3)  # the same bf16 weights on oneDNN's tiles
-            finally:
-                kernels.set_amx_rows16(True)
-        else:
-            assert copies(torch.bfloat16) == per_model
+            amx_rows = layers.AMX_COPY_MIN_ROWS
+            monkeypatch.setattr(layers, "AMX_COPY_MIN_ROWS", 9)
+            assert_same(tiles, run(path, None, "bfloat16"), 1e-3)  # the same bf16 weights on oneDNN's tiles
+            monkeypatch.setattr(layers, "AMX_COPY_MIN_ROWS", amx_rows)
         assert copies(torch.float32) == 0 and copies(torch.bfloat16, "gguf_q8") == 0
         kernels.set_isa("avx512_vnni")
         assert copies(torch.bfloat16) == 0

@@ -215,15 +215,14 @@ def amx_rows16(qtype: int) -> bool:
     """Whether a bfloat16 model's products of this type from 9 rows run on the AMX tiles over the
     row-interleaved copy (csrc/quant_rows16_amx.h: Q4_0 / Q4_1 / Q8_0, weights dequantized to
     bf16 as they are used) where the layer keeps one, on the path set now: an AMX path and
-    set_amx_rows16 on. 1.1-2x oneDNN on the bf16 copies at 9-512 rows (BENCHMARKS section 65),
-    so such layers keep no bf16 copy (layers.bf16_copies)."""
+    set_amx_rows16 on. 1.1-2x oneDNN on the bf16 copies at 9-1,000 rows (BENCHMARKS section
+    65); such layers' bf16 copies serve larger products only (layers.AMX_COPY_MIN_ROWS)."""
     return try_load() is not None and bool(load().amx_rows16(int(qtype)))
 
 
 def set_amx_rows16(on: bool) -> bool:
-    """The AMX tile products over the copies on (the default) or off (then the bf16 copies or
-    the vdpbf16ps kernel, as below AMX; layers loaded with it on keep no bf16 copy). Returns the
-    previous setting."""
+    """The AMX tile products over the copies on (the default) or off (then the vdpbf16ps kernel
+    below the bf16 copies' rows, as below AMX). Returns the previous setting."""
     return bool(load().set_amx_rows16(bool(on)))
 
 

@@ -175,7 +175,7 @@ class QuantLinear(nn.Module):
     @property
     def amx_rows16_everywhere(self) -> bool:
         """Whether every segment's many-row bf16 products run on the AMX tiles over its copy
-        (kernels.amx_rows16): the layer needs no bf16 copy."""
+        (kernels.amx_rows16): the layer's bf16 copy serves only from AMX_COPY_MIN_ROWS rows."""
         return self.rows16_everywhere and all(kernels.amx_rows16(t) for t, _, _ in self.segments)
 
     @property
@@ -272,6 +272,11 @@ BF16_COPY_MIN_ROWS = 6
 # copy up to 8 rows (BENCHMARKS section 39; the C++ side's g_rows16_bf16_rows), and a
 # verification of k <= 7 tokens then computes what 1-row steps do.
 ROWS16_COPY_MIN_ROWS = 9
+# A layer whose many-row products run on the AMX tiles over its interleaved copies
+# (`amx_rows16_everywhere`): they beat oneDNN on the bf16 copy 1.1-2x from 9 to ~1,000 rows,
+# and lose from ~1,300 (0.72x at 1,536, 0.69x at 2,048 rows: the activations outgrow L2; AMX
+# Xeon, BENCHMARKS section 65), so the copy serves prefill steps of this many rows and more.
+AMX_COPY_MIN_ROWS = 1024
 
 
 def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None = None) -> int:
@@ -282,16 +287,19 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
     (PAGEDSERVE_NO_ONEDNN_PACK=1 turns it off), as far as `budget` allows (None: no bound).
     oneDNN's tiles run these products 2-10x faster than any of the packed kernels on AMX
     (BENCHMARKS section 33), its vdpbf16ps products 1.3-1.8x from 16 rows on a Zen 4 (section
-    41). Not with `gguf_q8` (act_q8 layers keep its integer numerics), nor where the AMX tiles
-    read the layer's row-interleaved copies (`QuantLinear.amx_rows16_everywhere`: Q4_0 / Q4_1 /
-    Q8_0 layers on AMX, 1.1-2x these copies, section 65). Returns how many layers."""
+    41). Not with `gguf_q8` (act_q8 layers keep its integer numerics). Where the AMX tiles read
+    the layer's row-interleaved copies (`QuantLinear.amx_rows16_everywhere`: Q4_0 / Q4_1 / Q8_0
+    layers on AMX) the copy serves AMX_COPY_MIN_ROWS rows and more only. Returns how many layers."""
     if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16) or not kernels.native_bf16_in_use():
         return 0
     n = 0
     for mod in model.modules():
-        if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8 and not mod.amx_rows16_everywhere:
+        if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
             # rows16_copies came first
-            min_rows = ROWS16_COPY_MIN_ROWS if mod.rows16_everywhere else BF16_COPY_MIN_ROWS
+            if mod.amx_rows16_everywhere:
+                min_rows = AMX_COPY_MIN_ROWS
+            else:
+                min_rows = ROWS16_COPY_MIN_ROWS if mod.rows16_everywhere else BF16_COPY_MIN_ROWS
             n += mod.attach_bf16_copy(min_rows, budget)
     return n
 
