@@ -13,6 +13,12 @@ the same bits in every case measured); after `pack_linears` the module's `weight
 0-element tensor of the same dtype unless another module shares it (a tied LM head keeps
 the embedding's), so the model holds each weight once; `in_features` / `out_features` and
 `bias` are unchanged. Only CPU tensors of float32 / bfloat16 (bf16 where oneDNN has it).
+
+On AMX (ops/moe_gemm.amx()) a bf16 layer without bias may also keep, as far as the copy
+budget allows, its weight in the 16-column VNNI blocks of the MoE tile kernel
+(`pack_linears(model, budget)`; 2 bytes a weight): its products of up to TILE_MAX_ROWS rows
+run there, 1.2-1.4x oneDNN's at 16-128 rows (BENCHMARKS sections 39, 65); larger ones stay on
+oneDNN, which wins from ~1,300 rows. float32 sums rounded once to bf16 on both.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from torch import nn
 from pagedserve import envs
 
 MIN_ELEMENTS = 1 << 18  # N * K; e.g. 512 x 512
+TILE_MAX_ROWS = 1023  # rows a product with a tile copy runs on it (layers.AMX_COPY_MIN_ROWS's bound)
+_OFFSETS: dict[int, torch.Tensor] = {}  # rows -> the one group's offsets [0, rows] (experts_mm's argument)
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -112,25 +120,59 @@ class OneDNNLinear(nn.Linear):
     """An nn.Linear whose forward runs on the pre-packed weight (`packed`, set by `pack`)."""
 
     packed: torch.Tensor
+    tiles: torch.Tensor | None = None  # the AMX tile kernel's copy (moe_gemm.pack), or None
 
-    def pack(self, keep_weight: bool) -> None:
+    def pack(self, keep_weight: bool, budget=None) -> None:
+        """oneDNN's packed weight; beside it the tile copy where `tile_copy_fits` (budget:
+        a quant.copy_budget.CopyBudget, None: no tile copy)."""
         self.packed = pack_weight(self.weight)
+        if budget is not None and self.tile_copy_fits(budget):
+            from pagedserve.executor.ops import moe_gemm
+
+            self.tiles = moe_gemm.pack(self.weight.detach()[None], moe_gemm.AMX_BLOCK_N)
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
+    def tile_copy_fits(self, budget) -> bool:
+        """Whether this layer takes a tile copy: bf16, no bias, N and K multiples of 32, the
+        MoE tile kernel usable (AMX path, tiles granted) and room in the budget."""
+        from pagedserve.executor.ops import moe_gemm
+
+        w = self.weight
+        return (
+            self.bias is None and w.dtype == torch.bfloat16 and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0
+            and moe_gemm.amx() and budget.take("AMX tile", w.numel() * 2)
+        )
+
     def packed_products(self) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
-        return [(self.packed, self.bias, 1)]
+        return [(self.packed, self.bias, 1 if self.tiles is None else TILE_MAX_ROWS + 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.packed.dtype:  # e.g. float32 activations into a bf16 layer
             return packed_linear(x.to(self.packed.dtype), self.packed, self.bias).to(x.dtype)
+        tiles = self.tiles
+        if tiles is not None and x.numel() <= TILE_MAX_ROWS * self.in_features:
+            return _tile_linear(x, tiles, self.out_features)
         return packed_linear(x, self.packed, self.bias)
 
 
-def pack_linears(model: nn.Module) -> int:
+def _tile_linear(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., K] bf16 @ the tile copy's weight.T -> [..., n] bf16 (one expert of experts_mm)."""
+    from pagedserve.executor.ops import moe_gemm
+
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    off = _OFFSETS.get(m)
+    if off is None:
+        off = _OFFSETS[m] = torch.tensor([0, m], dtype=torch.int64)
+    return moe_gemm.experts_mm(x2, off, tiles).view(*x.shape[:-1], n)
+
+
+def pack_linears(model: nn.Module, budget=None) -> int:
     """Turn the CPU model's plain float nn.Linear layers (at least MIN_ELEMENTS weights, a
-    dtype oneDNN packs) into OneDNNLinear; returns how many. Call once, after loading and
-    before the first step (the lean decode loop binds the modules' forward then)."""
+    dtype oneDNN packs) into OneDNNLinear, with tile copies as far as `budget` (a
+    quant.copy_budget.CopyBudget; None: none) allows; returns how many. Call once, after
+    loading and before the first step (the lean decode loop binds the modules' forward then)."""
     shared: dict[int, int] = {}
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
@@ -145,7 +187,7 @@ def pack_linears(model: nn.Module) -> int:
             and available(w.dtype)
         ):
             mod.__class__ = OneDNNLinear
-            mod.pack(keep_weight=shared[id(w)] > 1)
+            mod.pack(keep_weight=shared[id(w)] > 1, budget=budget)
             n += 1
     return n
 

@@ -117,3 +117,55 @@ def test_a_model_with_every_layer_packed_matches_transformers(checkpoint, arch, 
     prompts = [[(7 * i + 3) % 1000 for i in range(37)], [5, 6, 7]]
     reqs, logits_at, _ = drive(runner, prompts, 8, 16, budget=16)  # chunked prefill beside decode
     check_against_hf(load_hf(path), reqs, logits_at)
+
+
+def _amx_tiles() -> bool:
+    from pagedserve.executor.ops import moe_gemm
+
+    return torch.bfloat16 in DTYPES and moe_gemm.amx()
+
+
+class Budget:
+    """A CopyBudget's take(): room for `left` bytes."""
+
+    def __init__(self, left):
+        self.left, self.kinds = left, []
+
+    def take(self, kind, nbytes, transient=0):
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        self.kinds.append(kind)
+        return True
+
+
+@pytest.mark.skipif(not _amx_tiles(), reason="no AMX tile kernel here (AMX-BF16 CPU, Linux granting the tiles, an AMX path)")
+def test_amx_tile_copies_serve_products_up_to_their_bound():
+    """On AMX a bf16 layer without bias keeps, within the budget, a tile copy: its products
+    of 1 .. TILE_MAX_ROWS rows run on the tile kernel (the bf16 product of F.linear up to the
+    order of float32 sums), more rows on oneDNN; a layer with a bias, or no room left, none.
+    The warm-up builds oneDNN's primitives past the tiles' rows only."""
+    torch.manual_seed(0)
+    m = Tied().bfloat16()  # head [1024, 512] tied, proj [512, 512] with a bias
+    m.proj2 = nn.Linear(512, 512, bias=False).bfloat16()
+    w_head, w2 = m.head.weight.detach().clone(), m.proj2.weight.detach().clone()
+    budget = Budget(1024 * 512 * 2 + 10)  # room for the head's copy only
+    assert od.pack_linears(m, budget) == 3 and budget.kinds == ["AMX tile"]
+    assert m.head.tiles is not None and m.proj.tiles is None and m.proj2.tiles is None
+    calls = []
+    from pagedserve.executor.ops import moe_gemm
+
+    real = moe_gemm.experts_mm
+    try:
+        moe_gemm.experts_mm = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+        for rows in (1, 9, 64, 300, od.TILE_MAX_ROWS, od.TILE_MAX_ROWS + 1):
+            x = torch.randn(rows, 512).bfloat16()
+            torch.testing.assert_close(m.head(x), F.linear(x, w_head))
+    finally:
+        moe_gemm.experts_mm = real
+    assert calls == [1, 9, 64, 300, od.TILE_MAX_ROWS]  # the largest on oneDNN
+    assert m.head.packed_products()[0][2] == od.TILE_MAX_ROWS + 1 and m.proj.packed_products()[0][2] == 1
+    m2 = nn.Sequential(nn.Linear(512, 512, bias=False)).bfloat16()
+    assert od.pack_linears(m2, Budget(1 << 30)) == 1 and m2[0].tiles is not None
+    x = torch.randn(7, 512).bfloat16()
+    torch.testing.assert_close(m.proj2(x), F.linear(x, w2))

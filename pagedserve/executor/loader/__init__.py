@@ -101,7 +101,7 @@ def build_model(
             if isinstance(mod, FusedExperts):
                 mod.quantize(QUANTIZERS[quant])
     elif quant == "none" and device.type == "cpu":
-        _cpu_float_linears(model, dtype)
+        _cpu_float_linears(model, dtype, weight_copies)
     if quant in ("gguf", "gguf_q8", "int8", "int4") and device.type == "cpu":
         from pagedserve.executor.quant.layers import bf16_copies, rows16_copies
 
@@ -114,17 +114,21 @@ def build_model(
     return model.eval()
 
 
-def _cpu_float_linears(model: nn.Module, dtype: torch.dtype) -> None:
+def _cpu_float_linears(model: nn.Module, dtype: torch.dtype, weight_copies: CopyPolicy | None) -> None:
     """float32 on AVX2: the blocked kernel's 12-128-row products (FloatLinear); the other
-    float layers on oneDNN's pre-packed weights; MoE experts on the brgemm micro-kernel in
-    bf16 where PyTorch has it (ops/moe_gemm.py), else on oneDNN's pre-packed weights."""
+    float layers on oneDNN's pre-packed weights, bf16 ones on AMX with tile copies as far as
+    the copy budget allows; MoE experts on the brgemm micro-kernel in bf16 where PyTorch has
+    it (ops/moe_gemm.py), else on oneDNN's pre-packed weights."""
     from pagedserve.executor.models.moe import FusedExperts
     from pagedserve.executor.onednn_linear import pack_linears
     from pagedserve.executor.quant.layers import use_float_kernels
 
     if dtype == torch.float32:
         use_float_kernels(model)
-    pack_linears(model)
+    budget = (weight_copies or CopyPolicy()).budget() if dtype == torch.bfloat16 else None
+    pack_linears(model, budget)
+    if budget is not None:
+        budget.log()
     for mod in model.modules():
         if isinstance(mod, FusedExperts) and not mod.pack_brgemm():  # brgemm where it packs bf16
             mod.pack_onednn()

@@ -1,0 +1,107 @@
+"""The AMX tile products beside oneDNN's on the same weights (BENCHMARKS section 65): SmolLM2's
+four layer shapes (qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536), 30
+layers of each cycling (weights from memory, as in a step), M bf16 rows, best of three medians,
+ms for all 120 products. Needs an AMX path.
+
+    .venv/bin/python benchmarks/amx_tiles_ab.py [--type q4_1|q8_0|bf16] [--rows 9 16 64 ...]
+
+`--type q4_1` / `q8_0`: the tile kernel over the row-interleaved copy (quant_rows16_amx.h,
+weights dequantized as used) against oneDNN on the bf16 copy (QuantLinear.attach_bf16_copy's
+weights); `bf16`: the MoE tile kernel on a tile copy (onednn_linear's OneDNNLinear.tiles)
+against oneDNN's packed weight. Checks that both agree before timing. One JSON line per M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from pagedserve.executor import onednn_linear as od
+from pagedserve.executor.ops import moe_gemm
+from pagedserve.executor.quant import formats, kernels
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LAYERS = 30
+
+
+def median_ms(fn, n: int = 7) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def weights(kind: str):
+    """Per shape, LAYERS of (oneDNN's packed bf16 weight, the tile product's callable factory)."""
+    qtype = {"q4_1": formats.Q4_1, "q8_0": formats.Q8_0}.get(kind)
+    quantize = {"q4_1": formats.quantize_q4_1, "q8_0": formats.quantize_q8_0}.get(kind)
+    out = []
+    for n, k in SHAPES:
+        layers = []
+        for _ in range(LAYERS):
+            w = torch.randn(n, k) * 0.05
+            if qtype is None:
+                wb = w.bfloat16()
+                layers.append((od.pack_weight(wb, 9), ("bf16", moe_gemm.pack(wb[None], moe_gemm.AMX_BLOCK_N))))
+                continue
+            packed = quantize(w).data
+            wb = kernels.dequant(packed, qtype, k).bfloat16()
+            layers.append((od.pack_weight(wb, 9), ("quant", packed, kernels.interleave_rows16(packed, qtype, k), qtype)))
+        out.append(layers)
+    return out
+
+
+def tile_fn(entry, x: torch.Tensor, out: torch.Tensor):
+    if entry[0] == "bf16":
+        off = torch.tensor([0, x.shape[0]], dtype=torch.int64)
+        return lambda: moe_gemm.experts_mm(x, off, entry[1])
+    _, packed, wi, qtype = entry
+    return lambda: kernels.gemm_amx_rows16(x, packed, wi, qtype, out, 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--type", default="q4_1", choices=["q4_1", "q8_0", "bf16"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[9, 16, 32, 64, 128, 256, 512, 1024, 2048])
+    a = ap.parse_args()
+    if not kernels.amx_in_use():
+        raise SystemExit("needs an AMX path (this CPU or PAGEDSERVE_CPU_ISA has none)")
+    torch.manual_seed(0)
+    ws = weights(a.type)
+    flops_per_row = 2 * sum(n * k for n, k in SHAPES) * LAYERS
+    for m in a.rows:
+        xs = [torch.randn(m, k).bfloat16() for _, k in SHAPES]
+        outs = [torch.empty(m, n) for n, _ in SHAPES]
+        tiles = [[tile_fn(e, xs[i], outs[i]) for _, e in layers] for i, layers in enumerate(ws)]
+        for i, layers in enumerate(ws):  # both agree (the same bf16 weights; float32 sums in another order)
+            ref = od.packed_linear(xs[i], layers[0][0], None).float()
+            got = tiles[i][0]()
+            got = outs[i] if got is None else got.float()
+            assert (got - ref).abs().max() <= 0.01 * ref.abs().max() + 1e-3
+
+        def onednn(xs=xs):
+            for li in range(LAYERS):
+                for i in range(len(SHAPES)):
+                    od.packed_linear(xs[i], ws[i][li][0], None)
+
+        def tile(tiles=tiles):
+            for li in range(LAYERS):
+                for i in range(len(SHAPES)):
+                    tiles[i][li]()
+
+        runs = [(median_ms(onednn), median_ms(tile)) for _ in range(3)]
+        o, t = min(r[0] for r in runs), min(r[1] for r in runs)
+        print(json.dumps({"type": a.type, "rows": m, "onednn_ms": round(o, 2), "tiles_ms": round(t, 2),
+                          "onednn_tflops": round(m * flops_per_row / o / 1e9, 2),
+                          "tiles_tflops": round(m * flops_per_row / t / 1e9, 2), "speedup": round(o / t, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
