@@ -150,7 +150,7 @@ def main() -> None:
             t = time.perf_counter()
             llm.generate([prompt], sp, use_tqdm=False)
             tok_s[mode].append(a.tokens / (time.perf_counter() - t))
-    kernels.set_rows16_bf16(True)
+    kernels.set_rows16_bf16(None)
     med = {k: round(statistics.median(v), 2) for k, v in tok_s.items()}
     print(
         json.dumps(

@@ -1006,7 +1006,8 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
     interleaved copy runs the bf16 few-row kernel (the same bits as gemm_bf16 on the copy),
     or with set_rows16_bf16(False) the float kernel on widened activations; a segment
     without a copy the float kernel; float32 activations never the bf16 one; act_q8 (gguf_q8)
-    its integer kernels. Below avx512_bf16 (PAGEDSERVE_CPU_ISA=avx512) the float kernel."""
+    its integer kernels. Below avx512_bf16 (PAGEDSERVE_CPU_ISA=avx512) the float kernel; on
+    the AMX levels too for Q4_1 (the rule), unless set_rows16_bf16(True)."""
     mod = kernels.load()
     k, m = 576, 5
     raws = [random_packed(Q.Q4_1, 32, k, seed=1), random_packed(Q.Q8_0, 24, k, seed=2)]
@@ -1043,14 +1044,22 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
         assert kernels.set_rows16_bf16(False) is True
         y, calls = qlinear(x)
         assert calls == [0, 0, 0] and torch.equal(y, by_hand(False))
-        kernels.set_rows16_bf16(True)
+        kernels.set_rows16_bf16(None)
         with pytest.raises(RuntimeError, match="interleave_rows16"):  # another weight's copy
             kernels.gemm_bf16(x, ws[1], types[1], torch.empty(m, n), 32, interleaved=wis[0])
+        if HAVE_AMX:  # the AMX levels' rule: Q4_1's few rows on the float kernel; forced on, the bf16 one
+            kernels.set_isa(kernels.available_isas()[-1])
+            y, calls = qlinear(x)
+            assert calls == [0, 0, 0] and torch.equal(y, by_hand(False))
+            assert kernels.set_rows16_bf16(True) is False
+            y, calls = qlinear(x)
+            assert calls == [0, 0, 1] and torch.equal(y, by_hand(True))
+            kernels.set_rows16_bf16(None)
         kernels.set_isa("avx512")
         y, calls = qlinear(x)
         assert calls == [0, 0, 0] and torch.equal(y, by_hand(False))
     finally:
-        kernels.set_rows16_bf16(True)
+        kernels.set_rows16_bf16(None)
         kernels.set_isa(prev)
 
 

@@ -305,13 +305,13 @@ def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, m
         assert kernels.load().bf16_calls()[2] > before
         assert kernels.set_rows16_bf16(False) is True
         assert_same(got, run(path, None, "bfloat16"), 1e-2)
-        kernels.set_rows16_bf16(True)
+        kernels.set_rows16_bf16(None)
         before = kernels.load().rows16_calls()
         got = run(path, None, "float32")
         assert kernels.load().rows16_calls() > before
         assert_same(got, run(path, None, "float32", weight_copies=CopyPolicy("none")), 1e-2)
     finally:
-        kernels.set_rows16_bf16(True)
+        kernels.set_rows16_bf16(None)
         kernels.set_isa(isa)
 
 

@@ -204,11 +204,12 @@ def gemm_amx_rows16(x: torch.Tensor, w: torch.Tensor, interleaved: torch.Tensor,
     load().gemm_amx_rows16(x, w, interleaved, int(qtype), out, int(col0))
 
 
-def set_rows16_bf16(on: bool) -> bool:
+def set_rows16_bf16(on: bool | None) -> bool:
     """Whether a bf16 model's few-row products on interleaved copies run on the bf16 units
-    (csrc/quant_rows16_bf16.h, the default) or on float activations (csrc/quant_rows16.h).
-    Returns the previous setting."""
-    return bool(load().set_rows16_bf16(bool(on)))
+    (csrc/quant_rows16_bf16.h) or on float activations (csrc/quant_rows16.h); None: the rule
+    (the default: the bf16 kernel, but on the AMX levels the float one for Q4_0 / Q4_1 / Q8_0,
+    measured faster there). Returns whether Q4_1's took the bf16 kernel before."""
+    return bool(load().set_rows16_bf16(None if on is None else bool(on)))
 
 
 def amx_rows16(qtype: int) -> bool:

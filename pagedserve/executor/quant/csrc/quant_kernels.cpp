@@ -926,11 +926,22 @@ static int64_t g_bf16_calls[4] = {0, 0, 0, 0};
 std::vector<int64_t> bf16_calls() { return {g_bf16_calls[0], g_bf16_calls[1], g_bf16_calls[2], g_bf16_calls[3]}; }
 // Whether a bf16 model's few-row products on segments with an interleaved copy run on the
 // bf16 units (quant_rows16_bf16.h) or widen the activations for the float kernel
-// (quant_rows16.h). On by default; off: the A/B of BENCHMARKS section 44.
-static bool g_rows16_bf16 = true;
-bool set_rows16_bf16(bool on) {
-  const bool prev = g_rows16_bf16;
-  g_rows16_bf16 = on;
+// (quant_rows16.h). -1 (the default): the rule, the bf16 kernel except for Q4_0 / Q4_1 / Q8_0
+// on the AMX levels, where the float kernel took 0.63-0.85x its time at 2-8 rows (equal at 1)
+// on an AMX Xeon (the default model's layers, its Q8_0 head 0.62-0.8x at 1-8 rows; n-gram
+// speculation 1.51x -> 1.77x; BENCHMARKS section 65), while the bf16 one led on a Zen 4
+// (section 44); the K-quants were not measured there. 0 / 1: set_rows16_bf16 (A/B, tests).
+static int g_rows16_bf16 = -1;
+static bool amx_rows16_type(int64_t type);
+static bool rows16_bf16(int64_t type) {
+  if (g_rows16_bf16 >= 0) return g_rows16_bf16 == 1;
+  return !(current_isa() >= ISA_AMX_BF16 && amx_rows16_type(type));
+}
+// on: the bf16 kernel for every type; off: the float one; none: the rule. Returns whether
+// Q4_1's products took the bf16 kernel before.
+bool set_rows16_bf16(c10::optional<bool> on) {
+  const bool prev = rows16_bf16(T_Q4_1);
+  g_rows16_bf16 = on.has_value() ? int(*on) : -1;
   return prev;
 }
 
@@ -1170,7 +1181,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
       gemm_bf16(xb, ws[i], t, out, cols[i], onednn, c10::nullopt);
       continue;
     }
-    if (bf16 && rows16 && g_rows16_bf16 && !int8) {
+    if (bf16 && rows16 && rows16_bf16(t) && !int8) {
       gemm_bf16(xb, ws[i], t, out, cols[i], false, wis[i]);
       continue;
     }
@@ -1215,7 +1226,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("wi"), py::arg("type"), py::arg("out"), py::arg("col0") = 0);
   m.def("set_q6k_six_bits", &set_q6k_six_bits, "Q6_K's interleaved copies six bits a quant (AVX512-VBMI; else a byte)");
   m.def("q6k_six_bits", &q6k_six_bits, "whether Q6_K's interleaved copies keep six bits a quant");
-  m.def("set_rows16_bf16", &set_rows16_bf16, "bf16 few-row products on interleaved copies on the bf16 units (on)");
+  m.def("set_rows16_bf16", &set_rows16_bf16, "bf16 few-row products on interleaved copies on the bf16 units (on), the float kernel (off), the rule (None)",
+        py::arg("on"));
   m.def("set_bf16_rows", &set_bf16_rows, py::arg("m"), py::arg("rows16") = false);
   m.def("rows16_calls", &rows16_calls, "float few-row products on interleaved copies so far");
   m.def("rows16_q8_calls", &rows16_q8_calls, "act_q8 few-row products on interleaved copies so far");
