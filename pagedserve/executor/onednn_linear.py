@@ -17,8 +17,8 @@ the embedding's), so the model holds each weight once; `in_features` / `out_feat
 On AMX (ops/moe_gemm.amx()) a bf16 layer without bias may also keep, as far as the copy
 budget allows, its weight in the 16-column VNNI blocks of the MoE tile kernel
 (`pack_linears(model, budget)`; 2 bytes a weight): its products of up to TILE_MAX_ROWS rows
-run there, 1.2-1.4x oneDNN's at 16-128 rows (BENCHMARKS sections 39, 65); larger ones stay on
-oneDNN, which wins from ~1,300 rows. float32 sums rounded once to bf16 on both.
+run there, 1.0-1.5x oneDNN's at 1-1,024 rows (BENCHMARKS sections 39, 65; equal at 256);
+larger ones stay on oneDNN. float32 sums rounded once to bf16 on both.
 """
 
 from __future__ import annotations

@@ -244,10 +244,12 @@ ISA_TARGET_END()
 //   avx512_bf16: and the bf16 products of bfloat16 models: many rows (quant_bf16.h), few rows on
 //     the row-interleaved copies (quant_rows16_bf16.h);
 //   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
-//     (arch_prctl): the bf16 many-row products go to oneDNN from g_amx_onednn_rows rows on,
-//     which runs them on the tiles.
-//     No kernel here issues a tile instruction itself (none could be run where this was
-//     written); otherwise the avx512_bf16 kernels.
+//     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q8_0 segments with a row-interleaved
+//     copy run from g_rows16_bf16_rows rows on this module's own tile kernel
+//     (quant_rows16_amx.h), their few rows on the copy's float kernel (rows16_bf16); other
+//     segments' many-row products go to oneDNN from g_amx_onednn_rows rows on (the tiles
+//     again); otherwise the avx512_bf16 kernels. (A QuantLinear's oneDNN-packed bf16 copy, in
+//     Python, takes the largest products before they reach this module.)
 enum Isa {
   ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3, ISA_AVX512_BF16 = 4, ISA_AMX_BF16 = 5,
   ISA_AMX_INT8 = 6, ISA_LAST = 6,
@@ -1008,7 +1010,8 @@ static void amx_rows16_run(const torch::Tensor& x, const torch::Tensor& wi, int6
   const int64_t M = x.size(0), K = x.size(1), pairs = (N / 16 + 1) / 2;
   // rows in chunks whose activations (~512 KB) stay in each core's L2 while every item streams
   // past them (each chunk dequantizes the weights again): 2,048 rows in one pass read the
-  // activations from memory once per item, at 0.54x oneDNN's time (BENCHMARKS section 65)
+  // activations from memory once per item, at 0.54x oneDNN's speed (0.69x in chunks; BENCHMARKS
+  // section 65)
   const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / K / 32 * 32, 64, 512);
   for (int64_t r0 = 0; r0 < M; r0 += chunk) {
     const int64_t m = std::min(chunk, M - r0);
