@@ -3,7 +3,10 @@ four layer shapes (qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 15
 layers of each cycling (weights from memory, as in a step), M bf16 rows, best of three medians,
 ms for all 120 products. Needs an AMX path.
 
-    .venv/bin/python benchmarks/amx_tiles_ab.py [--type q4_1|q8_0|bf16] [--rows 9 16 64 ...]
+    .venv/bin/python benchmarks/amx_tiles_ab.py [--type q4_1|q8_0|q4_k|bf16] [--rows 9 16 64 ...]
+
+`--type q4_k`: a 1 B model's shapes instead (qkv 2048 x 2048... as 2048 x 2048, gate_up 11264 x
+2048, down 2048 x 5632; K a multiple of 256), 8 layers, random quants with small scales.
 
 `--type q4_1` / `q8_0`: the tile kernel over the row-interleaved copy (quant_rows16_amx.h,
 weights dequantized as used) against oneDNN on the bf16 copy (QuantLinear.attach_bf16_copy's
@@ -26,6 +29,16 @@ from pagedserve.executor.quant import formats, kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
+K_SHAPES, K_LAYERS = [(2048, 2048), (11264, 2048), (2048, 5632)], 8
+
+
+def random_q4_k(n: int, k: int) -> torch.Tensor:
+    """[n, k / 256 * 144] random Q4_K blocks, d and dmin float16 in [0, 4e-4)."""
+    g = torch.Generator().manual_seed(n * 7 + k)
+    raw = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // 256, 2, generator=g) * 4e-4).half().view(torch.uint8).reshape(n, k // 256, 4)
+    raw[..., 0:4] = scales
+    return raw.reshape(n, -1).contiguous()
 
 
 def median_ms(fn, n: int = 7) -> float:
@@ -40,22 +53,26 @@ def median_ms(fn, n: int = 7) -> float:
 
 def weights(kind: str):
     """Per shape, LAYERS of (oneDNN's packed bf16 weight, the tile product's callable factory)."""
-    qtype = {"q4_1": formats.Q4_1, "q8_0": formats.Q8_0}.get(kind)
+    qtype = {"q4_1": formats.Q4_1, "q8_0": formats.Q8_0, "q4_k": formats.Q4_K}.get(kind)
     quantize = {"q4_1": formats.quantize_q4_1, "q8_0": formats.quantize_q8_0}.get(kind)
     out = []
-    for n, k in SHAPES:
+    for n, k in shapes(kind):
         layers = []
-        for _ in range(LAYERS):
+        for _ in range(K_LAYERS if kind == "q4_k" else LAYERS):
             w = torch.randn(n, k) * 0.05
             if qtype is None:
                 wb = w.bfloat16()
                 layers.append((od.pack_weight(wb, 9), ("bf16", moe_gemm.pack(wb[None], moe_gemm.AMX_BLOCK_N))))
                 continue
-            packed = quantize(w).data
+            packed = random_q4_k(n, k) if kind == "q4_k" else quantize(w).data
             wb = kernels.dequant(packed, qtype, k).bfloat16()
             layers.append((od.pack_weight(wb, 9), ("quant", packed, kernels.interleave_rows16(packed, qtype, k), qtype)))
         out.append(layers)
     return out
+
+
+def shapes(kind: str):
+    return K_SHAPES if kind == "q4_k" else SHAPES
 
 
 def tile_fn(entry, x: torch.Tensor, out: torch.Tensor):
@@ -68,17 +85,18 @@ def tile_fn(entry, x: torch.Tensor, out: torch.Tensor):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--type", default="q4_1", choices=["q4_1", "q8_0", "bf16"])
+    ap.add_argument("--type", default="q4_1", choices=["q4_1", "q8_0", "q4_k", "bf16"])
     ap.add_argument("--rows", type=int, nargs="+", default=[9, 16, 32, 64, 128, 256, 512, 1024, 2048])
     a = ap.parse_args()
     if not kernels.amx_in_use():
         raise SystemExit("needs an AMX path (this CPU or PAGEDSERVE_CPU_ISA has none)")
     torch.manual_seed(0)
     ws = weights(a.type)
-    flops_per_row = 2 * sum(n * k for n, k in SHAPES) * LAYERS
+    sh = shapes(a.type)
+    flops_per_row = 2 * sum(n * k * len(layers) for (n, k), layers in zip(sh, ws))
     for m in a.rows:
-        xs = [torch.randn(m, k).bfloat16() for _, k in SHAPES]
-        outs = [torch.empty(m, n) for n, _ in SHAPES]
+        xs = [torch.randn(m, k).bfloat16() for _, k in sh]
+        outs = [torch.empty(m, n) for n, _ in sh]
         tiles = [[tile_fn(e, xs[i], outs[i]) for _, e in layers] for i, layers in enumerate(ws)]
         for i, layers in enumerate(ws):  # both agree (the same bf16 weights; float32 sums in another order)
             ref = od.packed_linear(xs[i], layers[0][0], None).float()
@@ -87,13 +105,13 @@ def main() -> None:
             assert (got - ref).abs().max() <= 0.01 * ref.abs().max() + 1e-3
 
         def onednn(xs=xs):
-            for li in range(LAYERS):
-                for i in range(len(SHAPES)):
+            for li in range(len(ws[0])):
+                for i in range(len(sh)):
                     od.packed_linear(xs[i], ws[i][li][0], None)
 
         def tile(tiles=tiles):
-            for li in range(LAYERS):
-                for i in range(len(SHAPES)):
+            for li in range(len(ws[0])):
+                for i in range(len(sh)):
                     tiles[i][li]()
 
         runs = [(median_ms(onednn), median_ms(tile)) for _ in range(3)]

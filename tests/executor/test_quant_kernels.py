@@ -680,7 +680,7 @@ def test_bf16_products_only_for_bf16_models():
 
 HAVE_AMX = HAVE_KERNELS and "amx_bf16" in kernels.available_isas()
 needs_amx = pytest.mark.skipif(not HAVE_AMX, reason="this CPU lacks AMX-BF16 (or Linux refused the tiles)")
-AMX_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+AMX_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K)
 
 
 def amx_path():
@@ -692,14 +692,15 @@ def amx_path():
 @pytest.mark.parametrize("qtype", AMX_TYPES, ids=lambda t: t.name)
 def test_amx_tile_products_match_the_bf16_reference(qtype):
     """The AMX tile kernel (csrc/quant_rows16_amx.h) equals x @ W.T with W the dequantized
-    weights rounded to bf16, in float64, up to float32 sums: every row count (1, 3: a short
+    weights (gguf's dequantize) rounded to bf16, in float64, up to float32 sums: every row count (1, 3: a short
     tile; 16, 17: a 16-row block and a tail; 64; 300: 32-row blocks and tails), N of one, two,
     three (an item of one group) and five groups, K of 3 to 48 blocks (the next item's
     dequantization spread over few or many steps); only its own columns written."""
     mod = kernels.load()
     prev = amx_path()
     try:
-        for n, k in ((48, 96), (16, 576), (80, 1536), (32, 160)):
+        super_blocks = gguf.GGML_QUANT_SIZES[qtype][0] == 256
+        for n, k in ((48, 256), (16, 768), (80, 1536)) if super_blocks else ((48, 96), (16, 576), (80, 1536), (32, 160)):
             for m in (1, 3, 16, 17, 64, 300):
                 raw = random_packed(qtype, n, k, seed=m)
                 w = torch.from_numpy(raw)

@@ -235,7 +235,7 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
     not with PAGEDSERVE_CPU_ISA below avx512_bf16, not with PAGEDSERVE_NO_ONEDNN_PACK=1. With
     copies for every row count its greedy tokens are those of the dequantized bf16 model
     (quantization="none": the same bf16 weights on oneDNN), logits within 1% of the largest. On
-    AMX the Q4_1 layers' products below 1,024 rows run on the tiles over their interleaved copies,
+    AMX the Q4_1 layers' products below 160 rows run on the tiles over their interleaved copies,
     with the tokens of the engine that runs them on the bf16 copies."""
     from pagedserve.executor.quant import layers
 
@@ -250,7 +250,7 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
     isa = kernels.set_isa(kernels.available_isas()[-1])  # the best path, whatever PAGEDSERVE_CPU_ISA chose
     try:
         assert copies(torch.bfloat16) == per_model
-        if kernels.amx_rows16(Q.Q4_1):  # AMX: the tiles read the Q4_1 layers' interleaved copies below 1,024 rows
+        if kernels.amx_rows16(Q.Q4_1):  # AMX: the tiles read the Q4_1 layers' interleaved copies below 160 rows
             before = kernels.load().bf16_calls()[3]
             tiles = run(path, None, "bfloat16")
             assert kernels.load().bf16_calls()[3] > before

@@ -199,7 +199,7 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, c
 def gemm_amx_rows16(x: torch.Tensor, w: torch.Tensor, interleaved: torch.Tensor, qtype: int, out: torch.Tensor,
                     col0: int = 0) -> None:
     """out[:, col0:col0+N] (float32) = x (bf16) @ dequant(w).T on the AMX tiles, the weights read
-    from `interleaved` (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q8_0) and rounded to bf16 as
+    from `interleaved` (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q8_0 / Q4_K) and rounded to bf16 as
     they are used (csrc/quant_rows16_amx.h). Needs an AMX path."""
     load().gemm_amx_rows16(x, w, interleaved, int(qtype), out, int(col0))
 
@@ -214,7 +214,7 @@ def set_rows16_bf16(on: bool | None) -> bool:
 
 def amx_rows16(qtype: int) -> bool:
     """Whether a bfloat16 model's products of this type from 9 rows run on the AMX tiles over the
-    row-interleaved copy (csrc/quant_rows16_amx.h: Q4_0 / Q4_1 / Q8_0, weights dequantized to
+    row-interleaved copy (csrc/quant_rows16_amx.h: Q4_0 / Q4_1 / Q8_0 / Q4_K, weights dequantized to
     bf16 as they are used) where the layer keeps one, on the path set now: an AMX path and
     set_amx_rows16 on. 1.1-2x oneDNN on the bf16 copies at 9-1,000 rows (BENCHMARKS section
     65); such layers' bf16 copies serve larger products only (layers.AMX_COPY_MIN_ROWS)."""

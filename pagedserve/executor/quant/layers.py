@@ -273,10 +273,11 @@ BF16_COPY_MIN_ROWS = 6
 # verification of k <= 7 tokens then computes what 1-row steps do.
 ROWS16_COPY_MIN_ROWS = 9
 # A layer whose many-row products run on the AMX tiles over its interleaved copies
-# (`amx_rows16_everywhere`): they beat oneDNN on the bf16 copy 1.1-2x from 9 to ~1,000 rows,
-# and lose from ~1,300 (0.72x at 1,536, 0.69x at 2,048 rows: the activations outgrow L2; AMX
-# Xeon, BENCHMARKS section 65), so the copy serves prefill steps of this many rows and more.
-AMX_COPY_MIN_ROWS = 1024
+# (`amx_rows16_everywhere`): they beat oneDNN on the bf16 copy 1.2-2x from 9 to 64 rows; at 128
+# rows 1.4x on SmolLM2's shapes but only level on a 1 B model's (Q4_K), whose 192-512 rows they
+# run at 0.74-0.79x (SmolLM2's 256-1,024 at 0.97-1.11x, 2,048 at 0.72x; AMX Xeon, BENCHMARKS
+# section 65), so the copy serves the products of this many rows and more.
+AMX_COPY_MIN_ROWS = 160
 
 
 def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None = None) -> int:
@@ -288,7 +289,7 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
     oneDNN's tiles run these products 2-10x faster than any of the packed kernels on AMX
     (BENCHMARKS section 33), its vdpbf16ps products 1.3-1.8x from 16 rows on a Zen 4 (section
     41). Not with `gguf_q8` (act_q8 layers keep its integer numerics). Where the AMX tiles read
-    the layer's row-interleaved copies (`QuantLinear.amx_rows16_everywhere`: Q4_0 / Q4_1 / Q8_0
+    the layer's row-interleaved copies (`QuantLinear.amx_rows16_everywhere`: Q4_0 / Q4_1 / Q8_0 / Q4_K
     layers on AMX) the copy serves AMX_COPY_MIN_ROWS rows and more only. Returns how many layers."""
     if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16) or not kernels.native_bf16_in_use():
         return 0

@@ -244,9 +244,9 @@ ISA_TARGET_END()
 //   avx512_bf16: and the bf16 products of bfloat16 models: many rows (quant_bf16.h), few rows on
 //     the row-interleaved copies (quant_rows16_bf16.h);
 //   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
-//     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q8_0 segments with a row-interleaved
+//     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q8_0 / Q4_K segments with a row-interleaved
 //     copy run from g_rows16_bf16_rows rows on this module's own tile kernel
-//     (quant_rows16_amx.h), their few rows on the copy's float kernel (rows16_bf16); other
+//     (quant_rows16_amx.h), the first three's few rows on the copy's float kernel (rows16_bf16); other
 //     segments' many-row products go to oneDNN from g_amx_onednn_rows rows on (the tiles
 //     again); otherwise the avx512_bf16 kernels. (A QuantLinear's oneDNN-packed bf16 copy, in
 //     Python, takes the largest products before they reach this module.)
@@ -934,10 +934,9 @@ std::vector<int64_t> bf16_calls() { return {g_bf16_calls[0], g_bf16_calls[1], g_
 // speculation 1.51x -> 1.77x; BENCHMARKS section 65), while the bf16 one led on a Zen 4
 // (section 44); the K-quants were not measured there. 0 / 1: set_rows16_bf16 (A/B, tests).
 static int g_rows16_bf16 = -1;
-static bool amx_rows16_type(int64_t type);
 static bool rows16_bf16(int64_t type) {
   if (g_rows16_bf16 >= 0) return g_rows16_bf16 == 1;
-  return !(current_isa() >= ISA_AMX_BF16 && amx_rows16_type(type));
+  return !(current_isa() >= ISA_AMX_BF16 && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0));
 }
 // on: the bf16 kernel for every type; off: the float one; none: the rule. Returns whether
 // Q4_1's products took the bf16 kernel before.
@@ -987,7 +986,9 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
 }
 
 // Types the AMX tile kernel dequantizes from their copies (quant_rows16_amx.h)
-static bool amx_rows16_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+static bool amx_rows16_type(int64_t type) {
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K;
+}
 // Whether a bf16 model's products of this type, g_rows16_bf16_rows rows and more, run on the AMX
 // tile kernel over the type's copy (an AMX path; set_amx_rows16(false): oneDNN's bf16 copies or
 // the vdpbf16ps kernel instead, the A/B of BENCHMARKS section 65)
@@ -1036,7 +1037,7 @@ void gemm_amx_rows16(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(current_isa() >= ISA_AMX_BF16, "the AMX tile products need the amx_bf16 path (or above)");
-  TORCH_CHECK(amx_rows16_type(type), "the AMX tile products take Q4_0 / Q4_1 / Q8_0 copies");
+  TORCH_CHECK(amx_rows16_type(type), "the AMX tile products take Q4_0 / Q4_1 / Q8_0 / Q4_K copies");
   TORCH_CHECK(K % 32 == 0 && rows16_usable(wi, w, type, true), "wi: w's interleave_rows16 copy, K a multiple of 32");
   TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
   if (M == 0 || N == 0) return;

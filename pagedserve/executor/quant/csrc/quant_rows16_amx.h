@@ -1,7 +1,6 @@
 // Many-row products of bfloat16 models on the AMX tiles, the weights dequantized from the
-// row-interleaved copy (quant_rows16_layout.h) as they are used: no bf16 copy of the weights is
-// kept, and each step streams the copy's 4.5 (Q4_0 / Q4_1) or 8.5 (Q8_0) bits a weight from
-// memory instead of 16. Included once by quant_kernels.cpp inside namespace amx_bf16_rows16, in a
+// row-interleaved copy (quant_rows16_layout.h) as they are used: each step streams the copy's
+// 4.5 (Q4_0 / Q4_1 / Q4_K) or 8.5 (Q8_0) bits a weight from memory instead of 16. Included once by quant_kernels.cpp inside namespace amx_bf16_rows16, in a
 // region compiled for AMX-BF16 and AVX512-BF16; run only where the CPU has the tiles and Linux
 // granted them (current_isa() >= ISA_AMX_BF16). No include guard on purpose.
 //
@@ -13,7 +12,7 @@
 // the output's float columns. M % 16 rows run last on tiles configured for that many rows.
 //
 // Numerics: each weight is fma(q, d, m) in float32 (Q4_0: fma(q, d, -8 d), the exact (q - 8) d;
-// Q8_0: q d), rounded once to bf16 (round to nearest even): the bf16 copy's weights
+// Q4_K: fma(q, d sc, -(dmin m)), ggml's d1 q - m1; Q8_0: q d), rounded once to bf16 (round to nearest even): the bf16 copy's weights
 // (QuantLinear.attach_bf16_copy) up to that fma's rounding; products summed in float32 by the
 // tiles (the order of oneDNN's brgemm on the same tiles is its own). A row's result does not
 // depend on the other rows.
@@ -50,13 +49,9 @@ inline __m512i pack_pairs(__m512 lo, __m512 hi, __m512i idx) {
   return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
-// One block of 32 along K of a 16-row group of a Q4_0 / Q4_1 copy -> 16 tile rows at dst
-template <bool MIN>
-inline void deq_q4(const uint8_t* blk, uint16_t* dst, const __m512i ctl[4], __m512i idx) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-  const __m512 m = MIN ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))
-                       : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-  const uint8_t* q = blk + (MIN ? 64 : 32);
+// 32 along K of a 16-row group in Q4_1's chunk layout (q: its 4 chunks of 64 bytes), each
+// weight fma(q, d, m) with the rows' d and m -> 16 tile rows at dst
+inline void deq_chunks(const uint8_t* q, __m512 d, __m512 m, uint16_t* dst, const __m512i ctl[4], __m512i idx) {
   const __m512i low = _mm512_set1_epi32(15);
   for (int c = 0; c < 4; ++c) {
     const __m512i v = _mm512_loadu_si512(q + 64 * c);
@@ -70,6 +65,27 @@ inline void deq_q4(const uint8_t* blk, uint16_t* dst, const __m512i ctl[4], __m5
   }
 }
 
+inline __m512 h16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// One block of 32 along K of a 16-row group of a Q4_0 / Q4_1 copy -> 16 tile rows at dst
+template <bool MIN>
+inline void deq_q4(const uint8_t* blk, uint16_t* dst, const __m512i ctl[4], __m512i idx) {
+  const __m512 d = h16(blk);
+  const __m512 m = MIN ? h16(blk + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+  deq_chunks(blk + (MIN ? 64 : 32), d, m, dst, ctl, idx);
+}
+
+// Sub-block sb (32 along K) of a Q4_K copy's super-block (hdr: its d, dmin, scales, mins):
+// fma(q, d sc, -(dmin m)), ggml's d1 q - m1 exactly (d sc and dmin m are exact in float32)
+inline void deq_q4k(const uint8_t* hdr, int64_t sb, uint16_t* dst, const __m512i ctl[4], __m512i idx) {
+  const __m512 d = _mm512_mul_ps(h16(hdr), u8x16(hdr + 64 + 16 * sb));
+  const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(h16(hdr + 32), u8x16(hdr + 192 + 16 * sb)));
+  deq_chunks(hdr + Q4K_HDR + Q4K_SUB * sb, d, m, dst, ctl, idx);
+}
+
 // The same for a Q8_0 copy (byte [j][r] = row r's quant j)
 inline void deq_q8(const uint8_t* blk, uint16_t* dst, __m512i idx) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
@@ -81,20 +97,24 @@ inline void deq_q8(const uint8_t* blk, uint16_t* dst, __m512i idx) {
   }
 }
 
+// Bytes of a 16-row group's copy of K columns
+inline int64_t group_bytes(int type, int64_t K) { return K / (type == T_Q4_K ? 256 : 32) * rows16_block_bytes(type); }
+
 // The next item's dequantization, done a slice at a time between the current item's tile
 // products (the tiles run beside the vector units: the two overlap where interleaved)
 struct NextItem {
   int type = 0;
   const uint8_t* src = nullptr;  // its first group's copy (a second follows it)
   uint16_t* dst = nullptr;       // its buffer
-  int64_t K = 0, nb = 0, bb = 0, total = 0, done = 0;
+  int64_t K = 0, nb = 0, bb = 0, gb = 0, total = 0, done = 0;  // nb: blocks of 32 a group
   __m512i ctl[4], idx;
 
   void init(int t, int64_t k) {
     type = t;
     K = k;
     nb = K / 32;
-    bb = rows16_block_bytes(t);
+    bb = rows16_block_bytes(t);  // (Q4_K: a super-block's)
+    gb = group_bytes(t, K);
     ctl[0] = pair_ctl(0, 0);
     ctl[1] = pair_ctl(1, 0);
     ctl[2] = pair_ctl(0, 1);
@@ -113,14 +133,16 @@ struct NextItem {
     total = groups * nb;
     done = 0;
   }
-  // blocks 0 .. t - 1 done (group b / nb's block b % nb: the copy's order, so src + b * bb)
+  // blocks of 32 along K 0 .. t - 1 done (group b / nb's block b % nb)
   inline void upto(int64_t t) {
     for (t = std::min(t, total); done < t; ++done) {
-      const uint8_t* blk = src + done * bb;
-      uint16_t* o = dst + (done / nb) * 16 * K + (done % nb) * 512;
-      if (type == T_Q4_1) deq_q4<true>(blk, o, ctl, idx);
-      else if (type == T_Q4_0) deq_q4<false>(blk, o, ctl, idx);
-      else deq_q8(blk, o, idx);
+      const uint8_t* g = src + (done / nb) * gb;
+      const int64_t b = done % nb;
+      uint16_t* o = dst + (done / nb) * 16 * K + b * 512;
+      if (type == T_Q4_1) deq_q4<true>(g + b * bb, o, ctl, idx);
+      else if (type == T_Q4_0) deq_q4<false>(g + b * bb, o, ctl, idx);
+      else if (type == T_Q4_K) deq_q4k(g + (b / 8) * bb, b % 8, o, ctl, idx);
+      else deq_q8(g + b * bb, o, idx);
     }
   }
 };
@@ -221,7 +243,7 @@ inline void rows_block(const uint16_t* X, int64_t M, int64_t K, const uint16_t* 
 // copy's groups g0 .. g1, transposed; items of two groups, each item's weights dequantized
 // during the one before it
 inline void gemm(int type, const uint8_t* W, int64_t K, const uint16_t* X, int64_t M, Out& o, int64_t g0, int64_t g1) {
-  const int64_t gb = (K / 32) * rows16_block_bytes(type);  // a group's bytes
+  const int64_t gb = group_bytes(type, K);
   thread_local std::vector<uint16_t> buf;
   if (static_cast<int64_t>(buf.size()) < 64 * K) buf.resize(64 * K);
   uint16_t* bufs[2] = {buf.data(), buf.data() + 32 * K};
