@@ -273,6 +273,33 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
         kernels.set_isa(isa)
 
 
+HAVE_AMX = HAVE_BF16 and "amx_bf16" in kernels.available_isas()
+
+
+@pytest.mark.skipif(not HAVE_AMX, reason=WHY or "this CPU lacks AMX-BF16 (or Linux refused the tiles)")
+def test_a_q4_k_engine_runs_its_many_rows_on_the_amx_tiles(kquant_checkpoint, tmp_path, monkeypatch):
+    """On an AMX path a bf16 engine of a Q4_K file runs its 9-159-row products on the tile
+    kernel over the row-interleaved copies, with the greedy tokens and logits (within 0.1% of
+    the largest) of the same engine running them on the oneDNN bf16 copies: the same weights."""
+    from pagedserve.executor.quant import layers
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    real = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
+    path = write_gguf(kquant_checkpoint, str(tmp_path / "Q4_K.gguf"), Q.Q4_K)
+    isa = kernels.set_isa(kernels.available_isas()[-1])
+    try:
+        layers_ = quant_layers(resolve_model_path(path), torch.bfloat16)
+        assert sum(m.amx_rows16_everywhere for m in layers_) == 4 * 2  # the head (1,001 rows): no copy
+        before = kernels.load().bf16_calls()[3]
+        tiles = run(path, None, "bfloat16")
+        assert kernels.load().bf16_calls()[3] > before
+        monkeypatch.setattr(layers, "AMX_COPY_MIN_ROWS", 9)
+        assert_same(tiles, run(path, None, "bfloat16"), 1e-3)
+    finally:
+        kernels.set_isa(isa)
+
+
 @needs_native_bf16
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, monkeypatch, qtype):
