@@ -216,8 +216,8 @@ def amx_rows16(qtype: int) -> bool:
     """Whether a bfloat16 model's products of this type from 9 rows run on the AMX tiles over the
     row-interleaved copy (csrc/quant_rows16_amx.h: Q4_0 / Q4_1 / Q8_0 / Q4_K, weights dequantized to
     bf16 as they are used) where the layer keeps one, on the path set now: an AMX path and
-    set_amx_rows16 on. 1.1-2x oneDNN on the bf16 copies at 9-1,000 rows (BENCHMARKS section
-    65); such layers' bf16 copies serve larger products only (layers.AMX_COPY_MIN_ROWS)."""
+    set_amx_rows16 on. 1.2-2x oneDNN on the bf16 copies at 9-64 rows (BENCHMARKS section 65);
+    such layers' bf16 copies serve the products from layers.AMX_COPY_MIN_ROWS rows."""
     return try_load() is not None and bool(load().amx_rows16(int(qtype)))
 
 

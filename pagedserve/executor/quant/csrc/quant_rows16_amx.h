@@ -1,21 +1,23 @@
 // Many-row products of bfloat16 models on the AMX tiles, the weights dequantized from the
 // row-interleaved copy (quant_rows16_layout.h) as they are used: each step streams the copy's
-// 4.5 (Q4_0 / Q4_1 / Q4_K) or 8.5 (Q8_0) bits a weight from memory instead of 16. Included once by quant_kernels.cpp inside namespace amx_bf16_rows16, in a
-// region compiled for AMX-BF16 and AVX512-BF16; run only where the CPU has the tiles and Linux
-// granted them (current_isa() >= ISA_AMX_BF16). No include guard on purpose.
+// 4.5 (Q4_0 / Q4_1 / Q4_K) or 8.5 (Q8_0) bits a weight from memory instead of 16. Included
+// once by quant_kernels.cpp inside namespace amx_bf16_rows16, in a region compiled for AMX-BF16
+// and AVX512-BF16; run only where the CPU has the tiles and Linux granted them (current_isa()
+// >= ISA_AMX_BF16). No include guard on purpose.
 //
 // Work: items of 32 output columns (two 16-row groups of the copy; the last may be one). An
 // item dequantizes its columns' K weights into a thread's buffer, in the layout TDPBF16PS takes
 // as B (per group [K / 2][16 columns][2], pairs of K interleaved: a 32-element block of the copy
 // is one 1 KB tile), then runs every 32 activation rows against it: tiles 0-1 A (rows 0-15,
-// 16-31), 2-3 B (the two groups), 4-7 C (float32 sums over the whole K), stored straight into
-// the output's float columns. M % 16 rows run last on tiles configured for that many rows.
+// 16-31), 2-3 B (the two groups), 4-7 C (float32 sums over the whole K), stored into the
+// output's float columns, or through an L1 scratch rounded to its bf16 ones (Out). M % 16 rows
+// run last on tiles configured for that many rows.
 //
 // Numerics: each weight is fma(q, d, m) in float32 (Q4_0: fma(q, d, -8 d), the exact (q - 8) d;
-// Q4_K: fma(q, d sc, -(dmin m)), ggml's d1 q - m1; Q8_0: q d), rounded once to bf16 (round to nearest even): the bf16 copy's weights
-// (QuantLinear.attach_bf16_copy) up to that fma's rounding; products summed in float32 by the
-// tiles (the order of oneDNN's brgemm on the same tiles is its own). A row's result does not
-// depend on the other rows.
+// Q4_K: fma(q, d sc, -(dmin m)), ggml's d1 q - m1; Q8_0: q d), rounded once to bf16 (round to
+// nearest even): the bf16 copy's weights (QuantLinear.attach_bf16_copy) up to that fma's
+// rounding; products summed in float32 by the tiles (the order of oneDNN's brgemm on the same
+// tiles is its own). A row's result does not depend on the other rows.
 
 struct alignas(64) TileCfg {  // ldtilecfg's 64-byte operand, palette 1
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
