@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
+from pagedserve.bench.timing import sample_times
 from pagedserve.executor import onednn_linear as od
 from pagedserve.executor.ops import moe_gemm
 from pagedserve.executor.quant import formats, kernels
@@ -42,13 +42,7 @@ def random_q4_k(n: int, k: int) -> torch.Tensor:
 
 
 def median_ms(fn, n: int = 7) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    return statistics.median(sample_times(fn, n)) * 1e3
 
 
 def weights(kind: str):
