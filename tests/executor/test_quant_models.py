@@ -63,6 +63,19 @@ def kquant_checkpoint(tmp_path_factory):
     )
 
 
+def write_quant_gguf(qtype, tmp_path, monkeypatch, kquant_dir, checkpoint=None) -> str:
+    """A GGUF of `qtype` in tmp_path: a K-quant from kquant_dir (gguf has no quantizer for them:
+    fake_kquant's random blocks, patched in for this test), any other type from
+    checkpoint("llama")."""
+    if qtype in K_QUANTS:
+        real = gguf.quants.quantize
+        monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
+        hf_dir = kquant_dir
+    else:
+        hf_dir = checkpoint("llama")
+    return write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype)
+
+
 def run(path, quantization, dtype="float32", **runner_kw):
     """Greedy decoding of PROMPTS through the real scheduler and runner: (tokens, logits)."""
     from tests.executor.test_model_parity import drive
@@ -113,15 +126,7 @@ def packed_modules(path, quantization):
 )
 def test_packed_gguf_matches_dequantized(checkpoint, kquant_checkpoint, tmp_path, monkeypatch, qtype):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    if qtype in K_QUANTS:
-        real = gguf.quants.quantize
-        monkeypatch.setattr(
-            gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t)
-        )
-        hf_dir = kquant_checkpoint
-    else:
-        hf_dir = checkpoint("llama")
-    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    path = write_quant_gguf(qtype, tmp_path, monkeypatch, kquant_checkpoint, checkpoint)
     converted = resolve_model_path(path)
     mods = packed_modules(converted, None)
     assert "QuantLinear" in mods and "QuantEmbedding" in mods and "Linear" not in mods
@@ -136,12 +141,7 @@ def test_gguf_q8_activations_close_to_float_activations(checkpoint, kquant_check
     prefill); logits within 5% of the largest logit of the float-activation path
     where the inputs agree, and not equal to it (the option must change the arithmetic)."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    hf_dir = checkpoint("llama")
-    if qtype in K_QUANTS:
-        real = gguf.quants.quantize
-        monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
-        hf_dir = kquant_checkpoint
-    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    path = write_quant_gguf(qtype, tmp_path, monkeypatch, kquant_checkpoint, checkpoint)
     ref, got = run(path, None), run(path, "gguf_q8")
     worst = 0.0
     for (rid, pos), la in ref[1].items():
@@ -284,9 +284,7 @@ def test_a_q4_k_engine_runs_its_many_rows_on_the_amx_tiles(kquant_checkpoint, tm
     from pagedserve.executor.quant import layers
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    real = gguf.quants.quantize
-    monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
-    path = write_gguf(kquant_checkpoint, str(tmp_path / "Q4_K.gguf"), Q.Q4_K)
+    path = write_quant_gguf(Q.Q4_K, tmp_path, monkeypatch, kquant_checkpoint)
     isa = kernels.set_isa(kernels.available_isas()[-1])
     try:
         layers_ = quant_layers(resolve_model_path(path), torch.bfloat16)
@@ -310,9 +308,7 @@ def test_k_quant_copies_where_a_kernel_reads_them(kquant_checkpoint, tmp_path, m
     off (the float kernel), and a float32 engine's those of one without copies (the packed
     blocks), logits within 1% of the largest."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    real = gguf.quants.quantize
-    monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
-    path = write_gguf(kquant_checkpoint, str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    path = write_quant_gguf(qtype, tmp_path, monkeypatch, kquant_checkpoint)
     converted = resolve_model_path(path)
     monkeypatch.setenv("PAGEDSERVE_NO_ONEDNN_PACK", "1")  # few-row products alone, every row count below
 
@@ -352,11 +348,7 @@ def test_avx2_engine_decodes_on_the_copies(checkpoint, kquant_checkpoint, tmp_pa
     tokens of the same engine without copies (the packed rows' kernels), logits within 1% of the
     largest."""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    if qtype in K_QUANTS:
-        real = gguf.quants.quantize
-        monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
-    hf_dir = kquant_checkpoint if qtype in K_QUANTS else checkpoint("llama")
-    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    path = write_quant_gguf(qtype, tmp_path, monkeypatch, kquant_checkpoint, checkpoint)
     isa = kernels.set_isa("avx2")
     six = kernels.set_q6k_six_bits(False)
     try:
@@ -691,11 +683,7 @@ def test_gguf_q8_engine_drops_the_packed_rows_its_copies_replace(checkpoint, kqu
     from pagedserve.executor.quant import layers as qlayers
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    if qtype in K_QUANTS:
-        real = gguf.quants.quantize
-        monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: fake_kquant(a, t) if t in K_QUANTS else real(a, t))
-    hf_dir = kquant_checkpoint if qtype in K_QUANTS else checkpoint("llama")
-    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    path = write_quant_gguf(qtype, tmp_path, monkeypatch, kquant_checkpoint, checkpoint)
     converted = resolve_model_path(path)
     dropped = quant_layers(converted, torch.float32, "gguf_q8")
     got = run(path, "gguf_q8")
