@@ -724,7 +724,7 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
     copies: every segment there (Q4_1 + Q8_0, a float bias): bf16 straight out of the kernel,
     the bias added before rounding, the bits of the float product plus bias rounded once; a
     segment of another type (Q6_K) beside them keeps its own product and the others still take
-    the tiles. Fewer rows, set_amx_rows16(False), a path below AMX, float32 activations: no tile
+    the tiles (up to 16 rows the Q4_1 one the exact kernel, per segment). Fewer rows, set_amx_rows16(False), a path below AMX, float32 activations: no tile
     product."""
     mod = kernels.load()
     k = 512
@@ -753,8 +753,11 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
             y, calls = qlinear(x, 2)
             out, n = by_hand(x, 2)
             assert calls == 2 and y.dtype == torch.bfloat16 and torch.equal(y, (out + bias[:n]).bfloat16())
-            y3, calls = qlinear(x, 3)  # with a Q6_K segment: the float output, the same two tile products
-            assert calls == 2 and torch.equal(y3[:, :80], y)
+            y3, calls = qlinear(x, 3)  # with a Q6_K segment: the float output, products per segment
+            if m > 16:  # the same two tile products
+                assert calls == 2 and torch.equal(y3[:, :80], y)
+            else:  # Q4_1's on the exact kernel (test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles)
+                assert calls == 1 and torch.equal(y3[:, 32:80], y[:, 32:80])
         x8 = torch.randn(8, k).bfloat16()
         assert qlinear(x8, 2)[1] == 0  # few rows: the copies' few-row kernel
         assert qlinear(x8.float(), 2)[1] == 0 and qlinear(torch.randn(20, k), 2)[1] == 0  # a float32 model
@@ -767,6 +770,94 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
         assert not kernels.amx_rows16(int(Q.Q4_1)) and qlinear(torch.randn(20, k).bfloat16(), 2)[1] == 0
         with pytest.raises(RuntimeError, match="amx_bf16 path"):
             kernels.gemm_amx_rows16(x8, ws[0], wis[0], types[0], torch.empty(8, 32))
+    finally:
+        kernels.set_isa(prev)
+
+
+EXACT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", EXACT_TYPES, ids=lambda t: t.name)
+def test_amx_exact_products_match_the_float_reference_row_by_row(qtype):
+    """The exact few-row tile kernel (csrc/quant_rows16_amx_exact.h) equals x @ W.T with W the
+    dequantized weights unrounded (gguf's dequantize), in float64, up to float32 sums (1e-5 of
+    |x| @ |W|: bf16-rounded weights miss it by ~1e-4) for 1 .. 16 rows, N of one, two, three and
+    five groups (a thread's stream crossing groups), K of 1 to 48 blocks; only its own columns
+    written; and each row alone gives the bits it gives among the others (what keeps a k-token
+    verification equal to the 1-row steps)."""
+    mod = kernels.load()
+    prev = amx_path()
+    try:
+        super_blocks = gguf.GGML_QUANT_SIZES[qtype][0] == 256
+        shapes = ((48, 256), (16, 768), (80, 1536)) if super_blocks else ((48, 96), (16, 32), (80, 1536), (32, 160))
+        for n, k in shapes:
+            raw = random_packed(qtype, n, k, seed=n + k)
+            w, wd = torch.from_numpy(raw), torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k)).double()
+            wi = kernels.interleave_rows16(w, int(qtype), k)
+            for m in (1, 2, 3, 7, 16):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).bfloat16()
+                ref, mag = (x.double() @ wd.T).numpy(), (x.double().abs() @ wd.abs().T).numpy()
+                out = torch.full((m, n + 3), 7.0)
+                before = mod.bf16_calls()[4]
+                kernels.gemm_amx_exact(x, w, wi, int(qtype), out, 2)
+                assert mod.bf16_calls()[4] == before + 1
+                got = out[:, 2 : 2 + n]
+                assert np.all(np.abs(got.numpy() - ref) <= 1e-5 * mag + 1e-6), (n, k, m, np.abs(got.numpy() - ref).max())
+                assert torch.all(out[:, :2] == 7.0) and torch.all(out[:, 2 + n :] == 7.0)
+                for r in range(m):
+                    alone = torch.empty(1, n)
+                    kernels.gemm_amx_exact(x[r : r + 1].contiguous(), w, wi, int(qtype), alone)
+                    assert torch.equal(alone[0], got[r]), (n, k, m, r)
+    finally:
+        kernels.set_isa(prev)
+
+
+@needs_amx
+def test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles():
+    """On an AMX path a bf16 layer of Q4 segments (Q4_1 + Q4_K, a float bias) runs 1 .. 16 rows
+    on the exact kernel, bf16 out with the bias added before rounding (the float product plus
+    bias rounded once), and 17 rows on the bf16-rounded tiles; a Q8_0 segment beside them sends
+    a 16-row layer to the tiles, a 3-row one to per-segment products (the Q4_1 one still exact).
+    set_amx_exact_rows(0), a path below AMX, float32 activations: no exact product; more than 16
+    rows by hand: an error."""
+    mod = kernels.load()
+    k = 512
+    raws = [random_packed(Q.Q4_1, 32, k, seed=1), random_packed(Q.Q4_K, 48, k, seed=2), random_packed(Q.Q8_0, 16, k, seed=3)]
+    ws = [torch.from_numpy(r) for r in raws]
+    types = [int(Q.Q4_1), int(Q.Q4_K), int(Q.Q8_0)]
+    wis = [kernels.interleave_rows16(w, t, k) for w, t in zip(ws, types)]
+    bias = torch.randn(96)
+
+    def qlinear(x, n_seg=2):
+        n = [32, 80, 96][n_seg - 1]
+        before = mod.bf16_calls()
+        y = mod.qlinear(x, ws[:n_seg], types[:n_seg], [0, 32, 80][:n_seg], n, bias[:n], False, wis[:n_seg])
+        after = mod.bf16_calls()
+        return y, after[4] - before[4], after[3] - before[3]
+
+    prev = amx_path()
+    try:
+        for m in (1, 5, 16):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+            y, exact, tiles = qlinear(x)
+            out = torch.empty(m, 80)
+            kernels.gemm_amx_exact(x, ws[0], wis[0], types[0], out, 0)
+            kernels.gemm_amx_exact(x, ws[1], wis[1], types[1], out, 32)
+            assert (exact, tiles) == (2, 0) and y.dtype == torch.bfloat16 and torch.equal(y, (out + bias[:80]).bfloat16())
+        assert qlinear(torch.randn(17, k).bfloat16())[1:] == (0, 2)
+        assert qlinear(torch.randn(16, k).bfloat16(), 3)[1:] == (0, 3)  # a Q8_0 segment: the tiles, all three
+        assert qlinear(torch.randn(3, k).bfloat16(), 3)[1:] == (2, 0)  # each Q4 segment exact, Q8_0 its own
+        assert qlinear(torch.randn(3, k), 2)[1:] == (0, 0)  # a float32 model
+        assert kernels.set_amx_exact_rows(0) == 16
+        try:
+            assert qlinear(torch.randn(3, k).bfloat16())[1:] == (0, 0)
+        finally:
+            kernels.set_amx_exact_rows(16)
+        with pytest.raises(RuntimeError, match="1 .. 16 rows"):
+            kernels.gemm_amx_exact(torch.randn(17, k).bfloat16(), ws[0], wis[0], types[0], torch.empty(17, 32))
+        kernels.set_isa("avx512_bf16")
+        assert qlinear(torch.randn(3, k).bfloat16())[1:] == (0, 0)
     finally:
         kernels.set_isa(prev)
 
@@ -1008,7 +1099,8 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
     or with set_rows16_bf16(False) the float kernel on widened activations; a segment
     without a copy the float kernel; float32 activations never the bf16 one; act_q8 (gguf_q8)
     its integer kernels. Below avx512_bf16 (PAGEDSERVE_CPU_ISA=avx512) the float kernel; on
-    the AMX levels too for Q4_1 (the rule), unless set_rows16_bf16(True)."""
+    the AMX levels the exact tiles for Q4_1, and without them (set_amx_exact_rows(0)) the float
+    kernel too (the rule), unless set_rows16_bf16(True)."""
     mod = kernels.load()
     k, m = 576, 5
     raws = [random_packed(Q.Q4_1, 32, k, seed=1), random_packed(Q.Q8_0, 24, k, seed=2)]
@@ -1048,13 +1140,21 @@ def test_bf16_few_rows_take_the_interleaved_copy_on_the_bf16_units():
         kernels.set_rows16_bf16(None)
         with pytest.raises(RuntimeError, match="interleave_rows16"):  # another weight's copy
             kernels.gemm_bf16(x, ws[1], types[1], torch.empty(m, n), 32, interleaved=wis[0])
-        if HAVE_AMX:  # the AMX levels' rule: Q4_1's few rows on the float kernel; forced on, the bf16 one
+        if HAVE_AMX:  # Q4_1's few rows on the exact tiles; without them the AMX levels' rule: the
+            # float kernel; forced on, the bf16 one
             kernels.set_isa(kernels.available_isas()[-1])
+            exact = mod.bf16_calls()[4]
             y, calls = qlinear(x)
-            assert calls == [0, 0, 0] and torch.equal(y, by_hand(False))
-            assert kernels.set_rows16_bf16(True) is False
-            y, calls = qlinear(x)
-            assert calls == [0, 0, 1] and torch.equal(y, by_hand(True))
+            assert calls == [0, 0, 0] and mod.bf16_calls()[4] == exact + 1
+            old_exact = kernels.set_amx_exact_rows(0)
+            try:
+                y, calls = qlinear(x)
+                assert calls == [0, 0, 0] and torch.equal(y, by_hand(False))
+                assert kernels.set_rows16_bf16(True) is False
+                y, calls = qlinear(x)
+                assert calls == [0, 0, 1] and torch.equal(y, by_hand(True))
+            finally:
+                kernels.set_amx_exact_rows(old_exact)
             kernels.set_rows16_bf16(None)
         kernels.set_isa("avx512")
         y, calls = qlinear(x)

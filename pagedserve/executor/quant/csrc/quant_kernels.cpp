@@ -211,6 +211,7 @@ ISA_TARGET_BEGIN("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vnn
 namespace amx_bf16_rows16 {
 using namespace rows16_layout;
 #include "quant_rows16_amx.h"
+#include "quant_rows16_amx_exact.h"  // few rows, exact quants
 }  // namespace amx_bf16_rows16
 ISA_TARGET_END()
 
@@ -244,9 +245,11 @@ ISA_TARGET_END()
 //   avx512_bf16: and the bf16 products of bfloat16 models: many rows (quant_bf16.h), few rows on
 //     the row-interleaved copies (quant_rows16_bf16.h);
 //   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
-//     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q8_0 / Q4_K segments with a row-interleaved
-//     copy run from g_rows16_bf16_rows rows on this module's own tile kernel
-//     (quant_rows16_amx.h), the first three's few rows on the copy's float kernel (rows16_bf16); other
+//     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q4_K segments with a row-interleaved copy
+//     run 1 .. 16 rows on the exact tile kernel (quant_rows16_amx_exact.h, g_amx_exact_rows);
+//     those of Q4_0 / Q4_1 / Q8_0 / Q4_K from g_rows16_bf16_rows rows (past the exact kernel's)
+//     on this module's own tile kernel over bf16-rounded weights (quant_rows16_amx.h), Q8_0's
+//     few rows on the copy's float kernel (rows16_bf16); other
 //     segments' many-row products go to oneDNN from g_amx_onednn_rows rows on (the tiles
 //     again); otherwise the avx512_bf16 kernels. (A QuantLinear's oneDNN-packed bf16 copy, in
 //     Python, takes the largest products before they reach this module.)
@@ -923,9 +926,10 @@ void gemm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out, int
 }
 
 static bool bf16_products() { return QK_X86 && current_isa() >= ISA_AVX512_BF16; }
-// products on the vdpbf16ps kernel / oneDNN / the interleaved copies' bf16 kernel (tests)
-static int64_t g_bf16_calls[4] = {0, 0, 0, 0};
-std::vector<int64_t> bf16_calls() { return {g_bf16_calls[0], g_bf16_calls[1], g_bf16_calls[2], g_bf16_calls[3]}; }
+// products on the vdpbf16ps kernel / oneDNN / the interleaved copies' bf16 kernel / the AMX
+// tiles over the copies / the AMX exact few-row kernel (tests)
+static int64_t g_bf16_calls[5] = {0, 0, 0, 0, 0};
+std::vector<int64_t> bf16_calls() { return std::vector<int64_t>(g_bf16_calls, g_bf16_calls + 5); }
 // Whether a bf16 model's few-row products on segments with an interleaved copy run on the
 // bf16 units (quant_rows16_bf16.h) or widen the activations for the float kernel
 // (quant_rows16.h). -1 (the default): the rule, the bf16 kernel except for Q4_0 / Q4_1 / Q8_0
@@ -998,6 +1002,62 @@ bool set_amx_rows16(bool on) {
   const bool prev = g_amx_rows16;
   g_amx_rows16 = on;
   return prev;
+}
+
+// Few-row products on the tiles with the quants exact (quant_rows16_amx_exact.h): Q4_0 / Q4_1 /
+// Q4_K segments with a copy, 1 .. g_amx_exact_rows rows (at most 16; 0: off), ahead of the
+// float / bf16 few-row kernels and of the bf16-rounded tiles above. Rows 1 .. 16 then compute
+// every row alike, so n-gram verifications of up to 15 guesses give the 1-row steps' tokens.
+static int64_t g_amx_exact_rows = 16;
+static bool amx_exact(int64_t type) {
+  return QK_X86 && g_amx_exact_rows > 0 && current_isa() >= ISA_AMX_BF16 &&
+         (type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K);
+}
+int64_t set_amx_exact_rows(int64_t m) {
+  TORCH_CHECK(m >= 0 && m <= 16, "the exact tile kernel takes 0 (off) .. 16 rows");
+  const int64_t prev = g_amx_exact_rows;
+  g_amx_exact_rows = m;
+  return prev;
+}
+
+// x (bf16 [M, K], M <= 16) @ dequant(the copy wi of N rows).T on the AMX tiles, the quants
+// exact, into float columns f or bf16 ones h (the float bias added first; may be null), row
+// stride ldo
+static void amx_exact_run(const torch::Tensor& x, const torch::Tensor& wi, int64_t type, int64_t N, float* f,
+                          uint16_t* h, const float* bias, int64_t ldo) {
+  ++g_bf16_calls[4];
+#if QK_X86
+  const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int64_t M = x.size(0), K = x.size(1);
+  thread_local std::vector<uint32_t> xp;
+  thread_local std::vector<float> xs;
+  xp.resize(M * K / 2);
+  xs.resize(M * (K / 32));
+  avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data());
+  avx512_bf16::group_sums(X, K, 32, 0, M, xs.data());
+  const amx_bf16_rows16::ExactArgs a{(int)type, K, M, xp.data(), xs.data(), f, h, bias, ldo};
+  const int64_t grain = std::max<int64_t>(1, 4096 / K);  // groups a task (~64 KB of Q4 copy)
+  at::parallel_for(0, N / 16, grain, [&](int64_t g0, int64_t g1) {
+    amx_bf16_rows16::gemm_exact(a, wi.data_ptr<uint8_t>(), g0, g1);
+  });
+#else
+  (void)x, (void)wi, (void)type, (void)N, (void)f, (void)h, (void)bias, (void)ldo;
+#endif
+}
+
+// out[:, col0:col0+N] (float32) = x (bf16 [M, K], M <= 16) @ dequant(w).T on the AMX tiles, the
+// quants exact, read from wi (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q4_K)
+void gemm_amx_exact(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(current_isa() >= ISA_AMX_BF16, "the AMX tile products need the amx_bf16 path (or above)");
+  TORCH_CHECK(type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K, "the exact tile products take Q4_0 / Q4_1 / Q4_K copies");
+  TORCH_CHECK(M <= 16, "the exact tile products take 1 .. 16 rows");
+  TORCH_CHECK(K % 32 == 0 && rows16_usable(wi, w, type, true), "wi: w's interleave_rows16 copy, K a multiple of 32");
+  TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
+  if (M == 0 || N == 0) return;
+  amx_exact_run(x, wi, type, N, out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
 }
 
 // x (bf16 [M, K]) @ dequant(the copy wi of N rows).T on the AMX tiles into float columns f or
@@ -1133,12 +1193,13 @@ static torch::Tensor narrow_bf16(const torch::Tensor& x) {
 }
 
 // Whether a bf16 layer's product runs wholly on the AMX tiles: every segment has its copy and
-// a type they take, no int8 activations, the bias (if any) float32 of N
+// a type they take (takes: amx_rows16 or amx_exact), no int8 activations, the bias (if any) float32 of N
 static bool amx_layer(const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
-                      const std::vector<torch::Tensor>& wis, bool act_q8, const c10::optional<torch::Tensor>& bias, int64_t N) {
+                      const std::vector<torch::Tensor>& wis, bool act_q8, const c10::optional<torch::Tensor>& bias, int64_t N,
+                      bool (*takes)(int64_t)) {
   if (act_q8 || wis.size() != types.size()) return false;
   for (size_t i = 0; i < types.size(); ++i)
-    if (wis[i].numel() == 0 || !amx_rows16(types[i]) || !rows16_usable(wis[i], ws[i], types[i], true)) return false;
+    if (wis[i].numel() == 0 || !takes(types[i]) || !rows16_usable(wis[i], ws[i], types[i], true)) return false;
   return !(bias.has_value() && bias->defined()) ||
          (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N);
 }
@@ -1159,13 +1220,15 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   // an interleaved copy from g_rows16_bf16_rows rows), and fewer on an interleaved copy
   const bool bf16 = x2.scalar_type() == at::kBFloat16 && K % 32 == 0 && bf16_products();
   if (bf16) xb = x2.contiguous();
-  if (bf16 && M >= g_rows16_bf16_rows && amx_layer(ws, types, wis, act_q8, bias, N)) {
+  const bool exact = bf16 && M <= g_amx_exact_rows && amx_layer(ws, types, wis, act_q8, bias, N, amx_exact);
+  if (exact || (bf16 && M >= g_rows16_bf16_rows && amx_layer(ws, types, wis, act_q8, bias, N, amx_rows16))) {
     // every segment on the AMX tiles: bf16 out of the kernel, the bias added before rounding
     torch::Tensor o = at::detail::empty_cpu({M, N}, at::kBFloat16, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
     uint16_t* h = reinterpret_cast<uint16_t*>(o.data_ptr<at::BFloat16>());
     const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
     for (size_t i = 0; i < ws.size(); ++i)
-      amx_rows16_run(xb, wis[i], types[i], ws[i].size(0), nullptr, h + cols[i], b ? b + cols[i] : nullptr, N);
+      (exact ? amx_exact_run : amx_rows16_run)(xb, wis[i], types[i], ws[i].size(0), nullptr, h + cols[i],
+                                               b ? b + cols[i] : nullptr, N);
     auto sizes = x.sizes().vec();
     sizes.back() = N;
     return o.view(sizes);
@@ -1176,6 +1239,10 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
     const int64_t t = types[i];
     const bool rows16 = !wis.empty() && wis[i].numel() > 0;
     const bool int8 = act_q8 && act_q8_rows(t, M);
+    if (bf16 && rows16 && M <= g_amx_exact_rows && !int8 && amx_exact(t)) {
+      gemm_amx_exact(xb, ws[i], wis[i], t, out, cols[i]);
+      continue;
+    }
     if (bf16 && rows16 && M >= g_rows16_bf16_rows && !int8 && amx_rows16(t)) {
       gemm_amx_rows16(xb, ws[i], wis[i], t, out, cols[i]);
       continue;
@@ -1226,6 +1293,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_rows16", &amx_rows16, "whether a bf16 model's many-row products of this type run on the AMX tiles over its copy",
         py::arg("type"));
   m.def("set_amx_rows16", &set_amx_rows16, "the AMX tile products over the copies on (default) or off");
+  m.def("gemm_amx_exact", &gemm_amx_exact, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T, 1-16 rows, on the AMX tiles, exact quants",
+        py::arg("x"), py::arg("w"), py::arg("wi"), py::arg("type"), py::arg("out"), py::arg("col0") = 0);
+  m.def("set_amx_exact_rows", &set_amx_exact_rows, "the exact AMX few-row kernel for 1 .. m rows (0: off); returns the previous m",
+        py::arg("m"));
   m.def("gemm_amx_rows16", &gemm_amx_rows16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the AMX tiles, read from wi",
         py::arg("x"), py::arg("w"), py::arg("wi"), py::arg("type"), py::arg("out"), py::arg("col0") = 0);
   m.def("set_q6k_six_bits", &set_q6k_six_bits, "Q6_K's interleaved copies six bits a quant (AVX512-VBMI; else a byte)");

@@ -1,0 +1,180 @@
+// Few-row products (1 .. 16 rows: decode steps, speculative verifications) of bfloat16 models
+// on the AMX tiles over the row-interleaved copies of Q4_0 / Q4_1 / Q4_K, the quants exact: no
+// weight is rounded. Included by quant_kernels.cpp inside namespace amx_bf16_rows16 after
+// quant_rows16_amx.h (its configure, h16, u8x16, round_bf16), in the AMX-BF16 region; run only
+// where the CPU has the tiles and Linux granted them. No include guard on purpose.
+//
+// Per 16-row group of the copy and block of 32 along K (Q4_K: sub-block), the block's 4 chunks
+// of nibbles become one B tile with a byte unpack each: tile row j holds the 16 rows' pairs
+// (j, j + 16) as the bf16 of 128 + q (0x4300 | q, exact: bf16 steps by 1 from 128 to 256), the
+// copy's chunk order (quant_rows16_layout.h) against pair_activations' A rows. TDPBF16PS sums
+// the block into a C tile of M rows; the C tile is stored to L1 and scaled into per-row vector
+// accumulators. The next block's tile is written while the tiles multiply this one (two A, B
+// and C tiles alternate).
+//
+// Numerics, per output row and block: s = the tile's sum over the block of x[j] (128 + q[j])
+// (products exact, summed in float32 in the tile's order), acc += s d, then acc += c xsum with
+// c = m - (128 + z) d (z: Q4_0's 8; m: Q4_1's min, Q4_K's -dmin m_sb, 0 for Q4_0; d: Q4_K's
+// d sc_sb) and xsum the block's activation sum (float32, element order: group_sums). The
+// quants' offset costs about 4 bits of the block sums' float32 precision (s ~ 18x the sum
+// over q alone), far below the activations' bf16 rounding. A row's result does not depend on
+// the other rows or their number: the tiles compute each row alone, so a k-token verification
+// computes what the 1-row steps compute.
+
+struct ExactArgs {
+  int type;
+  int64_t K, M;
+  const uint32_t* XP;  // [M, K / 2] activation pairs (avx512_bf16_rows16::pair_activations)
+  const float* xsum;   // [M, K / 32] block sums of the activations
+  float* f;            // float output (row stride ldo, offset by the segment's column), or
+  uint16_t* h;         // bf16 output after the bias (float, the segment's columns; may be null)
+  const float* bias;
+  int64_t ldo;
+};
+
+// Block b (32 along K) of a Q4 group's chunks at q -> 16 tile rows at dst: row j = the group's
+// 16 rows' pairs (j, j + 16), each the bf16 of 128 + q
+inline void exact_words(const uint8_t* q, uint16_t* dst) {
+  const __m512i m4 = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x43);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(q + 64 * c);
+    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    _mm512_storeu_si512(dst + 32 * (4 * c + 0), _mm512_unpacklo_epi8(lo, top));
+    _mm512_storeu_si512(dst + 32 * (4 * c + 1), _mm512_unpacklo_epi8(hi, top));
+    _mm512_storeu_si512(dst + 32 * (4 * c + 2), _mm512_unpackhi_epi8(lo, top));
+    _mm512_storeu_si512(dst + 32 * (4 * c + 3), _mm512_unpackhi_epi8(hi, top));
+  }
+}
+
+// Block b of group g in a copy of nb blocks a group: where its chunks lie, and (scales) its
+// 16 rows' d and c (see Numerics)
+template <int TYPE>
+inline const uint8_t* exact_quants(const uint8_t* WI, int64_t g, int64_t nb, int64_t b) {
+  if constexpr (TYPE == T_Q4_K)
+    return WI + (g * (nb / 8) + b / 8) * rows16_block_bytes(T_Q4_K) + Q4K_HDR + Q4K_SUB * (b % 8);
+  return WI + (g * nb + b) * rows16_block_bytes(TYPE) + rows16_scales_bytes(TYPE);
+}
+template <int TYPE>
+inline void exact_scales(const uint8_t* WI, int64_t g, int64_t nb, int64_t b, __m512& d, __m512& c) {
+  if constexpr (TYPE == T_Q4_K) {
+    const uint8_t* hdr = WI + (g * (nb / 8) + b / 8) * rows16_block_bytes(T_Q4_K);
+    const int64_t sb = b % 8;
+    d = _mm512_mul_ps(h16(hdr), u8x16(hdr + 64 + 16 * sb));
+    c = _mm512_fnmadd_ps(h16(hdr + 32), u8x16(hdr + 192 + 16 * sb), _mm512_mul_ps(_mm512_set1_ps(-128.0f), d));
+  } else {
+    const uint8_t* blk = WI + (g * nb + b) * rows16_block_bytes(TYPE);
+    d = h16(blk);
+    c = TYPE == T_Q4_1 ? _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), d, h16(blk + 32))
+                       : _mm512_mul_ps(_mm512_set1_ps(-136.0f), d);
+  }
+}
+
+// Tile buffers in the ring, and how many blocks ahead of the tiles' block its words are
+// written: vector stores and a tileload of their data soon after cost ~85 cycles a block
+// instead of ~32 on a Sapphire Rapids (no forwarding into the tiles), so the words are
+// written well before the tiles read them
+constexpr int64_t EXACT_RING = 8, EXACT_AHEAD = 4;
+
+// Output columns 16 g0 .. 16 g1 of the MT rows: the thread's groups as one stream of blocks
+// (s: the group s / nb's block s % nb). Per step, block s + EXACT_AHEAD's words into the
+// ring; block s on the tiles (two sets, by the step's parity: A 0-1, B 2-3, C 4-5, configured
+// for MT rows); block s - 1's sums, stored the step before, scaled into the accumulators; a
+// group's output after its last block.
+template <int TYPE, int MT>
+inline void exact_groups(const ExactArgs& a, const uint8_t* WI, int64_t g0, int64_t g1, uint16_t* ring, float* cs) {
+  const int64_t nb = a.K / 32, lda = a.K * 2, total = (g1 - g0) * nb;  // lda: A's row stride in bytes
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  // cursors (group, block) of the words, the tiles and the scaling: no division in the loop
+  struct Cursor {
+    int64_t g, b, nb;
+    void next() {
+      if (++b == nb) b = 0, ++g;
+    }
+  } w{g0, 0, nb}, t{g0, 0, nb}, c{g0, 0, nb};
+  auto words = [&](int64_t s) {  // block s's words, from cursor w
+    const uint8_t* q = exact_quants<TYPE>(WI, w.g, nb, w.b);
+    for (int i = -1; i < 4; ++i)  // ~8 blocks further on in the stream, their scales too
+      _mm_prefetch(reinterpret_cast<const char*>(q + 8 * 320 + 64 * i), _MM_HINT_T0);
+    exact_words(q, ring + 512 * (s % EXACT_RING));
+    w.next();
+  };
+  auto scale = [&](int64_t s) {  // block s's sums (stored in cs by parity) into acc; a group's end
+    const float* cp = cs + 256 * (s & 1);
+    __m512 d, k;
+    exact_scales<TYPE>(WI, c.g, nb, c.b, d, k);
+    for (int r = 0; r < MT; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cp + 16 * r), d, acc[r]);
+      acc[r] = _mm512_fmadd_ps(k, _mm512_set1_ps(a.xsum[r * nb + c.b]), acc[r]);
+    }
+    if (c.b == nb - 1) {
+      for (int r = 0; r < MT; ++r) {
+        if (a.f) {
+          _mm512_storeu_ps(a.f + r * a.ldo + 16 * c.g, acc[r]);
+        } else {
+          const __m512 v = a.bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(a.bias + 16 * c.g)) : acc[r];
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.h + r * a.ldo + 16 * c.g), round_bf16(v));
+        }
+        acc[r] = _mm512_setzero_ps();
+      }
+    }
+    c.next();
+  };
+  // block s on tile set 0 or 1 (the tile macros take literal numbers)
+#define PS_EXACT_TILES(A, B, C)                       \
+  _tile_loadd(B, ring + 512 * (s % EXACT_RING), 64);  \
+  _tile_loadd(A, a.XP + t.b * 16, lda);               \
+  _tile_zero(C);                                      \
+  _tile_dpbf16ps(C, A, B);                            \
+  _tile_stored(C, cs + 256 * (s & 1), 64);            \
+  t.next();
+  for (int64_t s = 0; s < std::min(EXACT_AHEAD, total); ++s) words(s);
+  for (int64_t s = 0; s < total; ++s) {
+    if (s + EXACT_AHEAD < total) words(s + EXACT_AHEAD);
+    if (s & 1) {
+      PS_EXACT_TILES(1, 3, 5)
+    } else {
+      PS_EXACT_TILES(0, 2, 4)
+    }
+    if (s > 0) scale(s - 1);
+  }
+  scale(total - 1);
+#undef PS_EXACT_TILES
+}
+
+// Output columns 16 g0 .. 16 g1 of all a.M (1 .. 16) rows, on this thread's tiles
+inline void gemm_exact(const ExactArgs& a, const uint8_t* WI, int64_t g0, int64_t g1) {
+  alignas(64) uint16_t ring[512 * EXACT_RING];
+  alignas(64) float cs[512];
+  if (g1 <= g0) return;
+  configure(a.M);
+  auto run = [&](auto T, auto MT) {
+    exact_groups<decltype(T)::value, decltype(MT)::value>(a, WI, g0, g1, ring, cs);
+  };
+  auto rows = [&](auto T) {
+    using std::integral_constant;
+    switch (a.M) {
+      case 1: return run(T, integral_constant<int, 1>{});
+      case 2: return run(T, integral_constant<int, 2>{});
+      case 3: return run(T, integral_constant<int, 3>{});
+      case 4: return run(T, integral_constant<int, 4>{});
+      case 5: return run(T, integral_constant<int, 5>{});
+      case 6: return run(T, integral_constant<int, 6>{});
+      case 7: return run(T, integral_constant<int, 7>{});
+      case 8: return run(T, integral_constant<int, 8>{});
+      case 9: return run(T, integral_constant<int, 9>{});
+      case 10: return run(T, integral_constant<int, 10>{});
+      case 11: return run(T, integral_constant<int, 11>{});
+      case 12: return run(T, integral_constant<int, 12>{});
+      case 13: return run(T, integral_constant<int, 13>{});
+      case 14: return run(T, integral_constant<int, 14>{});
+      case 15: return run(T, integral_constant<int, 15>{});
+      default: return run(T, integral_constant<int, 16>{});
+    }
+  };
+  using std::integral_constant;
+  if (a.type == T_Q4_1) rows(integral_constant<int, T_Q4_1>{});
+  else if (a.type == T_Q4_0) rows(integral_constant<int, T_Q4_0>{});
+  else rows(integral_constant<int, T_Q4_K>{});
+  _tile_release();
+}
