@@ -34,7 +34,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--amx-exact-rows", type=int, default=None,
+                    help="set_amx_exact_rows first (0: the exact AMX few-row kernel off; section 66)")
     a = ap.parse_args()
+    if a.amx_exact_rows is not None:
+        from pagedserve.executor.quant import kernels
+
+        kernels.set_amx_exact_rows(a.amx_exact_rows)
     path = resolve_model_path(a.model)
     runner = ModelRunner(path, ModelConfig.from_hf_dict(load_hf_config_dict(path)), dtype=a.dtype, device="cpu")
     block = 16
