@@ -683,6 +683,14 @@ needs_amx = pytest.mark.skipif(not HAVE_AMX, reason="this CPU lacks AMX-BF16 (or
 AMX_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K)
 
 
+def layer_segments(k: int, *segments):
+    """A layer's segments of (type, rows), random blocks over K = k: (weights, type codes, their
+    interleave_rows16 copies), as qlinear takes them."""
+    ws = [torch.from_numpy(random_packed(t, n, k, seed=i + 1)) for i, (t, n) in enumerate(segments)]
+    types = [int(t) for t, _ in segments]
+    return ws, types, [kernels.interleave_rows16(w, t, k) for w, t in zip(ws, types)]
+
+
 def amx_path():
     """The best AMX path whatever PAGEDSERVE_CPU_ISA chose (restore with kernels.set_isa)."""
     return kernels.set_isa(kernels.available_isas()[-1])
@@ -728,10 +736,7 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
     product."""
     mod = kernels.load()
     k = 512
-    raws = [random_packed(Q.Q4_1, 32, k, seed=1), random_packed(Q.Q8_0, 48, k, seed=2), random_packed(Q.Q6_K, 16, k, seed=3)]
-    ws = [torch.from_numpy(r) for r in raws]
-    types = [int(Q.Q4_1), int(Q.Q8_0), int(Q.Q6_K)]
-    wis = [kernels.interleave_rows16(w, t, k) for w, t in zip(ws, types)]
+    ws, types, wis = layer_segments(k, (Q.Q4_1, 32), (Q.Q8_0, 48), (Q.Q6_K, 16))
     bias = torch.randn(96)
 
     def qlinear(x, n_seg):
@@ -823,10 +828,7 @@ def test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles():
     rows by hand: an error."""
     mod = kernels.load()
     k = 512
-    raws = [random_packed(Q.Q4_1, 32, k, seed=1), random_packed(Q.Q4_K, 48, k, seed=2), random_packed(Q.Q8_0, 16, k, seed=3)]
-    ws = [torch.from_numpy(r) for r in raws]
-    types = [int(Q.Q4_1), int(Q.Q4_K), int(Q.Q8_0)]
-    wis = [kernels.interleave_rows16(w, t, k) for w, t in zip(ws, types)]
+    ws, types, wis = layer_segments(k, (Q.Q4_1, 32), (Q.Q4_K, 48), (Q.Q8_0, 16))
     bias = torch.randn(96)
 
     def qlinear(x, n_seg=2):

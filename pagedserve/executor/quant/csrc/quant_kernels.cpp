@@ -1004,6 +1004,19 @@ bool set_amx_rows16(bool on) {
   return prev;
 }
 
+// The checks of both tile entry points below (gemm_amx_exact, gemm_amx_rows16): x bf16 [M, K],
+// out float32 [M, >= col0 + N], the amx_bf16 path, wi w's copy; false: nothing to compute
+static bool check_amx_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& wi, int64_t type,
+                              const torch::Tensor& out, int64_t col0) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(current_isa() >= ISA_AMX_BF16, "the AMX tile products need the amx_bf16 path (or above)");
+  TORCH_CHECK(K % 32 == 0 && rows16_usable(wi, w, type, true), "wi: w's interleave_rows16 copy, K a multiple of 32");
+  TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
+  return M > 0 && N > 0;
+}
+
 // Few-row products on the tiles with the quants exact (quant_rows16_amx_exact.h): Q4_0 / Q4_1 /
 // Q4_K segments with a copy, 1 .. g_amx_exact_rows rows (at most 16; 0: off), ahead of the
 // float / bf16 few-row kernels and of the bf16-rounded tiles above. Rows 1 .. 16 then compute
@@ -1048,16 +1061,10 @@ static void amx_exact_run(const torch::Tensor& x, const torch::Tensor& wi, int64
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K], M <= 16) @ dequant(w).T on the AMX tiles, the
 // quants exact, read from wi (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q4_K)
 void gemm_amx_exact(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(current_isa() >= ISA_AMX_BF16, "the AMX tile products need the amx_bf16 path (or above)");
   TORCH_CHECK(type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K, "the exact tile products take Q4_0 / Q4_1 / Q4_K copies");
-  TORCH_CHECK(M <= 16, "the exact tile products take 1 .. 16 rows");
-  TORCH_CHECK(K % 32 == 0 && rows16_usable(wi, w, type, true), "wi: w's interleave_rows16 copy, K a multiple of 32");
-  TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
-  if (M == 0 || N == 0) return;
-  amx_exact_run(x, wi, type, N, out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
+  TORCH_CHECK(x.dim() != 2 || x.size(0) <= 16, "the exact tile products take 1 .. 16 rows");
+  if (check_amx_product(x, w, wi, type, out, col0))
+    amx_exact_run(x, wi, type, w.size(0), out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
 }
 
 // x (bf16 [M, K]) @ dequant(the copy wi of N rows).T on the AMX tiles into float columns f or
@@ -1093,15 +1100,9 @@ static void amx_rows16_run(const torch::Tensor& x, const torch::Tensor& wi, int6
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K]) @ dequant(w).T on the AMX tiles, the weights
 // read from wi (w's interleave_rows16 copy) and rounded to bf16 as they are used
 void gemm_amx_rows16(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(current_isa() >= ISA_AMX_BF16, "the AMX tile products need the amx_bf16 path (or above)");
   TORCH_CHECK(amx_rows16_type(type), "the AMX tile products take Q4_0 / Q4_1 / Q8_0 / Q4_K copies");
-  TORCH_CHECK(K % 32 == 0 && rows16_usable(wi, w, type, true), "wi: w's interleave_rows16 copy, K a multiple of 32");
-  TORCH_CHECK(out.size(0) == M && col0 >= 0 && col0 + N <= out.size(1), "out shape");
-  if (M == 0 || N == 0) return;
-  amx_rows16_run(x, wi, type, N, out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
+  if (check_amx_product(x, w, wi, type, out, col0))
+    amx_rows16_run(x, wi, type, w.size(0), out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
 }
 
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K], K a multiple of 32) @ dequant(w).T on the
@@ -1220,7 +1221,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   // an interleaved copy from g_rows16_bf16_rows rows), and fewer on an interleaved copy
   const bool bf16 = x2.scalar_type() == at::kBFloat16 && K % 32 == 0 && bf16_products();
   if (bf16) xb = x2.contiguous();
-  const bool exact = bf16 && M <= g_amx_exact_rows && amx_layer(ws, types, wis, act_q8, bias, N, amx_exact);
+  const bool exact = bf16 && M > 0 && M <= g_amx_exact_rows && amx_layer(ws, types, wis, act_q8, bias, N, amx_exact);
   if (exact || (bf16 && M >= g_rows16_bf16_rows && amx_layer(ws, types, wis, act_q8, bias, N, amx_rows16))) {
     // every segment on the AMX tiles: bf16 out of the kernel, the bias added before rounding
     torch::Tensor o = at::detail::empty_cpu({M, N}, at::kBFloat16, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
