@@ -9,8 +9,8 @@
 // (j, j + 16) as the bf16 of 128 + q (0x4300 | q, exact: bf16 steps by 1 from 128 to 256), the
 // copy's chunk order (quant_rows16_layout.h) against pair_activations' A rows. TDPBF16PS sums
 // the block into a C tile of M rows; the C tile is stored to L1 and scaled into per-row vector
-// accumulators. The next block's tile is written while the tiles multiply this one (two A, B
-// and C tiles alternate).
+// accumulators. A thread's groups run as one stream of blocks whose tiles are written
+// EXACT_AHEAD blocks before the tiles read them (a ring; two A, B and C tiles alternate).
 //
 // Numerics, per output row and block: s = the tile's sum over the block of x[j] (128 + q[j])
 // (products exact, summed in float32 in the tile's order), acc += s d, then acc += c xsum with
