@@ -1022,9 +1022,9 @@ static bool check_amx_product(const torch::Tensor& x, const torch::Tensor& w, co
 // float / bf16 few-row kernels and of the bf16-rounded tiles above. Rows 1 .. 16 then compute
 // every row alike, so n-gram verifications of up to 15 guesses give the 1-row steps' tokens.
 static int64_t g_amx_exact_rows = 16;
+static bool amx_exact_type(int64_t type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K; }
 static bool amx_exact(int64_t type) {
-  return QK_X86 && g_amx_exact_rows > 0 && current_isa() >= ISA_AMX_BF16 &&
-         (type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K);
+  return QK_X86 && g_amx_exact_rows > 0 && current_isa() >= ISA_AMX_BF16 && amx_exact_type(type);
 }
 int64_t set_amx_exact_rows(int64_t m) {
   TORCH_CHECK(m >= 0 && m <= 16, "the exact tile kernel takes 0 (off) .. 16 rows");
@@ -1061,7 +1061,7 @@ static void amx_exact_run(const torch::Tensor& x, const torch::Tensor& wi, int64
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K], M <= 16) @ dequant(w).T on the AMX tiles, the
 // quants exact, read from wi (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q4_K)
 void gemm_amx_exact(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
-  TORCH_CHECK(type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K, "the exact tile products take Q4_0 / Q4_1 / Q4_K copies");
+  TORCH_CHECK(amx_exact_type(type), "the exact tile products take Q4_0 / Q4_1 / Q4_K copies");
   TORCH_CHECK(x.dim() != 2 || x.size(0) <= 16, "the exact tile products take 1 .. 16 rows");
   if (check_amx_product(x, w, wi, type, out, col0))
     amx_exact_run(x, wi, type, w.size(0), out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
@@ -1311,7 +1311,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type"), py::arg("m"));
   m.def("rows16_q8_type", &rows16_q8_type, "whether act_q8's few-row products of this type read its copy (ISA now)");
   m.def("rows16_q8_every_row", &rows16_q8_every_row, "whether act_q8 runs every product of this type on its copy (ISA now)");
-  m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN, interleaved copies]");
+  m.def("bf16_calls", &bf16_calls, "bf16 products so far: [vdpbf16ps kernel, oneDNN, interleaved copies' bf16 kernel, AMX tiles over the copies, AMX exact few-row kernel]");
   m.def("set_bf16_onednn_rows", &set_bf16_onednn_rows, py::arg("m"), py::arg("amx") = false);
   m.def("set_isa", &set_isa);
   m.def("request_amx_permission", &request_amx_permission,

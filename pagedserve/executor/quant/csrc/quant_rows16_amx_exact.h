@@ -46,23 +46,26 @@ inline void exact_words(const uint8_t* q, uint16_t* dst) {
   }
 }
 
-// Block b of group g in a copy of nb blocks a group: where its chunks lie, and (scales) its
-// 16 rows' d and c (see Numerics)
+// Block b of group g in a copy of nb blocks a group: where its bytes start (Q4_K: its
+// super-block's header), its chunks, and (scales) its 16 rows' d and c (see Numerics)
+template <int TYPE>
+inline const uint8_t* exact_block(const uint8_t* WI, int64_t g, int64_t nb, int64_t b) {
+  if constexpr (TYPE == T_Q4_K) return WI + (g * (nb / 8) + b / 8) * rows16_block_bytes(T_Q4_K);
+  return WI + (g * nb + b) * rows16_block_bytes(TYPE);
+}
 template <int TYPE>
 inline const uint8_t* exact_quants(const uint8_t* WI, int64_t g, int64_t nb, int64_t b) {
-  if constexpr (TYPE == T_Q4_K)
-    return WI + (g * (nb / 8) + b / 8) * rows16_block_bytes(T_Q4_K) + Q4K_HDR + Q4K_SUB * (b % 8);
-  return WI + (g * nb + b) * rows16_block_bytes(TYPE) + rows16_scales_bytes(TYPE);
+  if constexpr (TYPE == T_Q4_K) return exact_block<TYPE>(WI, g, nb, b) + Q4K_HDR + Q4K_SUB * (b % 8);
+  return exact_block<TYPE>(WI, g, nb, b) + rows16_scales_bytes(TYPE);
 }
 template <int TYPE>
 inline void exact_scales(const uint8_t* WI, int64_t g, int64_t nb, int64_t b, __m512& d, __m512& c) {
+  const uint8_t* blk = exact_block<TYPE>(WI, g, nb, b);
   if constexpr (TYPE == T_Q4_K) {
-    const uint8_t* hdr = WI + (g * (nb / 8) + b / 8) * rows16_block_bytes(T_Q4_K);
     const int64_t sb = b % 8;
-    d = _mm512_mul_ps(h16(hdr), u8x16(hdr + 64 + 16 * sb));
-    c = _mm512_fnmadd_ps(h16(hdr + 32), u8x16(hdr + 192 + 16 * sb), _mm512_mul_ps(_mm512_set1_ps(-128.0f), d));
+    d = _mm512_mul_ps(h16(blk), u8x16(blk + 64 + 16 * sb));
+    c = _mm512_fnmadd_ps(h16(blk + 32), u8x16(blk + 192 + 16 * sb), _mm512_mul_ps(_mm512_set1_ps(-128.0f), d));
   } else {
-    const uint8_t* blk = WI + (g * nb + b) * rows16_block_bytes(TYPE);
     d = h16(blk);
     c = TYPE == T_Q4_1 ? _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), d, h16(blk + 32))
                        : _mm512_mul_ps(_mm512_set1_ps(-136.0f), d);
