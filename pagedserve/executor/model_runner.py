@@ -75,7 +75,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             host_memory.keep_freed_memory()
         self.model = build_model(
-            model_path, model_config, self.dtype, self.device, self.backend, load_format, quantization, weight_copies
+            model_path, model_config, self.dtype, self.device, self.backend, load_format, quantization, weight_copies,
+            silu_halves=lora is None or not lora.enable_lora,  # LoRA adds to the whole gate_up output
         )
         if self.device.type == "cpu":
             host_memory.release_free_memory()  # loading's temporaries, kept by the settings above

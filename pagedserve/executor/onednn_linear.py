@@ -30,6 +30,7 @@ from torch import nn
 from pagedserve import envs
 
 MIN_ELEMENTS = 1 << 18  # N * K; e.g. 512 x 512
+SPLIT_GATE_UP = True  # gate_up layers marked `act_halves` keep their weight as halves (packed_silu_mul)
 TILE_MAX_ROWS = 1023  # rows a product with a tile copy runs on it (layers.AMX_COPY_MIN_ROWS's bound)
 _OFFSETS: dict[int, torch.Tensor] = {}  # rows -> the one group's offsets [0, rows] (experts_mm's argument)
 
@@ -79,6 +80,38 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
+def packed_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ W_gate.T) * (x @ W_up.T) for x [..., K] in two pre-packed products (a dense
+    MLP's gate_up halves, `split_gate_up`): the gate's with oneDNN's swish post-op (SiLU of the
+    float32 sums, rounded once to the dtype), the up's with a binary `mul` post-op by that
+    result. The [.., 2I] gate_up output and the separate SiLU pass over it (12.6 MB written and
+    read back a layer at 2,048 rows of SmolLM2) are gone; the sums are rounded twice instead of
+    four times (unfused: gate, SiLU, up, product). Rows padded to `rows_bucket` as in
+    `packed_linear`."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    mp = rows_bucket(m)
+    if mp != m:
+        x2 = F.pad(x2, (0, 0, 0, mp - m))
+    g = torch.ops.mkldnn._linear_pointwise(x2, gate, None, "swish", [], "")
+    y = torch.ops.mkldnn._linear_pointwise.binary(x2, g, up, None, "mul")
+    if mp != m:
+        y = y[:m]
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+def split_gate_up(w: torch.Tensor, rows_hint: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gate_up weight [2I, K] (gate rows, then up rows) -> the halves' packed weights."""
+    half = w.shape[0] // 2
+    return pack_weight(w[:half], rows_hint), pack_weight(w[half:], rows_hint)
+
+
+def halves_linear(x: torch.Tensor, halves: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x @ [W_gate; W_up].T from the split packed halves: the plain gate_up product, for a
+    caller other than the fused MLP (one more pass over the output than a single product)."""
+    return torch.cat([packed_linear(x, h, None) for h in halves], dim=-1)
+
+
 def bucket_sizes(lo: int, hi: int) -> list[int]:
     """The row counts products of lo..hi rows run at (rows_bucket's values), ascending."""
     return sorted({rows_bucket(m) for m in range(max(1, lo), hi + 1)})
@@ -113,23 +146,42 @@ def warm_up(model: nn.Module, max_rows: int, head_rows: int) -> int:
                 for m in reversed(bucket_sizes(lo, hi)):
                     packed_linear(torch.zeros(m, packed.shape[1], dtype=packed.dtype), packed, bias)
                     n += 1
+        halves, lo = getattr(mod, "silu_halves", None), getattr(mod, "silu_halves_min_rows", 1)
+        if halves is not None and ("silu", tuple(halves[0].shape), lo) not in seen:  # packed_silu_mul's primitives
+            seen.add(("silu", tuple(halves[0].shape), lo))
+            with torch.inference_mode():
+                for m in reversed(bucket_sizes(lo, max_rows)):
+                    packed_silu_mul(torch.zeros(m, halves[0].shape[1], dtype=halves[0].dtype), *halves)
+                    n += 2
     return n
 
 
 class OneDNNLinear(nn.Linear):
     """An nn.Linear whose forward runs on the pre-packed weight (`packed`, set by `pack`)."""
 
-    packed: torch.Tensor
+    packed: torch.Tensor | None
     tiles: torch.Tensor | None = None  # the AMX tile kernel's copy (moe_gemm.pack), or None
+    # a dense MLP's gate_up (`act_halves` set by the model, models/llama.py's MLP.mark_silu_halves)
+    # with a tile copy (AMX, bf16, no bias): its oneDNN weight as the gate and up halves
+    # (`split_gate_up`), `packed` None; the MLP runs them fused (`silu_mul`) from TILE_MAX_ROWS + 1 rows
+    act_halves: bool = False
+    silu_halves: tuple[torch.Tensor, torch.Tensor] | None = None
+    silu_halves_min_rows: int = TILE_MAX_ROWS + 1
 
     def pack(self, keep_weight: bool, budget=None) -> None:
-        """oneDNN's packed weight; beside it the tile copy where `tile_copy_fits` (budget:
-        a quant.copy_budget.CopyBudget, None: no tile copy)."""
-        self.packed = pack_weight(self.weight)
+        """oneDNN's packed weight (or its gate and up halves, see `act_halves`); beside it the
+        tile copy where `tile_copy_fits` (budget: a quant.copy_budget.CopyBudget, None: no tile
+        copy)."""
+        w = self.weight.detach()
         if budget is not None and self.tile_copy_fits(budget):
             from pagedserve.executor.ops import moe_gemm
 
-            self.tiles = moe_gemm.pack(self.weight.detach()[None], moe_gemm.AMX_BLOCK_N)
+            self.tiles = moe_gemm.pack(w[None], moe_gemm.AMX_BLOCK_N)
+        if SPLIT_GATE_UP and self.act_halves and self.tiles is not None and self.bias is None:
+            self.packed, self.silu_halves = None, split_gate_up(w)
+            self.silu_halves_min_rows = TILE_MAX_ROWS + 1  # the rows oneDNN serves (fewer: the tiles)
+        else:
+            self.packed = pack_weight(w)
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
@@ -145,15 +197,30 @@ class OneDNNLinear(nn.Linear):
         )
 
     def packed_products(self) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+        if self.packed is None:
+            return []  # the halves: warm_up runs them fused
         return [(self.packed, self.bias, 1 if self.tiles is None else TILE_MAX_ROWS + 1)]
 
+    def _oned(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.packed, self.bias) if self.packed is not None else halves_linear(x, self.silu_halves)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this gate_up layer's product with x, fused (`packed_silu_mul`)
+        where the product runs on oneDNN's halves; None where it does not (the caller then
+        takes `forward` and the activation)."""
+        halves = self.silu_halves
+        if halves is None or x.dtype != halves[0].dtype or x.numel() < self.silu_halves_min_rows * self.in_features:
+            return None
+        return packed_silu_mul(x, *halves)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.packed.dtype:  # e.g. float32 activations into a bf16 layer
-            return packed_linear(x.to(self.packed.dtype), self.packed, self.bias).to(x.dtype)
+        dtype = self.packed.dtype if self.packed is not None else self.silu_halves[0].dtype
+        if x.dtype != dtype:  # e.g. float32 activations into a bf16 layer
+            return self._oned(x.to(dtype)).to(x.dtype)
         tiles = self.tiles
         if tiles is not None and x.numel() <= TILE_MAX_ROWS * self.in_features:
             return _tile_linear(x, tiles, self.out_features)
-        return packed_linear(x, self.packed, self.bias)
+        return self._oned(x)
 
 
 def _tile_linear(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:

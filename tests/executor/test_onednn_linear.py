@@ -169,3 +169,64 @@ def test_amx_tile_copies_serve_products_up_to_their_bound():
     assert od.pack_linears(m2, Budget(1 << 30)) == 1 and m2[0].tiles is not None
     x = torch.randn(7, 512).bfloat16()
     torch.testing.assert_close(m.proj2(x), F.linear(x, w2))
+
+
+@pytest.mark.skipif(torch.bfloat16 not in DTYPES, reason="oneDNN does not pack bfloat16 here")
+@pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.parametrize("inter,k", [(96, 64), (520, 200)])
+def test_fused_silu_mul_on_the_halves(rows, inter, k):
+    """packed_silu_mul: silu(x Wg^T) * (x Wu^T) from the split halves of a gate_up weight, SiLU
+    on the float32 sums (oneDNN's swish post-op) and the product in the up GEMM's binary
+    post-op: within bf16's rounding of the float64 result, no further from it than the
+    unfused path (gate_up product, rounded; SiLU, rounded; product, rounded) on average over
+    the output, the halves' plain product equal to the whole weight's."""
+    torch.manual_seed(rows + inter)
+    w = (torch.randn(2 * inter, k) / k**0.5).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
+    halves = od.split_gate_up(w)
+    fused = od.packed_silu_mul(x, *halves)
+    gu = od.packed_linear(x, od.pack_weight(w), None)
+    torch.testing.assert_close(od.halves_linear(x, halves), gu)
+    unfused = (F.silu(gu[:, :inter]) * gu[:, inter:]).bfloat16()
+    g, u = (x.double() @ w.double().T).split(inter, dim=-1)
+    ref = F.silu(g) * u
+    err = (fused.double() - ref).abs()
+    assert fused.shape == (rows, inter) and fused.dtype == torch.bfloat16
+    assert err.max().item() <= 2**-7 * ref.abs().max().item()
+    assert err.mean().item() <= (unfused.double() - ref).abs().mean().item()
+
+
+class GateUpMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(512, 1024, bias=False)
+
+
+@pytest.mark.skipif(not _amx_tiles(), reason="no AMX tile kernel here (AMX-BF16 CPU, Linux granting the tiles, an AMX path)")
+def test_a_marked_gate_up_layer_keeps_halves_past_its_tile_rows(monkeypatch):
+    """A gate_up layer marked act_halves with a tile copy keeps its oneDNN weight as halves:
+    silu_mul serves products past the tiles' rows (None below, where the tiles run the whole
+    gate_up), forward is the plain product on either; warm_up builds the fused primitives.
+    With SPLIT_GATE_UP off it keeps the one packed weight."""
+    torch.manual_seed(1)
+    m = GateUpMLP().bfloat16()
+    w = m.gate_up_proj.weight.detach().clone()
+    m.gate_up_proj.act_halves = True
+    assert od.pack_linears(m, Budget(1 << 30)) == 1
+    lin = m.gate_up_proj
+    assert lin.packed is None and lin.silu_halves is not None and lin.tiles is not None
+    small, big = torch.randn(9, 512).bfloat16(), torch.randn(od.TILE_MAX_ROWS + 5, 512).bfloat16()
+    assert lin.silu_mul(small) is None
+    torch.testing.assert_close(lin.silu_mul(big), od.packed_silu_mul(big, *lin.silu_halves))
+    for x in (small, big):
+        torch.testing.assert_close(lin(x), F.linear(x, w))
+    calls = []
+    real = od.packed_silu_mul
+    monkeypatch.setattr(od, "packed_silu_mul", lambda x, g, u: calls.append(x.shape[0]) or real(x, g, u))
+    od.warm_up(m, od.TILE_MAX_ROWS + 40, 1)
+    assert calls == od.bucket_sizes(od.TILE_MAX_ROWS + 1, od.TILE_MAX_ROWS + 40)[::-1]
+    monkeypatch.setattr(od, "SPLIT_GATE_UP", False)
+    m2 = GateUpMLP().bfloat16()
+    m2.gate_up_proj.act_halves = True
+    od.pack_linears(m2, Budget(1 << 30))
+    assert m2.gate_up_proj.packed is not None and m2.gate_up_proj.silu_halves is None

@@ -237,9 +237,11 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
     (quantization="none": the same bf16 weights on oneDNN), logits within 1% of the largest. On
     AMX the Q4_1 layers' products below 160 rows run on the tiles over their interleaved copies,
     with the tokens of the engine that runs them on the bf16 copies."""
+    from pagedserve.executor import onednn_linear
     from pagedserve.executor.quant import layers
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(onednn_linear, "SPLIT_GATE_UP", False)  # the unfused MLP on both (its rounding)
     path = write_gguf(checkpoint("llama"), str(tmp_path / "q4_1.gguf"), Q.Q4_1)
     converted = resolve_model_path(path)
 
@@ -281,9 +283,11 @@ def test_a_q4_k_engine_runs_its_many_rows_on_the_amx_tiles(kquant_checkpoint, tm
     """On an AMX path a bf16 engine of a Q4_K file runs its 9-159-row products on the tile
     kernel over the row-interleaved copies, with the greedy tokens and logits (within 0.1% of
     the largest) of the same engine running them on the oneDNN bf16 copies: the same weights."""
+    from pagedserve.executor import onednn_linear
     from pagedserve.executor.quant import layers
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(onednn_linear, "SPLIT_GATE_UP", False)  # the unfused MLP on both (its rounding)
     path = write_quant_gguf(Q.Q4_K, tmp_path, monkeypatch, kquant_checkpoint)
     isa = kernels.set_isa(kernels.available_isas()[-1])
     try:
@@ -294,6 +298,47 @@ def test_a_q4_k_engine_runs_its_many_rows_on_the_amx_tiles(kquant_checkpoint, tm
         assert kernels.load().bf16_calls()[3] > before
         monkeypatch.setattr(layers, "AMX_COPY_MIN_ROWS", 9)
         assert_same(tiles, run(path, None, "bfloat16"), 1e-3)
+    finally:
+        kernels.set_isa(isa)
+
+
+@pytest.mark.skipif(not HAVE_AMX, reason=WHY or "this CPU lacks AMX-BF16 (or Linux refused the tiles)")
+def test_gate_up_copies_as_halves_run_the_mlp_fused(checkpoint, tmp_path, monkeypatch):
+    """On AMX a bf16 Q4_1 engine keeps each dense MLP's gate_up bf16 copy as its gate and up
+    halves (the same bytes; every other layer one packed copy): its products from
+    AMX_COPY_MIN_ROWS rows (prefill chunks) run fused (onednn_linear.packed_silu_mul), fewer
+    rows on the tiles as before. Greedy runs with the halves and with one copy (the unfused
+    MLP) agree within bf16's rounding wherever they saw the same tokens. Not with
+    silu_halves=False (LoRA adds to the whole gate_up output)."""
+    from pagedserve.executor import onednn_linear
+    from pagedserve.executor.quant import layers
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(checkpoint("llama"), str(tmp_path / "q4_1.gguf"), Q.Q4_1)
+    converted = resolve_model_path(path)
+    isa = kernels.set_isa(kernels.available_isas()[-1])
+    try:
+        split = quant_layers(converted, torch.bfloat16)
+        halves = [m for m in split if m.silu_halves is not None]
+        assert len(halves) == 2 and all(m._dense is None and m.parts == [m.parts[0]] * 2 for m in halves)
+        assert all(m._dense is not None for m in split if m not in halves)
+        monkeypatch.setattr(onednn_linear, "SPLIT_GATE_UP", False)
+        whole = quant_layers(converted, torch.bfloat16)
+        assert [m.copy_bytes for m in split] == [m.copy_bytes for m in whole]
+        unfused = run(path, None, "bfloat16")
+        monkeypatch.setattr(onednn_linear, "SPLIT_GATE_UP", True)
+        cfg = ModelConfig.from_hf_dict(load_hf_config_dict(converted))
+        lora_model = build_model(
+            converted, cfg, torch.bfloat16, torch.device("cpu"), get_attention_backend("torch", "cpu"), silu_halves=False
+        )
+        assert not any(getattr(m, "silu_halves", None) for m in lora_model.modules())
+        calls = []
+        real = onednn_linear.packed_silu_mul
+        monkeypatch.setattr(onednn_linear, "packed_silu_mul", lambda x, g, u: calls.append(x.shape[0]) or real(x, g, u))
+        monkeypatch.setattr(layers, "AMX_COPY_MIN_ROWS", 9)  # the prompts' prefill rows
+        fused = run(path, None, "bfloat16")
+        assert calls and min(calls) >= 9
+        assert_close_where_inputs_agree(fused, unfused, 2e-2)
     finally:
         kernels.set_isa(isa)
 

@@ -53,11 +53,14 @@ def build_model(
     load_format: str = "auto",
     quantization: str | None = None,
     weight_copies: CopyPolicy | None = None,
+    silu_halves: bool = True,
 ):
     """Construct the model without initialising weights, then load the checkpoint into it.
     load_format="dummy": random weights made on the device (benchmarks of large shapes).
     A packed model on a CPU keeps the weight copies `weight_copies` allows (None: the
-    default policy, "auto" with the CPU's default KV cache: executor/quant/copy_budget.py)."""
+    default policy, "auto" with the CPU's default KV cache: executor/quant/copy_budget.py).
+    `silu_halves`: dense SiLU MLPs' oneDNN gate_up weights may be split for the fused
+    product (MLP.mark_silu_halves; False with LoRA)."""
     from pagedserve.executor.models import get_model_class
     from pagedserve.executor.quant import resolve_quantization
 
@@ -91,6 +94,10 @@ def build_model(
                     mod.act_q8 = True
     else:
         model.load_weights(iterate_weights(path))
+    if silu_halves and device.type == "cpu":
+        for mod in model.modules():
+            if hasattr(mod, "mark_silu_halves"):
+                mod.mark_silu_halves()
     if quant in ("int8", "int4"):
         from pagedserve.executor.models.moe import FusedExperts
         from pagedserve.executor.quant.formats import QUANTIZERS

@@ -125,10 +125,26 @@ class MLP(nn.Module):
         self.tp_size = tp.size if reduce else 1
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
+    def mark_silu_halves(self) -> None:
+        """Let the loaded gate_up layer keep its oneDNN weight as gate and up halves (the
+        loader calls this before the layers' copies are made; not with LoRA, whose wrapper
+        adds to the whole gate_up output): a SiLU MLP then runs them fused (`silu_mul`)."""
+        if not self.gelu:
+            self.gate_up_proj.act_halves = True  # read by QuantLinear / OneDNNLinear as they pack
+
     def forward(self, x: torch.Tensor, kern=None) -> torch.Tensor:
-        gu = self.gate_up_proj.forward(x)
-        out = self.down_proj.forward(act_and_mul(gu, kern, self.gelu))
+        h = _silu_mul(self.gate_up_proj, x) if not self.gelu else None
+        if h is None:
+            h = act_and_mul(self.gate_up_proj.forward(x), kern, self.gelu)
+        out = self.down_proj.forward(h)
         return tp_all_reduce(out) if self.tp_size > 1 else out
+
+
+def _silu_mul(gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up fused in the gate_up layer's products where it offers that for x
+    (QuantLinear / OneDNNLinear `silu_mul` on oneDNN's halves), else None."""
+    fused = getattr(gate_up, "silu_mul", None)
+    return fused(x) if fused is not None else None
 
 
 def act_and_mul(gu: torch.Tensor, kern=None, gelu: bool = False) -> torch.Tensor:
@@ -337,7 +353,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos_sin
         group_rows = [(m.slot_mapping, *rows_of(m)) for m in metas]
         residual = None
-        for (w_in, w_post, qkv_proj, o_proj, gate_up_proj, down_proj, window, g), (kc, vc) in zip(layers, kv_caches):
+        for (w_in, w_post, qkv_proj, o_proj, gate_up_proj, silu_mul, down_proj, window, g), (kc, vc) in zip(
+            layers, kv_caches
+        ):
             slots, tables, lens = group_rows[g]
             if residual is None:
                 x, residual = kern.rms_norm(x, w_in, eps), x
@@ -347,7 +365,11 @@ class LlamaForCausalLM(nn.Module):
             kern.rotary_cache_(qkv, cos, sin, h, k, d, kc, vc, slots)
             x = o_proj(attend(qkv, h, kc, vc, tables, lens, scale, window))
             kern.add_rms_norm_(x, residual, w_post, eps)
-            x = down_proj(kern.silu_and_mul(gate_up_proj(x))) if gate_up_proj is not None else down_proj(x, kern)
+            if gate_up_proj is None:  # a MoE block
+                x = down_proj(x, kern)
+            else:
+                act = silu_mul(x) if silu_mul is not None else None
+                x = down_proj(kern.silu_and_mul(gate_up_proj(x)) if act is None else act)
         kern.add_rms_norm_(x, residual, self.norm.weight, eps)
         return x
 
@@ -512,10 +534,11 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _lean_mlp(mlp: nn.Module):
-    """(gate_up forward, down forward) of a dense MLP; (None, the block's forward) else."""
+    """(gate_up forward, its fused silu_mul or None, down forward) of a dense MLP; (None,
+    None, the block's forward) else."""
     if type(mlp) is MLP:
-        return mlp.gate_up_proj.forward, mlp.down_proj.forward
-    return None, mlp.forward
+        return mlp.gate_up_proj.forward, getattr(mlp.gate_up_proj, "silu_mul", None), mlp.down_proj.forward
+    return None, None, mlp.forward
 
 
 def check_backend(cfg: ModelConfig, backend: AttentionBackend) -> None:

@@ -36,6 +36,12 @@ class QuantLinear(nn.Module):
         self._dense: torch.Tensor | None = None  # oneDNN-packed bf16 copy (attach_bf16_copy)
         self._rows16: list[torch.Tensor] = []  # per segment, its row-interleaved copy (attach_rows16)
         self._dense_min = 0  # x.numel() from which products run on it
+        # a dense MLP's gate_up (set by the model: MLP.mark_silu_halves): the bf16 copy may be
+        # kept as its gate and up halves (`silu_halves`, `_dense` None), which the MLP runs
+        # fused (`silu_mul`: onednn_linear.packed_silu_mul)
+        self.act_halves = False
+        self.silu_halves: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.silu_halves_min_rows = 0
 
     def set_part(self, i: int, w: PackedWeight | torch.Tensor) -> None:
         if not isinstance(w, PackedWeight):  # a float part of a fused layer: run it as F32 rows
@@ -84,12 +90,13 @@ class QuantLinear(nn.Module):
         layer.set_part(0, w)
         return layer
 
-    def attach_bf16_copy(self, min_rows: int, budget: CopyBudget | None = None) -> bool:
+    def attach_bf16_copy(self, min_rows: int, budget: CopyBudget | None = None, halves: bool = False) -> bool:
         """Keep beside the packed blocks the dequantized weight rounded once to bfloat16, in
         oneDNN's packed layout: bf16 products of at least `min_rows` rows run on it (oneDNN's
         AMX brgemm), fewer rows stay on the packed blocks (a quarter of the bytes to stream).
         Costs 2 bytes a weight of memory, and as much again while it is made (the plain bf16
-        weight; the float32 dequantization goes in slices of DEQUANT_SLICE values). False
+        weight; the float32 dequantization goes in slices of DEQUANT_SLICE values). `halves`
+        (a gate_up layer without bias): the copy as its gate and up halves (`silu_mul`). False
         (nothing kept) where `budget` has no room for it."""
         n, k = self.out_features, self.in_features
         if budget is not None and not budget.take("bf16", 2 * n * k, transient=2 * n * k):
@@ -100,7 +107,12 @@ class QuantLinear(nn.Module):
             for r in range(0, d.shape[0], step):
                 rows = d[r : r + step]
                 w[col + r : col + r + rows.shape[0]] = kernels.dequant(rows, t, k)
-        self._dense = onednn_linear.pack_weight(w, rows_hint=max(8, min_rows))
+        split = onednn_linear.SPLIT_GATE_UP and halves and self.bias is None
+        if split and len(self.parts) == 2 and self.parts[0] == self.parts[1]:
+            self.silu_halves = onednn_linear.split_gate_up(w, rows_hint=max(8, min_rows))
+            self.silu_halves_min_rows = max(1, min_rows)
+        else:
+            self._dense = onednn_linear.pack_weight(w, rows_hint=max(8, min_rows))
         self._dense_min = max(1, min_rows) * k
         return True
 
@@ -132,10 +144,21 @@ class QuantLinear(nn.Module):
         """The bf16 copy's product (onednn_linear.warm_up), from its fewest rows."""
         return [] if self._dense is None else [(self._dense, self._bias, self._dense_min // self.in_features)]
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this gate_up layer's product with x, fused on the copy's halves
+        (onednn_linear.packed_silu_mul) where the product would run on the copy; None where it
+        would not (the caller then takes `forward` and the activation)."""
+        halves = self.silu_halves
+        if halves is None or x.dtype is not torch.bfloat16 or x.numel() < self._dense_min:
+            return None
+        return onednn_linear.packed_silu_mul(x, *halves)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dense = self._dense
         if dense is not None and x.dtype is torch.bfloat16 and x.numel() >= self._dense_min:
             return onednn_linear.packed_linear(x, dense, self._bias)
+        if self.silu_halves is not None and x.dtype is torch.bfloat16 and x.numel() >= self._dense_min:
+            return onednn_linear.halves_linear(x, self.silu_halves)
         # one C++ call: reshape, float32 activations, every segment, bias, back to x's dtype
         ws, types, cols, n, rows16 = self._args
         return self._op(x, ws, types, cols, n, self._bias, self.act_q8, rows16)
@@ -165,7 +188,8 @@ class QuantLinear(nn.Module):
     @property
     def copy_bytes(self) -> int:
         """Bytes of the bf16 copy (0 without one)."""
-        return 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
+        copies = [self._dense] if self._dense is not None else list(self.silu_halves or ())
+        return sum(c.numel() * c.element_size() for c in copies)
 
     @property
     def rows16_everywhere(self) -> bool:
@@ -301,7 +325,8 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
                 min_rows = AMX_COPY_MIN_ROWS
             else:
                 min_rows = ROWS16_COPY_MIN_ROWS if mod.rows16_everywhere else BF16_COPY_MIN_ROWS
-            n += mod.attach_bf16_copy(min_rows, budget)
+            # gate_up halves where the copy serves many rows only (AMX): fewer rows keep the tiles
+            n += mod.attach_bf16_copy(min_rows, budget, halves=mod.act_halves and min_rows == AMX_COPY_MIN_ROWS)
     return n
 
 
