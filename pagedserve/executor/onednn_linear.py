@@ -65,19 +65,24 @@ def rows_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] (the packed weight's dtype) -> [..., N]. Rows are padded with zeros to
-    `rows_bucket` for oneDNN and the extra output rows dropped (a view: the leading rows of
-    a contiguous result are contiguous)."""
+def _bucketed(x: torch.Tensor, product) -> torch.Tensor:
+    """product(x2) for x [..., K] as 2-D rows padded with zeros to `rows_bucket`, the extra
+    output rows dropped (a view: the leading rows of a contiguous result are contiguous) and
+    x's leading dimensions put back."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     mp = rows_bucket(m)
     if mp != m:
         x2 = F.pad(x2, (0, 0, 0, mp - m))  # zero rows
-    y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    y = product(x2)
     if mp != m:
         y = y[:m]
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] (the packed weight's dtype) -> [..., N], rows bucketed for oneDNN (`_bucketed`)."""
+    return _bucketed(x, lambda x2: torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], ""))
 
 
 def packed_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -86,18 +91,13 @@ def packed_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> to
     float32 sums, rounded once to the dtype), the up's with a binary `mul` post-op by that
     result. The [.., 2I] gate_up output and the separate SiLU pass over it (12.6 MB written and
     read back a layer at 2,048 rows of SmolLM2) are gone; the sums are rounded twice instead of
-    four times (unfused: gate, SiLU, up, product). Rows padded to `rows_bucket` as in
-    `packed_linear`."""
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    m = x2.shape[0]
-    mp = rows_bucket(m)
-    if mp != m:
-        x2 = F.pad(x2, (0, 0, 0, mp - m))
-    g = torch.ops.mkldnn._linear_pointwise(x2, gate, None, "swish", [], "")
-    y = torch.ops.mkldnn._linear_pointwise.binary(x2, g, up, None, "mul")
-    if mp != m:
-        y = y[:m]
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+    four times (unfused: gate, SiLU, up, product). Rows bucketed as in `packed_linear`."""
+    pointwise = torch.ops.mkldnn._linear_pointwise
+
+    def product(x2: torch.Tensor) -> torch.Tensor:
+        return pointwise.binary(x2, pointwise(x2, gate, None, "swish", [], ""), up, None, "mul")
+
+    return _bucketed(x, product)
 
 
 def split_gate_up(w: torch.Tensor, rows_hint: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +129,8 @@ def warm_up(model: nn.Module, max_rows: int, head_rows: int) -> int:
     a 3,072 x 576 bf16 weight on an AMX Xeon; the same shape's other weights reuse it), which
     served steps would otherwise pay mid-run (BENCHMARKS section 37). Modules offer their
     products through `packed_products()` -> [(packed weight, bias, fewest rows it takes)].
-    Returns how many products ran. Largest row count first: a CPU engine keeps the memory its
+    Modules with fused gate/up halves offer them through `silu_products()` -> [(gate, up,
+    fewest rows)]. Returns how many products ran. Largest row count first: a CPU engine keeps the memory its
     steps free (host_memory.keep_freed_memory), and outputs growing step by step never fit in
     the hole the previous one left, so an ascending warm-up grew the heap by the sum of them
     all (+0.95 GB for one [28672, 4096] weight, +2 GB for a 7 B model; descending: +1 MB)."""
@@ -146,12 +147,15 @@ def warm_up(model: nn.Module, max_rows: int, head_rows: int) -> int:
                 for m in reversed(bucket_sizes(lo, hi)):
                     packed_linear(torch.zeros(m, packed.shape[1], dtype=packed.dtype), packed, bias)
                     n += 1
-        halves, lo = getattr(mod, "silu_halves", None), getattr(mod, "silu_halves_min_rows", 1)
-        if halves is not None and ("silu", tuple(halves[0].shape), lo) not in seen:  # packed_silu_mul's primitives
-            seen.add(("silu", tuple(halves[0].shape), lo))
+        silu = getattr(mod, "silu_products", None)
+        for gate, up, lo in silu() if callable(silu) else ():  # packed_silu_mul's primitives
+            key = ("silu", tuple(gate.shape), gate.dtype, lo)
+            if key in seen:
+                continue
+            seen.add(key)
             with torch.inference_mode():
                 for m in reversed(bucket_sizes(lo, max_rows)):
-                    packed_silu_mul(torch.zeros(m, halves[0].shape[1], dtype=halves[0].dtype), *halves)
+                    packed_silu_mul(torch.zeros(m, gate.shape[1], dtype=gate.dtype), gate, up)
                     n += 2
     return n
 
@@ -163,10 +167,9 @@ class OneDNNLinear(nn.Linear):
     tiles: torch.Tensor | None = None  # the AMX tile kernel's copy (moe_gemm.pack), or None
     # a dense MLP's gate_up (`act_halves` set by the model, models/llama.py's MLP.mark_silu_halves)
     # with a tile copy (AMX, bf16, no bias): its oneDNN weight as the gate and up halves
-    # (`split_gate_up`), `packed` None; the MLP runs them fused (`silu_mul`) from TILE_MAX_ROWS + 1 rows
+    # (`split_gate_up`), `packed` None; the MLP runs them fused (`silu_mul`) past the tiles' rows
     act_halves: bool = False
     silu_halves: tuple[torch.Tensor, torch.Tensor] | None = None
-    silu_halves_min_rows: int = TILE_MAX_ROWS + 1
 
     def pack(self, keep_weight: bool, budget=None) -> None:
         """oneDNN's packed weight (or its gate and up halves, see `act_halves`); beside it the
@@ -178,8 +181,7 @@ class OneDNNLinear(nn.Linear):
 
             self.tiles = moe_gemm.pack(w[None], moe_gemm.AMX_BLOCK_N)
         if SPLIT_GATE_UP and self.act_halves and self.tiles is not None and self.bias is None:
-            self.packed, self.silu_halves = None, split_gate_up(w)
-            self.silu_halves_min_rows = TILE_MAX_ROWS + 1  # the rows oneDNN serves (fewer: the tiles)
+            self.packed, self.silu_halves = None, split_gate_up(w)  # oneDNN past the tiles' rows
         else:
             self.packed = pack_weight(w)
         if not keep_weight:
@@ -201,20 +203,23 @@ class OneDNNLinear(nn.Linear):
             return []  # the halves: warm_up runs them fused
         return [(self.packed, self.bias, 1 if self.tiles is None else TILE_MAX_ROWS + 1)]
 
+    def silu_products(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        return [] if self.silu_halves is None else [(*self.silu_halves, TILE_MAX_ROWS + 1)]
+
     def _oned(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.bias) if self.packed is not None else halves_linear(x, self.silu_halves)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this gate_up layer's product with x, fused (`packed_silu_mul`)
-        where the product runs on oneDNN's halves; None where it does not (the caller then
-        takes `forward` and the activation)."""
+        where the product runs on oneDNN's halves (past the tiles' rows); None where it does
+        not (the caller then takes `forward` and the activation)."""
         halves = self.silu_halves
-        if halves is None or x.dtype != halves[0].dtype or x.numel() < self.silu_halves_min_rows * self.in_features:
+        if halves is None or x.dtype != self.weight.dtype or x.numel() <= TILE_MAX_ROWS * self.in_features:
             return None
         return packed_silu_mul(x, *halves)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.packed.dtype if self.packed is not None else self.silu_halves[0].dtype
+        dtype = self.weight.dtype  # (a 0-element weight after packing keeps it)
         if x.dtype != dtype:  # e.g. float32 activations into a bf16 layer
             return self._oned(x.to(dtype)).to(x.dtype)
         tiles = self.tiles

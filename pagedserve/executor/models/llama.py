@@ -133,18 +133,19 @@ class MLP(nn.Module):
             self.gate_up_proj.act_halves = True  # read by QuantLinear / OneDNNLinear as they pack
 
     def forward(self, x: torch.Tensor, kern=None) -> torch.Tensor:
-        h = _silu_mul(self.gate_up_proj, x) if not self.gelu else None
+        fused = fused_silu_mul(self.gate_up_proj)
+        h = fused(x) if fused is not None else None
         if h is None:
             h = act_and_mul(self.gate_up_proj.forward(x), kern, self.gelu)
         out = self.down_proj.forward(h)
         return tp_all_reduce(out) if self.tp_size > 1 else out
 
 
-def _silu_mul(gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up fused in the gate_up layer's products where it offers that for x
-    (QuantLinear / OneDNNLinear `silu_mul` on oneDNN's halves), else None."""
-    fused = getattr(gate_up, "silu_mul", None)
-    return fused(x) if fused is not None else None
+def fused_silu_mul(gate_up: nn.Module):
+    """The gate_up layer's fused silu(gate) * up (`silu_mul`: QuantLinear / OneDNNLinear on
+    oneDNN's halves; it answers None for an x its halves do not serve) where the layer kept
+    halves (only SiLU MLPs are marked for them), else None."""
+    return gate_up.silu_mul if getattr(gate_up, "silu_halves", None) is not None else None
 
 
 def act_and_mul(gu: torch.Tensor, kern=None, gelu: bool = False) -> torch.Tensor:
@@ -537,7 +538,7 @@ def _lean_mlp(mlp: nn.Module):
     """(gate_up forward, its fused silu_mul or None, down forward) of a dense MLP; (None,
     None, the block's forward) else."""
     if type(mlp) is MLP:
-        return mlp.gate_up_proj.forward, getattr(mlp.gate_up_proj, "silu_mul", None), mlp.down_proj.forward
+        return mlp.gate_up_proj.forward, fused_silu_mul(mlp.gate_up_proj), mlp.down_proj.forward
     return None, None, mlp.forward
 
 

@@ -41,7 +41,6 @@ class QuantLinear(nn.Module):
         # fused (`silu_mul`: onednn_linear.packed_silu_mul)
         self.act_halves = False
         self.silu_halves: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.silu_halves_min_rows = 0
 
     def set_part(self, i: int, w: PackedWeight | torch.Tensor) -> None:
         if not isinstance(w, PackedWeight):  # a float part of a fused layer: run it as F32 rows
@@ -110,7 +109,6 @@ class QuantLinear(nn.Module):
         split = onednn_linear.SPLIT_GATE_UP and halves and self.bias is None
         if split and len(self.parts) == 2 and self.parts[0] == self.parts[1]:
             self.silu_halves = onednn_linear.split_gate_up(w, rows_hint=max(8, min_rows))
-            self.silu_halves_min_rows = max(1, min_rows)
         else:
             self._dense = onednn_linear.pack_weight(w, rows_hint=max(8, min_rows))
         self._dense_min = max(1, min_rows) * k
@@ -144,20 +142,25 @@ class QuantLinear(nn.Module):
         """The bf16 copy's product (onednn_linear.warm_up), from its fewest rows."""
         return [] if self._dense is None else [(self._dense, self._bias, self._dense_min // self.in_features)]
 
+    def silu_products(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """The copy's gate and up halves (onednn_linear.warm_up), from its fewest rows."""
+        return [] if self.silu_halves is None else [(*self.silu_halves, self._dense_min // self.in_features)]
+
+    def _on_copy(self, x: torch.Tensor) -> bool:
+        """Whether x's product runs on the bf16 copy (whole or halves)."""
+        return x.dtype is torch.bfloat16 and x.numel() >= self._dense_min
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this gate_up layer's product with x, fused on the copy's halves
         (onednn_linear.packed_silu_mul) where the product would run on the copy; None where it
         would not (the caller then takes `forward` and the activation)."""
         halves = self.silu_halves
-        if halves is None or x.dtype is not torch.bfloat16 or x.numel() < self._dense_min:
-            return None
-        return onednn_linear.packed_silu_mul(x, *halves)
+        return onednn_linear.packed_silu_mul(x, *halves) if halves is not None and self._on_copy(x) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dense = self._dense
-        if dense is not None and x.dtype is torch.bfloat16 and x.numel() >= self._dense_min:
-            return onednn_linear.packed_linear(x, dense, self._bias)
-        if self.silu_halves is not None and x.dtype is torch.bfloat16 and x.numel() >= self._dense_min:
+        if self._dense is not None and self._on_copy(x):
+            return onednn_linear.packed_linear(x, self._dense, self._bias)
+        if self.silu_halves is not None and self._on_copy(x):
             return onednn_linear.halves_linear(x, self.silu_halves)
         # one C++ call: reshape, float32 activations, every segment, bias, back to x's dtype
         ws, types, cols, n, rows16 = self._args
@@ -326,7 +329,7 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
             else:
                 min_rows = ROWS16_COPY_MIN_ROWS if mod.rows16_everywhere else BF16_COPY_MIN_ROWS
             # gate_up halves where the copy serves many rows only (AMX): fewer rows keep the tiles
-            n += mod.attach_bf16_copy(min_rows, budget, halves=mod.act_halves and min_rows == AMX_COPY_MIN_ROWS)
+            n += mod.attach_bf16_copy(min_rows, budget, halves=mod.act_halves and mod.amx_rows16_everywhere)
     return n
 
 
