@@ -74,7 +74,7 @@ def isa_param(names=None):
 # the float tests run the paths that have their own code; the act_q8 tests add avx512_vnni
 # (its integer kernels; avx512_bf16 and the AMX levels run those same ones).
 FLOAT_ISAS = ("scalar", "avx2", "avx512")
-Q8_ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")
+Q8_ISAS = ("scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni")
 
 
 def _forced(request):
@@ -289,16 +289,17 @@ def test_act_q8_few_rows_bits_do_not_depend_on_the_other_rows(q8_isa, qtype):
             kernels.set_prefill_rows(oldp)
 
 
-@pytest.mark.skipif(not HAVE_KERNELS or "avx512_vnni" not in kernels.available_isas(), reason="this CPU lacks avx512_vnni")
+@pytest.mark.parametrize("vnni", isa_param(("avx512_vnni", "avx_vnni")))
 @pytest.mark.parametrize("qtype", ACT_Q8_TYPES, ids=lambda t: t.name)
-def test_act_q8_vnni_bit_equal_to_avx2(qtype):
-    """vpdpbusd (AVX512-VNNI, few rows: 512-bit over column pairs where rows are short, K up to
-    576 here, else 256-bit one column at a time, Q4_K's own tile from 3 rows; many rows: 16
-    columns a register, the repack 8 columns' rows at a time) gives the AVX2 kernels' exact
-    integer block sums and then their float steps lane for lane: the outputs' bits are equal.
-    Odd N (partial groups of 16 and 8 columns, a single column), K of 1 to 48 blocks, row tails
-    of the 4-row micro-kernel, extreme quants against x at +-127 and at random, an all-zero
-    block."""
+def test_act_q8_vnni_bit_equal_to_avx2(vnni, qtype):
+    """vpdpbusd gives the AVX2 kernels' exact integer block sums and then their float steps
+    lane for lane: the outputs' bits are equal. AVX512-VNNI (few rows: 512-bit over column pairs
+    where rows are short, K up to 576 here, else 256-bit one column at a time, Q4_K's own tile
+    from 3 rows; many rows: 16 columns a register, the repack 8 columns' rows at a time); AVX-VNNI
+    (the AVX2 kernels themselves with each step one 256-bit vpdpbusd into 32-bit sums where
+    they sum vpmaddubsw's pairs in 16 bits). Odd N (partial groups of 16 and 8 columns, a single
+    column), K of 1 to 48 blocks, row tails of the 4-row micro-kernel, extreme quants against x
+    at +-127 and at random, an all-zero block."""
     rng = np.random.default_rng(int(qtype))
     shapes = ((37, 512), (1, 256), (17, 768), (33, 1536)) if qtype in SUPER_BLOCKS else ((37, 576), (1, 32), (2, 64), (17, 96), (33, 1536))
     for n, k in shapes:
@@ -309,7 +310,7 @@ def test_act_q8_vnni_bit_equal_to_avx2(qtype):
             x[m // 2, 32:] = torch.where(torch.rand(k - 32, generator=torch.Generator().manual_seed(m)) < 0.5, -1.0, 1.0)
             for many_from in (1, 10**9):  # the many-row kernel at every m, then the few-row one
                 ref = _act_q8_out("avx2", x, raw, qtype, n, many_from)
-                got = _act_q8_out("avx512_vnni", x, raw, qtype, n, many_from)
+                got = _act_q8_out(vnni, x, raw, qtype, n, many_from)
                 assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (n, k, m, many_from, (got - ref).abs().max())
 
 
@@ -513,11 +514,38 @@ def test_isa_names_are_checked():
     mod = kernels.load()
     with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA"):
         kernels._set(mod, "sse9")
-    for name, i in kernels.ISAS.items():
-        if not mod.isa_available(i):
+    for name in kernels.ISAS:
+        if name not in kernels.available_isas():
             with pytest.raises(RuntimeError, match="lacks"):
                 kernels._set(mod, name)
     assert "scalar" in kernels.available_isas() and kernels.current_isa() in kernels.available_isas()
+
+
+@pytest.mark.skipif(not HAVE_KERNELS, reason="no C++ kernels")
+def test_avx_vnni_is_the_avx2_level_with_vpdpbusd():
+    """avx_vnni names the avx2 level with AVX-VNNI's integer products on: forcing avx2 turns
+    them off, avx_vnni on (an error where the CPU lacks AVX-VNNI), and set_isa's other levels
+    never run them; the module's own set_isa(avx2 level) takes the CPU's answer."""
+    mod = kernels.load()
+    prev = kernels.current_isa()
+    try:
+        if "avx2" not in kernels.available_isas():
+            pytest.skip("this CPU lacks avx2")
+        kernels.set_isa("avx2")
+        assert kernels.current_isa() == "avx2" and not mod.avx_vnni_in_use()
+        mod.set_isa(kernels.ISAS["avx2"])
+        assert mod.avx_vnni_in_use() == mod.avx_vnni_in_cpu()
+        if not mod.avx_vnni_in_cpu():
+            with pytest.raises(RuntimeError, match="lacks"):
+                mod.set_avx_vnni(True)
+            return
+        kernels.set_isa("avx_vnni")
+        assert kernels.current_isa() == "avx_vnni" and mod.avx_vnni_in_use()
+        for isa in kernels.available_isas():
+            kernels.set_isa(isa)
+            assert mod.avx_vnni_in_use() == (isa == "avx_vnni"), isa
+    finally:
+        kernels.set_isa(prev)
 
 
 

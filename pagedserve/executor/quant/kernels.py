@@ -1,6 +1,7 @@
 """The packed-weight C++ kernels (csrc/), compiled once per machine (executor/cpp_build.py).
 
-One module holds a portable scalar path, an AVX2+FMA path, an AVX-512 path and, above it,
+One module holds a portable scalar path, an AVX2+FMA path (avx_vnni: its int8-activation
+products on AVX-VNNI's vpdpbusd where the CPU has it), an AVX-512 path and, above it,
 avx512_vnni (vpdpbusd in the int8-activation kernels), avx512_bf16 (and the bf16 products of
 bfloat16 models: many rows, and few rows on the row-interleaved copies) and amx_bf16 /
 amx_int8 (AMX tiles present and granted by Linux: a bf16 model's Q4_0 / Q4_1 / Q4_K products
@@ -28,7 +29,20 @@ _DIR = os.path.join(os.path.dirname(__file__), "csrc")
 # part of the build key
 _HEADERS = tuple(sorted(f for f in os.listdir(_DIR) if f.endswith(".h")))
 _OPS_HEADERS = ("avx512_transpose.h", "isa_target.h")
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 4, "amx_bf16": 5, "amx_int8": 6}
+# The paths by name -> the module's level. avx_vnni is the avx2 level with its int8-activation
+# (gguf_q8) products on AVX-VNNI's vpdpbusd (the same bits; the CPUs with AVX2 and AVX-VNNI but
+# no AVX-512: Alder Lake and later clients, Sierra Forest): the auto choice there; avx2 forces
+# vpmaddubsw.
+ISAS = {
+    "scalar": 0,
+    "avx2": 1,
+    "avx_vnni": 1,
+    "avx512": 2,
+    "avx512_vnni": 3,
+    "avx512_bf16": 4,
+    "amx_bf16": 5,
+    "amx_int8": 6,
+}
 
 
 _load_lock = threading.Lock()
@@ -103,17 +117,24 @@ def on_isa_change(fn) -> None:
     _isa_listeners.append(fn)
 
 
+def _available(mod, isa: str) -> bool:
+    return bool(mod.isa_available(ISAS[isa])) and (isa != "avx_vnni" or bool(mod.avx_vnni_in_cpu()))
+
+
 def _set(mod, isa: str) -> None:
     if isa not in ISAS:
         raise ValueError(f"PAGEDSERVE_CPU_ISA must be one of {', '.join(ISAS)} (or auto), got {isa!r}")
-    if not mod.isa_available(ISAS[isa]):
+    if not _available(mod, isa):
         raise RuntimeError(f"PAGEDSERVE_CPU_ISA={isa}: this CPU lacks that instruction set")
     mod.set_isa(ISAS[isa])
+    if ISAS[isa] == ISAS["avx2"]:
+        mod.set_avx_vnni(isa == "avx_vnni")
 
 
 def available_isas() -> list[str]:
+    """The paths this CPU runs, lowest first."""
     mod = load()
-    return [name for name, i in ISAS.items() if mod.isa_available(i)]
+    return [name for name in ISAS if _available(mod, name)]
 
 
 def set_isa(isa: str) -> str:
@@ -127,7 +148,10 @@ def set_isa(isa: str) -> str:
 
 
 def current_isa() -> str:
-    i = load().get_isa()
+    mod = load()
+    i = mod.get_isa()
+    if i == ISAS["avx2"]:
+        return "avx_vnni" if mod.avx_vnni_in_use() else "avx2"
     return next(k for k, v in ISAS.items() if v == i)
 
 

@@ -1,7 +1,11 @@
 // The gguf_q8 few-row code in AVX2 instructions (activation quantization, a block's quants as
 // bytes, the vpmaddubsw dot products), included by quant_avx2.h and, unchanged, by
 // quant_avx512.h: on AVX-512 CPUs the integer gains come from VNNI (quant_vnni.h), not from wider
-// vpmaddubsw. Needs h2f() and the block structs. No include guard on purpose.
+// vpmaddubsw. quant_kernels.cpp compiles it once more for AVX-VNNI (QK_AVX_VNNI 1: namespace
+// avx_vnni), where u8 x s8 sums are vpdpbusd's (quant_dot_u8s8.h's dot_add). Needs h2f() and the block
+// structs. No include guard on purpose.
+
+#include "quant_dot_u8s8.h"  // dot_add, dot_widen, kVnni
 
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -165,8 +169,9 @@ constexpr bool q8_many_min_term(int type) { return q8_has_min(type) || type == T
 // accm[t] = fma(mn, xs, accm[t]) (written out: the VNNI tiles must round it alike, and the
 // compiler's own contraction differs between loops). `mul`: the 16-bit factors of vpmaddwd,
 // 1, or Q6_K's scales of elements 0-15 (low 128 bits) and 16-31 (q6k_mul16): each 32-bit lane is
-// then sc * (its 4 products), exact (pairs at most 2 * 32 * 127).
-template <int MT, bool SIGNED, bool MIN>
+// then sc * (its 4 products), exact (pairs at most 2 * 32 * 127). Without SCALED (mul is ones)
+// the products are dot_add's (a pair at most 2 * 128 * 127: signed weights' magnitudes).
+template <int MT, bool SIGNED, bool MIN, bool SCALED = false>
 static inline void q8_block_step(const GemmQ8Args& g, __m256i w, float dw, float mn, int64_t m0, int64_t blk,
                                  __m256 (&acc)[MT], float (&accm)[MT], __m256i mul = _mm256_set1_epi16(1)) {
   const int64_t nb = g.K / 32;
@@ -175,7 +180,8 @@ static inline void q8_block_step(const GemmQ8Args& g, __m256i w, float dw, float
     const int64_t r = (m0 + t) * nb + blk;
     __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.xq + r * 32));
     if (SIGNED) x = _mm256_sign_epi8(x, w);
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), mul);
+    const __m256i p = SCALED ? _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), mul)
+                             : dot_widen(dot_add(_mm256_setzero_si256(), wu, x));
     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * g.xd[r]), acc[t]);
   }
   if (MIN)
@@ -290,7 +296,8 @@ static void gemm_q8_tile_q6k(const GemmQ8Args& g, int64_t n, int64_t m0) {
     const float d = h2f(row[i].d);
     for (int j = 0; j < 8; ++j) {
       const __m256i mul = q6k_mul16(row[i].scales[2 * j], row[i].scales[2 * j + 1]);
-      q8_block_step<MT, true, false>(g, q6k_centred(q6k_block_q(row[i], j)), d, 0.f, m0, i * 8 + j, acc, accm, mul);
+      q8_block_step<MT, true, false, true>(g, q6k_centred(q6k_block_q(row[i], j)), d, 0.f, m0, i * 8 + j, acc, accm,
+                                         mul);
     }
   }
   for (int t = 0; t < MT; ++t) g.out[(m0 + t) * g.ldo + n] = hsum8(acc[t]) + accm[t];  // (+0.f, as every tile ends)

@@ -11,7 +11,10 @@
 // few-row products of bf16 models on the row-interleaved copies) and quant_rows16_q6k_vbmi.h /
 // quant_rows16_q6k_vbmi_bf16.h (both few-row kernels on Q6_K's six-bit copy, AVX512-VBMI), and
 // the act_q8 kernels on the row-interleaved copies (quant_rows16_q8_avx2.h beside the AVX2 one,
-// quant_rows16_vnni.h beside the VNNI one, quant_rows16_q6k_vnni.h for Q6_K's copies there). The
+// quant_rows16_vnni.h beside the VNNI one, quant_rows16_q6k_vnni.h for Q6_K's copies there); the
+// AVX2 act_q8 files compiled once more for AVX-VNNI (namespaces avx_vnni, avx_vnni_rows16:
+// quant_dot_u8s8.h's vpdpbusd for vpmaddubsw, the AVX2 level's integer products where the CPU
+// has it, the same bits). The
 // first three share the
 // ISA-neutral block code (quant_dequant.h) and loops (quant_loops.h), compiled into each; a new
 // ISA is one more file and one more region here. The path is chosen at run time from what the
@@ -143,6 +146,7 @@ namespace scalar {
 #include "quant_scalar.h"
 }  // namespace scalar
 
+#define QK_AVX_VNNI 0  // quant_dot_u8s8.h: the AVX2 act_q8 code's sums in vpmaddubsw (1: vpdpbusd, below)
 #if QK_X86
 // the row-interleaved copies' layouts and the code that writes them, portable (quant_rows16_layout.h)
 namespace rows16_layout {
@@ -160,6 +164,28 @@ using namespace rows16_layout;
 #include "quant_rows16_q8_avx2.h"  // act_q8's products on the copies
 }  // namespace avx2_rows16
 ISA_TARGET_END()
+
+// AVX-VNNI (VEX vpdpbusd; Alder Lake and later clients, Sierra Forest, Zen 5): the AVX2 act_q8
+// kernels again, each u8 x s8 step one vpdpbusd (quant_dot_u8s8.h), the AVX2 level's integer
+// products where the CPU has it (avx_vnni_on); the other AVX2 code is shared through the using
+// directives
+#undef QK_AVX_VNNI
+#define QK_AVX_VNNI 1
+ISA_TARGET_BEGIN("avx2,fma,f16c,avxvnni")
+namespace avx_vnni {
+using namespace avx2;
+#include "quant_avx2_q8.h"
+#include "quant_avx2_q8_many.h"
+#include "quant_loops_q8.h"
+}  // namespace avx_vnni
+namespace avx_vnni_rows16 {
+using namespace rows16_layout;
+using namespace avx2_rows16;
+#include "quant_rows16_q8_avx2.h"
+}  // namespace avx_vnni_rows16
+ISA_TARGET_END()
+#undef QK_AVX_VNNI
+#define QK_AVX_VNNI 0
 
 ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace avx512 {
@@ -240,7 +266,8 @@ ISA_TARGET_END()
 
 // ---- run-time dispatch ------------------------------------------------------------------------
 // Levels, each the one below it plus its own instructions (set_isa forces one; the best one
-// the CPU has is the default):
+// the CPU has is the default); the avx2 level runs its act_q8 products on AVX-VNNI where the
+// CPU has it (avx_vnni_on, below: a switch within the level, not a level):
 //   avx512_vnni: vpdpbusd in the act_q8 integer kernels;
 //   avx512_bf16: and the bf16 products of bfloat16 models: many rows (quant_bf16.h), few rows on
 //     the row-interleaved copies (quant_rows16_bf16.h);
@@ -353,6 +380,33 @@ static bool q6k_six_bits() {
   return g_q6k_six_bits == 1;
 }
 
+// AVX-VNNI on the AVX2 level: its act_q8 products run the avx_vnni copies of its kernels (the
+// same bits) where the CPU has AVX-VNNI (CPUID 7.1 EAX bit 4). Not a level of the ladder: Ice
+// Lake servers have AVX512-VNNI without it, and the AVX-512 levels have their own integer
+// kernels. g_avx_vnni: -1 not resolved (set_isa resets it: the CPU's answer at first use), 0
+// off, 1 on; set_avx_vnni forces it (Python: PAGEDSERVE_CPU_ISA=avx2 off, =avx_vnni on).
+static int g_avx_vnni = -1;
+static bool cpu_has_avx_vnni() {
+#if QK_X86 && (defined(__GNUC__) || defined(__clang__))
+  return cpu_has(ISA_AVX2) && cpuid7(1, EAX, 4);
+#else
+  return false;
+#endif
+}
+static bool avx_vnni_on() {
+  if (current_isa() != ISA_AVX2) return false;
+  if (g_avx_vnni < 0) g_avx_vnni = cpu_has_avx_vnni();
+  return g_avx_vnni == 1;
+}
+bool set_avx_vnni(bool on) {
+  TORCH_CHECK(!on || cpu_has_avx_vnni(), "AVX-VNNI: this CPU lacks the requested instruction set");
+  const bool prev = g_avx_vnni < 0 ? cpu_has_avx_vnni() : g_avx_vnni == 1;
+  g_avx_vnni = on;
+  return prev;
+}
+bool avx_vnni_in_use() { return avx_vnni_on(); }
+bool avx_vnni_in_cpu() { return cpu_has_avx_vnni(); }
+
 static int best_isa() {
   for (int i = ISA_LAST; i > ISA_SCALAR; --i)
     if (cpu_has(i)) return i;
@@ -397,6 +451,7 @@ int64_t set_isa(int64_t isa) {
   TORCH_CHECK(isa >= 0 && isa <= ISA_LAST, "isa: 0 scalar, 1 avx2, 2 avx512, 3 avx512_vnni, 4 avx512_bf16, 5 amx_bf16, 6 amx_int8");
   TORCH_CHECK(cpu_has((int)isa), "this CPU lacks the requested instruction set");
   g_isa = (int)isa;
+  g_avx_vnni = -1;  // the AVX2 level: AVX-VNNI where the CPU has it, unless set_avx_vnni says otherwise
   return g_isa;
 }
 int64_t get_isa() { return current_isa(); }
@@ -476,7 +531,7 @@ static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
   if (current_isa() >= ISA_AVX512_VNNI) return avx512_vnni::gemm_q8_rows(g, n0, n1);
   switch (current_isa()) {
     case ISA_AVX512: return avx512::gemm_q8_rows(g, n0, n1);
-    case ISA_AVX2: return avx2::gemm_q8_rows(g, n0, n1);
+    case ISA_AVX2: return avx_vnni_on() ? avx_vnni::gemm_q8_rows(g, n0, n1) : avx2::gemm_q8_rows(g, n0, n1);
     default: break;
   }
 #endif
@@ -486,6 +541,7 @@ static void isa_gemm_q8_rows(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 static void isa_gemm_q8_many(const GemmQ8Args& g, int64_t n0, int64_t n1) {
 #if QK_X86
   if (current_isa() >= ISA_AVX512_VNNI) return avx512_vnni::gemm_q8_many(g, n0, n1);
+  if (avx_vnni_on()) return avx_vnni::gemm_q8_many(g, n0, n1);
   avx2::gemm_q8_many(g, n0, n1);
 #endif
 }
@@ -809,7 +865,7 @@ static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi,
     a.xq = o;
   }
   const uint8_t* WI = wi->data_ptr<uint8_t>();
-  const bool vnni = current_isa() >= ISA_AVX512_VNNI, six = q6k_six_bits();
+  const bool vnni = current_isa() >= ISA_AVX512_VNNI, six = q6k_six_bits(), avx_vnni = avx_vnni_on();
   at::parallel_for(0, N / 16, std::max<int64_t>(1, 4096 / a.K), [&](int64_t g0, int64_t g1) {
     if (vnni && a.type == T_Q6_K && six)
       avx512_vnni_vbmi::gemm_rows16_q8_q6k<true>(a, WI, g0, g1);
@@ -817,6 +873,8 @@ static bool rows16_q8_gemm(GemmQ8Args a, const c10::optional<torch::Tensor>& wi,
       avx512_vnni_rows16::gemm_rows16_q8_q6k<false>(a, WI, g0, g1);
     else if (vnni)
       avx512_vnni_rows16::gemm_rows16_q8(a, WI, g0, g1);
+    else if (avx_vnni)
+      avx_vnni_rows16::gemm_rows16_q8(a, WI, g0, g1);
     else
       avx2_rows16::gemm_rows16_q8(a, WI, g0, g1);
   });
@@ -1320,6 +1378,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_permission", &amx_permission, "-1 not asked yet, 0 granted, else the errno of the refusal");
   m.def("amx_in_cpu", &amx_in_cpu, "CPUID has AMX tiles (bf16) and the OS enables their state");
   m.def("get_isa", &get_isa);
+  m.def("set_avx_vnni", &set_avx_vnni, "the AVX2 level's act_q8 products on AVX-VNNI (needs the CPU's); returns the previous");
+  m.def("avx_vnni_in_use", &avx_vnni_in_use, "whether act_q8 products run the AVX-VNNI kernels now (the AVX2 level)");
+  m.def("avx_vnni_in_cpu", &avx_vnni_in_cpu, "whether the CPU has AVX-VNNI (and AVX2)");
   m.def("isa_available", &isa_available);
   m.def("has_many_rows_kernel", &many_rows_kernel, "whether many-row products use the blocked kernel (ISA now set)");
   m.def("set_prefill_rows", &set_prefill_rows);

@@ -3,9 +3,11 @@
 // rows16_q8_q6k, below): the CPUs without AVX512-VNNI, the AVX2
 // level's counterpart of quant_rows16_vnni.h (its comment holds: one vpshufb a chunk gathers each
 // row's four bytes of a Q4 chunk into its dword, the activation quants come in q4_copy_order, the
-// K-quants' sub-blocks are Q4_1 / Q5_1 blocks). Included once by quant_kernels.cpp inside
-// namespace avx2_rows16 within the AVX2 target region, after quant_rows16_avx2.h (byte_mask,
-// u8x8_ps, f16x8_ps). No include guard on purpose.
+// K-quants' sub-blocks are Q4_1 / Q5_1 blocks). Included by quant_kernels.cpp inside namespace
+// avx2_rows16 within the AVX2 target region, after quant_rows16_avx2.h (byte_mask, u8x8_ps,
+// f16x8_ps), and once more for AVX-VNNI (namespace avx_vnni_rows16, QK_AVX_VNNI 1): there the Q4
+// kernels' steps are one vpdpbusd each into 32-bit sums (quant_avx2_q8.h's dot_add, the same
+// integers); Q6_K's tile keeps its 16-bit sums, scaled in vpmaddwd. No include guard on purpose.
 //
 // A group of 16 rows is two halves of 8 (the float kernel's, quant_rows16_avx2.h), a half one
 // 256-bit register's dwords. vpmaddubsw (unsigned nibbles x signed quants, pairs summed in 16
@@ -17,6 +19,8 @@
 // both halves, 3-4 once per half (the second walk finds the stream in L1 / L2), as the float one;
 // Q5_K (two more registers a half and row) from 2 rows once per half. At 1 row its walk per half
 // took 1.14-1.23x the packed rows' tile ([2048, 5632] 327 vs 291 us), both halves at once 0.77-0.85x.
+
+#include "quant_dot_u8s8.h"  // dot_add, dot_widen, kVnni
 
 // Blocks [b0, b1) of activation quants (32 each) into the copies' Q4 order: per block, for c < 4
 // the bytes 4 c, 4 c + 16, 4 c + 2, 4 c + 18, 4 c + 1, 4 c + 17, 4 c + 3, 4 c + 19 (the order of
@@ -51,7 +55,7 @@ static void rows16_q8_halves(const GemmQ8Args& a, const uint8_t* WI, int64_t g, 
   constexpr bool kq = TYPE == T_Q4_K || TYPE == T_Q5_K, five = TYPE == T_Q5_K;
   const int64_t nb = a.K / 32, kd = a.K / 4, BB = rows16_block_bytes(TYPE);
   const int64_t sub = five ? Q5K_SUB : Q4K_SUB, qat = five ? 64 : kq ? 0 : rows16_quants_at(TYPE);
-  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), b16 = _mm256_set1_epi8(16);
+  const __m256i m4 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);
   const __m256i rows = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
   const int32_t* x = reinterpret_cast<const int32_t*>(a.xq) + m0 * kd;
   __m256 acc[NH][MT];
@@ -84,14 +88,17 @@ static void rows16_q8_halves(const GemmQ8Args& a, const uint8_t* WI, int64_t g, 
         const __m256i w0 = _mm256_shuffle_epi8(lo, rows), w1 = _mm256_shuffle_epi8(hi, rows);
         for (int t = 0; t < MT; ++t) {
           const int32_t* xb = x + t * kd + 8 * b + 2 * c;
-          const __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(xb[0]));
-          s[h][t] = _mm256_add_epi16(s[h][t], _mm256_add_epi16(p0, _mm256_maddubs_epi16(w1, _mm256_set1_epi32(xb[1]))));
+          const __m256i x0 = _mm256_set1_epi32(xb[0]), x1 = _mm256_set1_epi32(xb[1]);
+          if constexpr (kVnni)  // 32-bit sums (dot_add)
+            s[h][t] = dot_add(dot_add(s[h][t], w0, x0), w1, x1);
+          else
+            s[h][t] = _mm256_add_epi16(s[h][t], _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)));
         }
       }
       if (five && c == 1)
         for (int h = 0; h < NH; ++h)
           for (int t = 0; t < MT; ++t) {
-            wide[h][t] = _mm256_madd_epi16(s[h][t], ones);
+            wide[h][t] = dot_widen(s[h][t]);
             s[h][t] = _mm256_setzero_si256();
           }
     }
@@ -111,7 +118,7 @@ static void rows16_q8_halves(const GemmQ8Args& a, const uint8_t* WI, int64_t g, 
       }
       for (int t = 0; t < MT; ++t) {
         const int64_t r = (m0 + t) * nb + b;
-        __m256i i32 = _mm256_madd_epi16(s[h][t], ones);
+        __m256i i32 = dot_widen(s[h][t]);
         if (five) i32 = _mm256_add_epi32(wide[h][t], i32);
         const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(a.xd + r));
         acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), sc, acc[h][t]);
