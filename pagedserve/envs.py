@@ -61,7 +61,7 @@ VARIABLES: dict[str, EnvVar] = {
     ),
     "PAGEDSERVE_CPU_ISA": EnvVar(
         _str("PAGEDSERVE_CPU_ISA", "auto"),
-        "packed-weight kernels: force one path (scalar | avx2 | avx512 ...; auto: the best this CPU has)",
+        "packed-weight kernels: force one path (scalar | avx2 | avx_vnni | avx512 | avx512_vnni | avx512_bf16 | amx_bf16 | amx_int8; auto: the best this CPU has)",
     ),
     "PAGEDSERVE_NUM_THREADS": EnvVar(
         _int("PAGEDSERVE_NUM_THREADS"),

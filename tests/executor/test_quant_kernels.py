@@ -389,7 +389,7 @@ def test_act_q8_reads_the_copy_where_its_kernel_runs():
     Q4_K / Q5_K and Q6_K's byte layout from AVX2 up, Q8_0 and Q6_K's six bits from AVX512-VNNI up,
     none on the scalar path (a copy given where none applies is ignored: the packed rows' kernels
     run); and only below the ISA's rows (AVX512-VNNI: every row count, Q8_0 and Q6_K 64; below
-    it 12, Q6_K 32) or set_rows16_q8_rows's."""
+    it 12, AVX-VNNI's 16, Q6_K 32) or set_rows16_q8_rows's."""
     mod = kernels.load()
     n, k = 32, 96
     raw = torch.from_numpy(random_packed(Q.Q4_1, n, k, seed=3))
@@ -415,7 +415,8 @@ def test_act_q8_reads_the_copy_where_its_kernel_runs():
             finally:
                 assert kernels.set_rows16_q8_rows(int(Q.Q4_1), old) == 4
             assert mod.rows16_q8_calls() == before + 1, isa
-            for m, on_copy in ((11, True), (12, vnni)):  # below AVX512-VNNI: the packed rows' kernels from 12
+            # below AVX512-VNNI: the packed rows' kernels from 12 rows (AVX-VNNI: from 16)
+            for m, on_copy in ((11, True), (12, vnni or isa == "avx_vnni"), (15, vnni or isa == "avx_vnni"), (16, vnni)):
                 before = mod.rows16_q8_calls()
                 kernels.gemm(torch.randn(m, k), raw, int(Q.Q4_1), torch.zeros(m, n), 0, act_q8=True, interleaved=copy)
                 assert mod.rows16_q8_calls() == before + on_copy, (isa, m)

@@ -785,7 +785,11 @@ int64_t rows16_calls() { return g_rows16_calls; }
 //     0.55-0.89x, 8 rows even, 16 rows 1.2x, 64 rows 1.44x; the default model's shapes 0.5-0.7x
 //     at 1-8 rows, 0.74-0.95x at 16, 1.3x at 64. Q6_K (its byte layout) under 32 rows, its tiles
 //     walking both halves at once: [2048, 5632] 1 row 350 / 365, 4 rows 495 / 1,068, 16 rows
-//     2,102 / 2,573, 24 rows 2,559 / 3,151, 32 rows 3,328 / 3,265, 48 rows 4,990 / 4,568.
+//     2,102 / 2,573, 24 rows 2,559 / 3,151, 32 rows 3,328 / 3,265, 48 rows 4,990 / 4,568;
+//   AVX-VNNI (the AVX2 level's kernels on vpdpbusd): under 16 rows. Sapphire Rapids forced to
+//   the level, float32: [2048, 5632] Q4_1 8 rows 643 / 868, 12 rows 946 / 985, 16 rows 1,189 /
+//   1,181, 24 rows 1,650 / 1,484; the default model's shapes 0.6x at 8 rows, 0.77-0.85x at 12,
+//   0.83-0.88x at 16, even at 24-64 (BENCHMARKS section 68).
 static int64_t g_rows16_q8_rows[4] = {-1, -1, -1, -1};  // Q4_0 and Q4_1; Q8_0; Q4_K and Q5_K; Q6_K
 static int64_t& rows16_q8_set(int64_t type) {
   return g_rows16_q8_rows[type == T_Q8_0 ? 1 : type == T_Q4_K || type == T_Q5_K ? 2 : type == T_Q6_K ? 3 : 0];
@@ -793,7 +797,7 @@ static int64_t& rows16_q8_set(int64_t type) {
 static int64_t rows16_q8_rows(int64_t type) {
   const int64_t set = rows16_q8_set(type);
   if (set >= 0) return set;
-  if (current_isa() < ISA_AVX512_VNNI) return type == T_Q6_K ? 32 : 12;
+  if (current_isa() < ISA_AVX512_VNNI) return type == T_Q6_K ? 32 : avx_vnni_on() ? 16 : 12;
   return type == T_Q8_0 || type == T_Q6_K ? 64 : int64_t(1) << 40;
 }
 int64_t set_rows16_q8_rows(int64_t type, int64_t m) {
