@@ -103,10 +103,19 @@ class AsyncLLM(FrontEnd):
 
     # -- requests -------------------------------------------------------------------------
     async def add_request(
-        self, prompt, params: SamplingParams, request_id: str, priority: int = 0, lora_request=None
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request=None,
+        queue: asyncio.Queue | None = None,
     ) -> RequestStream:
         """Validate and queue a request; raises InvalidRequestError (nothing queued) if it is
-        invalid, EngineDeadError if the core is gone. Iterate the stream for its outputs."""
+        invalid, EngineDeadError if the core is gone. Iterate the stream for its outputs, or
+        pass `queue`: its outputs (RequestOutputs, or the exception that ends it) go there,
+        which several requests may share (a server request's prompts: no task per request
+        to merge them); the stream is then only for close()."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine core died: {self._dead}")
         if request_id in self._streams or request_id in self.output_processor.parents:
@@ -121,7 +130,8 @@ class AsyncLLM(FrontEnd):
             raise EngineDeadError(f"the engine core died: {self._dead}")
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", "request_id")
-        queue: asyncio.Queue = asyncio.Queue()
+        if queue is None:
+            queue = asyncio.Queue()
         if not self._streams:  # work begins now: progress is measured from here
             self.progress.work_begins(time.monotonic())
         self.output_processor.add_request(req)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections import deque
 from typing import TYPE_CHECKING
 
 from pagedserve.outputs import RequestOutput
@@ -66,14 +67,16 @@ _ABORT = object()
 
 class RequestTracker:
     """The engine requests of one HTTP request (one per prompt of a list), their merged
-    outputs, and its admission slots."""
+    outputs, and its admission slots. The engine puts every prompt's outputs into the one
+    queue `next` reads (add_request's `queue`): no task per prompt between the two."""
 
     def __init__(self, ctx: ServingContext, slots: int) -> None:
         self.ctx = ctx
         self.slots = slots
         self.queue: asyncio.Queue = asyncio.Queue()
         self.streams: dict[int, object] = {}
-        self.pumps: list[asyncio.Task] = []
+        self.index: dict[str, int] = {}  # engine request id -> prompt index
+        self.ended: deque[int] = deque()  # prompts whose final output `next` returned: (i, None) next
         self.closed = False
         self.abort_reason: str | None = None
         self.abort_error = ("server_error", "shutting_down", 503)  # (type, code, status) of an abort
@@ -98,14 +101,14 @@ class RequestTracker:
         async def one(i: int, p) -> None:
             rid = f"{base_id}-{i}" if suffix else base_id
             if self.lora is None:
-                st = await self.ctx.llm.add_request(p, params, rid, priority)
+                st = await self.ctx.llm.add_request(p, params, rid, priority, queue=self.queue)
             else:
-                st = await self.ctx.llm.add_request(p, params, rid, priority, lora_request=self.lora)
+                st = await self.ctx.llm.add_request(p, params, rid, priority, lora_request=self.lora, queue=self.queue)
             if self.closed or self.abort_reason is not None:
                 st.close()
                 return
-            self.streams[i] = st
-            self.pumps.append(asyncio.create_task(self._pump(i, st)))
+            self.streams[i] = st  # (no output can have arrived: add_request returned without yielding)
+            self.index[rid] = i
 
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -118,29 +121,26 @@ class RequestTracker:
         if self.abort_reason is not None:
             raise self._abort_api_error()
 
-    async def _pump(self, i: int, st) -> None:
-        try:
-            async for out in st:
-                if out.finished:
-                    self.ctx.observe_finished(out)
-                self.queue.put_nowait((i, out))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 (an engine failure: handed to the handler)
-            self.queue.put_nowait((i, e))
-            return
-        self.queue.put_nowait((i, None))
-
     async def next(self):
         """(prompt index, RequestOutput), (i, None) when prompt i is done, or raises:
         APIError when the tracker was aborted (shutdown) or the engine failed."""
-        item = await self.queue.get()
-        if item is _ABORT:
-            self.queue.put_nowait(_ABORT)  # every later call sees it too
-            raise self._abort_api_error()
-        if isinstance(item[1], BaseException):
-            raise to_api_error(item[1])
-        return item
+        if self.ended:
+            return self.ended.popleft(), None
+        while True:
+            item = await self.queue.get()
+            if item is _ABORT:
+                self.queue.put_nowait(_ABORT)  # every later call sees it too
+                raise self._abort_api_error()
+            if isinstance(item, BaseException):  # an engine failure: handed to the handler
+                raise to_api_error(item)
+            i = self.index.get(item.request_id)
+            if i is not None:  # (else a prompt closed before it was tracked)
+                break
+        if item.finished:
+            self.streams[i].finished = True  # (its close() then aborts nothing)
+            self.ctx.observe_finished(item)
+            self.ended.append(i)
+        return i, item
 
     async def finals(self) -> list[RequestOutput]:
         """Non-streaming: wait for every prompt's final output, in prompt order."""
@@ -171,8 +171,6 @@ class RequestTracker:
             self.queue.put_nowait(_ABORT)
 
     def _abort_engine(self) -> None:
-        for t in self.pumps:
-            t.cancel()
         for st in self.streams.values():
             st.close()  # aborts it in the engine unless it already finished
 

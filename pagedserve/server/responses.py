@@ -35,7 +35,8 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 def sse(obj) -> str:
     """One server-sent event: `data: ` + the object's JSON on one line (non-ASCII text kept as
     UTF-8, except the characters some clients take for line breaks)."""
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+    s = json.dumps(obj, ensure_ascii=False)
+    return f"data: {s if s.isascii() else s.translate(_LINE_BREAKS)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -140,6 +140,37 @@ def test_abort_across_processes_frees_blocks(model_dir):
     assert not llm.handle.is_alive()
 
 
+async def _shared_queue(llm: AsyncLLM, prompts):
+    """Three requests whose outputs go to one queue (a server request's prompts); the third is
+    closed at once, which aborts it: the two others end whole, the queue holds nothing of it
+    past its close, and its blocks are freed."""
+    queue: asyncio.Queue = asyncio.Queue()
+    streams = [await llm.add_request(p, GREEDY, f"q{i}", queue=queue) for i, p in enumerate(prompts[:3])]
+    streams[2].close()
+    outs: dict[str, list] = {}
+    while sum(1 for v in outs.values() if v[-1].finished) < 2:
+        out = await asyncio.wait_for(queue.get(), 30)
+        outs.setdefault(out.request_id, []).append(out)
+    for _ in range(100):
+        if llm.stats.kv_blocks_used == 0 and llm.stats.num_running == 0:
+            break
+        await asyncio.sleep(0.05)
+    return outs, llm.stats.kv_blocks_used
+
+
+def test_requests_share_one_output_queue(model_dir, reference):
+    prompts, want = reference
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, **ENGINE_KW))
+    try:
+        outs, used = asyncio.run(_shared_queue(llm, prompts))
+        assert set(outs) <= {"q0", "q1", "q2"} and not any(o.finished for o in outs.get("q2", []))
+        for i in (0, 1):
+            assert outs[f"q{i}"][-1].outputs[0].token_ids == want[i]  # (cumulative outputs by default)
+        assert used == 0
+    finally:
+        llm.shutdown()
+
+
 # -- issue 17: a fault in one request's processing fails that request only ------------------------
 def _poison_detokenizer(monkeypatch):
     """Requests with the stop string "<boom>" raise in the detokenizer; others are untouched."""

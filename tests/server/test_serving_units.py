@@ -2,6 +2,7 @@
 /v1/models, /health, /tokenize, /detokenize, through the real app (build_app) with
 FastAPI's test client. What the fake cannot show (real tokens) the server tests do."""
 
+import asyncio
 import json
 
 import pytest
@@ -52,10 +53,19 @@ class FakeLLM:
         self.is_alive = True
         self.snapshot = None
         self.closed: list[str] = []
+        self.feeds: list[asyncio.Task] = []
         self.stats = EngineStats(0, 0, 10, 0, 0.0, 1.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16)
 
-    async def add_request(self, prompt, params, rid, priority=0):
-        return FakeStream(self, rid, self.tokenizer, params)
+    async def add_request(self, prompt, params, rid, priority=0, queue=None):
+        st = FakeStream(self, rid, self.tokenizer, params)
+        if queue is not None:  # as the engine's output loop: every output into the caller's queue
+
+            async def feed():
+                async for out in st:
+                    queue.put_nowait(out)
+
+            self.feeds.append(asyncio.get_running_loop().create_task(feed()))
+        return st
 
     def shutdown(self):
         pass
