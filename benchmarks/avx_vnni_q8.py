@@ -23,6 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from pagedserve.bench.timing import sample_times
 from pagedserve.executor.quant import kernels
 
 
@@ -38,14 +39,7 @@ def packed(qtype, n, k, seed=0):
 
 
 def us(fn, n=30):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
+    return statistics.median(sample_times(fn, n, warmup=3)) * 1e6
 
 
 def main():
