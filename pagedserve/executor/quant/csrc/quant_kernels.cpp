@@ -165,7 +165,7 @@ using namespace rows16_layout;
 }  // namespace avx2_rows16
 ISA_TARGET_END()
 
-// AVX-VNNI (VEX vpdpbusd; Alder Lake and later clients, Sierra Forest, Zen 5): the AVX2 act_q8
+// AVX-VNNI (VEX vpdpbusd; Alder Lake and later clients, Sierra Forest: AVX2 CPUs without AVX-512): the AVX2 act_q8
 // kernels again, each u8 x s8 step one vpdpbusd (quant_dot_u8s8.h), the AVX2 level's integer
 // products where the CPU has it (avx_vnni_on); the other AVX2 code is shared through the using
 // directives
