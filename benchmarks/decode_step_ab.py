@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens a KV block")
     ap.add_argument("--amx-exact-rows", type=int, default=None,
                     help="set_amx_exact_rows first (0: the exact AMX few-row kernel off; section 66)")
     a = ap.parse_args()
@@ -43,7 +44,7 @@ def main() -> None:
         kernels.set_amx_exact_rows(a.amx_exact_rows)
     path = resolve_model_path(a.model)
     runner = ModelRunner(path, ModelConfig.from_hf_dict(load_hf_config_dict(path)), dtype=a.dtype, device="cpu")
-    block = 16
+    block = a.block_size
     runner.initialize_kv_cache(max(a.batches) * (-(-(a.context + a.steps + 8) // block)) + 2, block)
     ms = {}
     for b in a.batches:
@@ -56,7 +57,8 @@ def main() -> None:
         ms[b] = round(statistics.median(ts[3:]) * 1e3, 2)
         del drv
     root = os.path.dirname(os.path.dirname(os.path.abspath(pagedserve.__file__)))
-    print(json.dumps({"checkout": root, "model": a.model, "dtype": a.dtype, "context": a.context, "step_ms": ms}))
+    print(json.dumps({"checkout": root, "model": a.model, "dtype": a.dtype, "context": a.context, "block_size": block,
+                      "step_ms": ms}))
 
 
 if __name__ == "__main__":
