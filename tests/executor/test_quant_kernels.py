@@ -709,7 +709,7 @@ def test_bf16_products_only_for_bf16_models():
 
 HAVE_AMX = HAVE_KERNELS and "amx_bf16" in kernels.available_isas()
 needs_amx = pytest.mark.skipif(not HAVE_AMX, reason="this CPU lacks AMX-BF16 (or Linux refused the tiles)")
-AMX_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K)
+AMX_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)  # (Q6_K: its six-bit copies, AVX512-VBMI)
 
 
 def layer_segments(k: int, *segments):
@@ -736,6 +736,8 @@ def test_amx_tile_products_match_the_bf16_reference(qtype):
     mod = kernels.load()
     prev = amx_path()
     try:
+        if qtype == Q.Q6_K and not kernels.q6k_six_bits():
+            pytest.skip("Q6_K's tiles read its six-bit copies (AVX512-VBMI)")
         super_blocks = gguf.GGML_QUANT_SIZES[qtype][0] == 256
         for n, k in ((48, 256), (16, 768), (80, 1536)) if super_blocks else ((48, 96), (16, 576), (80, 1536), (32, 160)):
             for m in (1, 3, 16, 17, 64, 300):
@@ -760,12 +762,12 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
     """On an AMX path a bf16 layer's products from 9 rows run on the tile kernel over its
     copies: every segment there (Q4_1 + Q8_0, a float bias): bf16 straight out of the kernel,
     the bias added before rounding, the bits of the float product plus bias rounded once; a
-    segment of another type (Q6_K) beside them keeps its own product and the others still take
+    segment of another type (Q5_K) beside them keeps its own product and the others still take
     the tiles (up to 16 rows the Q4_1 one the exact kernel, per segment). Fewer rows, set_amx_rows16(False), a path below AMX, float32 activations: no tile
     product."""
     mod = kernels.load()
     k = 512
-    ws, types, wis = layer_segments(k, (Q.Q4_1, 32), (Q.Q8_0, 48), (Q.Q6_K, 16))
+    ws, types, wis = layer_segments(k, (Q.Q4_1, 32), (Q.Q8_0, 48), (Q.Q5_K, 16))
     bias = torch.randn(96)
 
     def qlinear(x, n_seg):
@@ -787,7 +789,7 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
             y, calls = qlinear(x, 2)
             out, n = by_hand(x, 2)
             assert calls == 2 and y.dtype == torch.bfloat16 and torch.equal(y, (out + bias[:n]).bfloat16())
-            y3, calls = qlinear(x, 3)  # with a Q6_K segment: the float output, products per segment
+            y3, calls = qlinear(x, 3)  # with a Q5_K segment: the float output, products per segment
             if m > 16:  # the same two tile products
                 assert calls == 2 and torch.equal(y3[:, :80], y)
             else:  # Q4_1's on the exact kernel (test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles)

@@ -279,16 +279,20 @@ HAVE_AMX = HAVE_BF16 and "amx_bf16" in kernels.available_isas()
 
 
 @pytest.mark.skipif(not HAVE_AMX, reason=WHY or "this CPU lacks AMX-BF16 (or Linux refused the tiles)")
-def test_a_q4_k_engine_runs_its_many_rows_on_the_amx_tiles(kquant_checkpoint, tmp_path, monkeypatch):
-    """On an AMX path a bf16 engine of a Q4_K file runs its 9-159-row products on the tile
-    kernel over the row-interleaved copies, with the greedy tokens and logits (within 0.1% of
-    the largest) of the same engine running them on the oneDNN bf16 copies: the same weights."""
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_a_k_quant_engine_runs_its_many_rows_on_the_amx_tiles(kquant_checkpoint, tmp_path, monkeypatch, qtype):
+    """On an AMX path a bf16 engine of a Q4_K (Q6_K: its six-bit copies) file runs its
+    9-159-row products on the tile kernel over the row-interleaved copies, with the greedy
+    tokens and logits (within 0.1% of the largest) of the same engine running them on the
+    oneDNN bf16 copies: the same weights."""
     from pagedserve.executor import onednn_linear
     from pagedserve.executor.quant import layers
 
+    if qtype == Q.Q6_K and not kernels.q6k_six_bits():
+        pytest.skip("Q6_K's tiles read its six-bit copies (AVX512-VBMI)")
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(onednn_linear, "SPLIT_GATE_UP", False)  # the unfused MLP on both (its rounding)
-    path = write_quant_gguf(Q.Q4_K, tmp_path, monkeypatch, kquant_checkpoint)
+    path = write_quant_gguf(qtype, tmp_path, monkeypatch, kquant_checkpoint)
     isa = kernels.set_isa(kernels.available_isas()[-1])
     try:
         layers_ = quant_layers(resolve_model_path(path), torch.bfloat16)
@@ -298,6 +302,35 @@ def test_a_q4_k_engine_runs_its_many_rows_on_the_amx_tiles(kquant_checkpoint, tm
         assert kernels.load().bf16_calls()[3] > before
         monkeypatch.setattr(layers, "AMX_COPY_MIN_ROWS", 9)
         assert_same(tiles, run(path, None, "bfloat16"), 1e-3)
+    finally:
+        kernels.set_isa(isa)
+
+
+@pytest.mark.skipif(not HAVE_AMX, reason=WHY or "this CPU lacks AMX-BF16 (or Linux refused the tiles)")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_a_long_k_layer_leaves_the_tiles_after_one_chunk_of_rows(qtype):
+    """The AMX tile kernel takes 64 rows at a time at K = 8,192 (past them it would dequantize the
+    weights again): such a layer (Q4_K, Q6_K's six-bit copy) runs 17-64 rows on the tiles and 65
+    and more on its bf16 copy; at K = 512 the copy serves from AMX_COPY_MIN_ROWS (160)."""
+    from pagedserve.executor.quant import layers
+    from pagedserve.executor.quant.formats import PackedWeight
+    from tests.executor.test_quant_kernels import random_packed
+
+    if qtype == Q.Q6_K and not kernels.q6k_six_bits():
+        pytest.skip("Q6_K's tiles read its six-bit copies (AVX512-VBMI)")
+    mod = kernels.load()
+    isa = kernels.set_isa(kernels.available_isas()[-1])
+    try:
+        for k, first_copy_row in ((8192, 65), (512, layers.AMX_COPY_MIN_ROWS)):
+            lin = QuantLinear(k, [32], None)
+            lin.set_part(0, PackedWeight(int(qtype), torch.from_numpy(random_packed(qtype, 32, k, seed=k)), (32, k)))
+            assert lin.attach_rows16() and lin.amx_rows16_everywhere
+            assert layers.amx_copy_min_rows(k) == first_copy_row
+            assert layers.bf16_copies(lin, torch.bfloat16) == 1
+            for m in (17, first_copy_row - 1, first_copy_row):  # (1-16 rows of Q4_K: the exact kernel)
+                before = mod.bf16_calls()[3]
+                lin(torch.randn(m, k).bfloat16())
+                assert (mod.bf16_calls()[3] - before == 1) == (m < first_copy_row), (k, m)
     finally:
         kernels.set_isa(isa)
 

@@ -259,7 +259,7 @@ def amx_rows16(qtype: int) -> bool:
     exact kernel's 16, set_amx_exact_rows) run on the AMX tiles over the row-interleaved copy (csrc/quant_rows16_amx.h: Q4_0 / Q4_1 / Q8_0 / Q4_K, weights dequantized to
     bf16 as they are used) where the layer keeps one, on the path set now: an AMX path and
     set_amx_rows16 on. 1.2-2x oneDNN on the bf16 copies at 9-64 rows (BENCHMARKS section 65);
-    such layers' bf16 copies serve the products from layers.AMX_COPY_MIN_ROWS rows."""
+    such layers' bf16 copies serve the products from layers.amx_copy_min_rows(K) rows."""
     return try_load() is not None and bool(load().amx_rows16(int(qtype)))
 
 

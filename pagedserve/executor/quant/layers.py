@@ -202,7 +202,7 @@ class QuantLinear(nn.Module):
     @property
     def amx_rows16_everywhere(self) -> bool:
         """Whether every segment's many-row bf16 products run on the AMX tiles over its copy
-        (kernels.amx_rows16): the layer's bf16 copy serves only from AMX_COPY_MIN_ROWS rows."""
+        (kernels.amx_rows16): the layer's bf16 copy serves only from amx_copy_min_rows(K) rows."""
         return self.rows16_everywhere and all(kernels.amx_rows16(t) for t, _, _ in self.segments)
 
     @property
@@ -303,8 +303,18 @@ ROWS16_COPY_MIN_ROWS = 9
 # (`amx_rows16_everywhere`): they beat oneDNN on the bf16 copy 1.2-2x from 9 to 64 rows; at 128
 # rows 1.4x on SmolLM2's shapes but only level on a 1 B model's (Q4_K), whose 192-512 rows they
 # run at 0.74-0.79x (SmolLM2's 256-1,024 at 0.97-1.11x, 2,048 at 0.72x; AMX Xeon, BENCHMARKS
-# section 65), so the copy serves the products of this many rows and more.
+# section 65), so the copy serves the products of this many rows and more; fewer where the
+# tile kernel's row chunk at the layer's K is smaller (amx_copy_min_rows).
 AMX_COPY_MIN_ROWS = 160
+
+
+def amx_copy_min_rows(in_features: int) -> int:
+    """Rows from which a layer whose many-row products run on the AMX tiles serves them on its
+    bf16 copy: AMX_COPY_MIN_ROWS, or one chunk of the tile kernel's rows plus one at this K if
+    that is fewer (past a chunk the kernel dequantizes the weights again). A 1 B model's K = 8,192
+    (chunks of 64): Q4_K 1.31-1.48x oneDNN's copy at 32-64 rows, 0.89-0.92x at 80-128; Q6_K 1.05x
+    at 64, 0.6-0.77x at 80-128 (AMX Xeon, BENCHMARKS section 68). SmolLM2's K (576, 1,536): 160."""
+    return min(AMX_COPY_MIN_ROWS, int(kernels.load().amx_rows16_chunk(in_features)) + 1)
 
 
 def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None = None) -> int:
@@ -317,7 +327,7 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
     (BENCHMARKS section 33), its vdpbf16ps products 1.3-1.8x from 16 rows on a Zen 4 (section
     41). Not with `gguf_q8` (act_q8 layers keep its integer numerics). Where the AMX tiles read
     the layer's row-interleaved copies (`QuantLinear.amx_rows16_everywhere`: Q4_0 / Q4_1 / Q8_0 / Q4_K
-    layers on AMX) the copy serves AMX_COPY_MIN_ROWS rows and more only. Returns how many layers."""
+    layers on AMX) the copy serves amx_copy_min_rows(K) rows and more only. Returns how many layers."""
     if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16) or not kernels.native_bf16_in_use():
         return 0
     n = 0
@@ -325,7 +335,7 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
         if isinstance(mod, QuantLinear) and mod.complete and not mod.act_q8:
             # rows16_copies came first
             if mod.amx_rows16_everywhere:
-                min_rows = AMX_COPY_MIN_ROWS
+                min_rows = amx_copy_min_rows(mod.in_features)
             else:
                 min_rows = ROWS16_COPY_MIN_ROWS if mod.rows16_everywhere else BF16_COPY_MIN_ROWS
             # gate_up halves where the copy serves many rows only (AMX): fewer rows keep the tiles

@@ -231,16 +231,6 @@ namespace avx512_bf16_rows16 {
 }  // namespace avx512_bf16_rows16
 ISA_TARGET_END()
 
-// AMX-BF16: bf16 models' many-row products on the tiles, weights dequantized from the
-// row-interleaved copies as they are used (quant_rows16_amx.h)
-ISA_TARGET_BEGIN("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
-namespace amx_bf16_rows16 {
-using namespace rows16_layout;
-#include "quant_rows16_amx.h"
-#include "quant_rows16_amx_exact.h"  // few rows, exact quants
-}  // namespace amx_bf16_rows16
-ISA_TARGET_END()
-
 // AVX512-VBMI: Q6_K's six-bit copy, its run decoder and the float kernel's tile
 // (quant_rows16_q6k_vbmi.h), and beside AVX512-BF16 the bf16 kernel's tile
 // (quant_rows16_q6k_vbmi_bf16.h). Not a level of the ladder below (Ice Lake has VBMI without
@@ -253,7 +243,19 @@ ISA_TARGET_END()
 ISA_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi,avx2,fma,f16c")
 namespace avx512_bf16_vbmi {
 #include "quant_rows16_q6k_vbmi_bf16.h"
+#include "quant_rows16_amx_q6k.h"  // Q6_K's six-bit copy as the AMX tile kernel's B rows
 }  // namespace avx512_bf16_vbmi
+ISA_TARGET_END()
+
+// AMX-BF16: bf16 models' many-row products on the tiles, weights dequantized from the
+// row-interleaved copies as they are used (quant_rows16_amx.h; Q6_K's six-bit copies through
+// avx512_bf16_vbmi's amx_b_rows_q6k_six, above: every AMX CPU has VBMI)
+ISA_TARGET_BEGIN("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+namespace amx_bf16_rows16 {
+using namespace rows16_layout;
+#include "quant_rows16_amx.h"
+#include "quant_rows16_amx_exact.h"  // few rows, exact quants
+}  // namespace amx_bf16_rows16
 ISA_TARGET_END()
 #endif  // QK_X86
 
@@ -274,7 +276,7 @@ ISA_TARGET_END()
 //   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
 //     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q4_K segments with a row-interleaved copy
 //     run 1 .. 16 rows on the exact tile kernel (quant_rows16_amx_exact.h, g_amx_exact_rows);
-//     those of Q4_0 / Q4_1 / Q8_0 / Q4_K from g_rows16_bf16_rows rows (past the exact kernel's)
+//     those of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K (six bits) from g_rows16_bf16_rows rows (past the exact kernel's)
 //     on this module's own tile kernel over bf16-rounded weights (quant_rows16_amx.h), Q8_0's
 //     few rows on the copy's float kernel (rows16_bf16); other
 //     segments' many-row products go to oneDNN from g_amx_onednn_rows rows on (the tiles
@@ -1053,7 +1055,7 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
 
 // Types the AMX tile kernel dequantizes from their copies (quant_rows16_amx.h)
 static bool amx_rows16_type(int64_t type) {
-  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K;
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || (type == T_Q6_K && q6k_six_bits());
 }
 // Whether a bf16 model's products of this type, g_rows16_bf16_rows rows and more, run on the AMX
 // tile kernel over the type's copy (an AMX path; set_amx_rows16(false): oneDNN's bf16 copies or
@@ -1131,6 +1133,14 @@ void gemm_amx_exact(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t 
 
 // x (bf16 [M, K]) @ dequant(the copy wi of N rows).T on the AMX tiles into float columns f or
 // bf16 ones h (the float bias added first; may be null), row stride ldo
+// The tile kernel's rows in chunks whose activations (~512 KB) stay in each core's L2 while every
+// item streams past them (each chunk dequantizes the weights again): 2,048 rows in one pass read
+// the activations from memory once per item, at 0.54x oneDNN's speed (0.69x in chunks; BENCHMARKS
+// section 65). A product of more rows than one chunk dequantizes its weights twice or more: K =
+// 8,192 (chunks of 64 rows) took 1.6-2x the time at 80 rows that it took at 64 (section 68), so a
+// layer's bf16 copy serves from chunk + 1 rows where that is below layers.AMX_COPY_MIN_ROWS.
+int64_t amx_rows16_chunk(int64_t K) { return std::clamp<int64_t>((int64_t{1} << 18) / std::max<int64_t>(K, 1) / 32 * 32, 64, 512); }
+
 static void amx_rows16_run(const torch::Tensor& x, const torch::Tensor& wi, int64_t type, int64_t N, float* f, uint16_t* h,
                            const float* bias, int64_t ldo) {
   ++g_bf16_calls[3];
@@ -1138,11 +1148,7 @@ static void amx_rows16_run(const torch::Tensor& x, const torch::Tensor& wi, int6
   const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint8_t* WI = wi.data_ptr<uint8_t>();
   const int64_t M = x.size(0), K = x.size(1), pairs = (N / 16 + 1) / 2;
-  // rows in chunks whose activations (~512 KB) stay in each core's L2 while every item streams
-  // past them (each chunk dequantizes the weights again): 2,048 rows in one pass read the
-  // activations from memory once per item, at 0.54x oneDNN's speed (0.69x in chunks; BENCHMARKS
-  // section 65)
-  const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / K / 32 * 32, 64, 512);
+  const int64_t chunk = amx_rows16_chunk(K);
   for (int64_t r0 = 0; r0 < M; r0 += chunk) {
     const int64_t m = std::min(chunk, M - r0);
     at::parallel_for(0, pairs, 1, [&](int64_t a, int64_t b) {
@@ -1162,7 +1168,7 @@ static void amx_rows16_run(const torch::Tensor& x, const torch::Tensor& wi, int6
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K]) @ dequant(w).T on the AMX tiles, the weights
 // read from wi (w's interleave_rows16 copy) and rounded to bf16 as they are used
 void gemm_amx_rows16(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
-  TORCH_CHECK(amx_rows16_type(type), "the AMX tile products take Q4_0 / Q4_1 / Q8_0 / Q4_K copies");
+  TORCH_CHECK(amx_rows16_type(type), "the AMX tile products take Q4_0 / Q4_1 / Q8_0 / Q4_K copies and Q6_K's six-bit ones");
   if (check_amx_product(x, w, wi, type, out, col0))
     amx_rows16_run(x, wi, type, w.size(0), out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
 }
@@ -1360,6 +1366,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("wi"), py::arg("type"), py::arg("out"), py::arg("col0") = 0);
   m.def("set_amx_exact_rows", &set_amx_exact_rows, "the exact AMX few-row kernel for 1 .. m rows (0: off); returns the previous m",
         py::arg("m"));
+  m.def("amx_rows16_chunk", &amx_rows16_chunk, "rows the AMX tile kernel takes at a time at this K (more: its weights dequantized again)");
   m.def("gemm_amx_rows16", &gemm_amx_rows16, "out[:, col0:col0+N] = x_bf16 @ dequant(w).T on the AMX tiles, read from wi",
         py::arg("x"), py::arg("w"), py::arg("wi"), py::arg("type"), py::arg("out"), py::arg("col0") = 0);
   m.def("set_q6k_six_bits", &set_q6k_six_bits, "Q6_K's interleaved copies six bits a quant (AVX512-VBMI; else a byte)");

@@ -1,6 +1,7 @@
 // Many-row products of bfloat16 models on the AMX tiles, the weights dequantized from the
 // row-interleaved copy (quant_rows16_layout.h) as they are used: each step streams the copy's
-// 4.5 (Q4_0 / Q4_1 / Q4_K) or 8.5 (Q8_0) bits a weight from memory instead of 16. Included
+// 4.5 (Q4_0 / Q4_1 / Q4_K), 6.56 (Q6_K's six bits: quant_rows16_amx_q6k.h decodes them) or 8.5
+// (Q8_0) bits a weight from memory instead of 16. Included
 // once by quant_kernels.cpp inside namespace amx_bf16_rows16, in a region compiled for AMX-BF16
 // and AVX512-BF16; run only where the CPU has the tiles and Linux granted them (current_isa()
 // >= ISA_AMX_BF16). No include guard on purpose.
@@ -14,7 +15,7 @@
 // run last on tiles configured for that many rows.
 //
 // Numerics: each weight is fma(q, d, m) in float32 (Q4_0: fma(q, d, -8 d), the exact (q - 8) d;
-// Q4_K: fma(q, d sc, -(dmin m)), ggml's d1 q - m1; Q8_0: q d), rounded once to bf16 (round to
+// Q4_K: fma(q, d sc, -(dmin m)), ggml's d1 q - m1; Q8_0: q d; Q6_K: (d sc) (q - 32)), rounded once to bf16 (round to
 // nearest even): the bf16 copy's weights (QuantLinear.attach_bf16_copy) up to that fma's
 // rounding; products summed in float32 by the tiles (the order of oneDNN's brgemm on the same
 // tiles is its own). A row's result does not depend on the other rows.
@@ -100,7 +101,9 @@ inline void deq_q8(const uint8_t* blk, uint16_t* dst, __m512i idx) {
 }
 
 // Bytes of a 16-row group's copy of K columns
-inline int64_t group_bytes(int type, int64_t K) { return K / (type == T_Q4_K ? 256 : 32) * rows16_block_bytes(type); }
+inline int64_t group_bytes(int type, int64_t K) {
+  return K / (type == T_Q4_K || type == T_Q6_K ? 256 : 32) * rows16_block_bytes(type);
+}
 
 // The next item's dequantization, done a slice at a time between the current item's tile
 // products (the tiles run beside the vector units: the two overlap where interleaved)
@@ -144,6 +147,7 @@ struct NextItem {
       if (type == T_Q4_1) deq_q4<true>(g + b * bb, o, ctl, idx);
       else if (type == T_Q4_0) deq_q4<false>(g + b * bb, o, ctl, idx);
       else if (type == T_Q4_K) deq_q4k(g + (b / 8) * bb, b % 8, o, ctl, idx);
+      else if (type == T_Q6_K) avx512_bf16_vbmi::amx_b_rows_q6k_six(g + (b / 8) * bb, b % 8, o);
       else deq_q8(g + b * bb, o, idx);
     }
   }
