@@ -709,7 +709,7 @@ def test_bf16_products_only_for_bf16_models():
 
 HAVE_AMX = HAVE_KERNELS and "amx_bf16" in kernels.available_isas()
 needs_amx = pytest.mark.skipif(not HAVE_AMX, reason="this CPU lacks AMX-BF16 (or Linux refused the tiles)")
-AMX_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)  # (Q6_K: its six-bit copies, AVX512-VBMI)
+AMX_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # (Q6_K: its six-bit copies, VBMI)
 
 
 def layer_segments(k: int, *segments):
@@ -762,12 +762,13 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
     """On an AMX path a bf16 layer's products from 9 rows run on the tile kernel over its
     copies: every segment there (Q4_1 + Q8_0, a float bias): bf16 straight out of the kernel,
     the bias added before rounding, the bits of the float product plus bias rounded once; a
-    segment of another type (Q5_K) beside them keeps its own product and the others still take
-    the tiles (up to 16 rows the Q4_1 one the exact kernel, per segment). Fewer rows, set_amx_rows16(False), a path below AMX, float32 activations: no tile
-    product."""
+    segment of another type (Q6_K in its byte layout) beside them keeps its own product and the
+    others still take the tiles (up to 16 rows the Q4_1 one the exact kernel, per segment).
+    Fewer rows, set_amx_rows16(False), a path below AMX, float32 activations: no tile product."""
     mod = kernels.load()
     k = 512
-    ws, types, wis = layer_segments(k, (Q.Q4_1, 32), (Q.Q8_0, 48), (Q.Q5_K, 16))
+    six = kernels.set_q6k_six_bits(False)  # Q6_K's byte layout, through the test: no tiles read it
+    ws, types, wis = layer_segments(k, (Q.Q4_1, 32), (Q.Q8_0, 48), (Q.Q6_K, 16))
     bias = torch.randn(96)
 
     def qlinear(x, n_seg):
@@ -789,7 +790,7 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
             y, calls = qlinear(x, 2)
             out, n = by_hand(x, 2)
             assert calls == 2 and y.dtype == torch.bfloat16 and torch.equal(y, (out + bias[:n]).bfloat16())
-            y3, calls = qlinear(x, 3)  # with a Q5_K segment: the float output, products per segment
+            y3, calls = qlinear(x, 3)  # with a Q6_K segment: the float output, products per segment
             if m > 16:  # the same two tile products
                 assert calls == 2 and torch.equal(y3[:, :80], y)
             else:  # Q4_1's on the exact kernel (test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles)
@@ -808,6 +809,7 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
             kernels.gemm_amx_rows16(x8, ws[0], wis[0], types[0], torch.empty(8, 32))
     finally:
         kernels.set_isa(prev)
+        kernels.set_q6k_six_bits(six)
 
 
 EXACT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)

@@ -279,9 +279,9 @@ HAVE_AMX = HAVE_BF16 and "amx_bf16" in kernels.available_isas()
 
 
 @pytest.mark.skipif(not HAVE_AMX, reason=WHY or "this CPU lacks AMX-BF16 (or Linux refused the tiles)")
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 def test_a_k_quant_engine_runs_its_many_rows_on_the_amx_tiles(kquant_checkpoint, tmp_path, monkeypatch, qtype):
-    """On an AMX path a bf16 engine of a Q4_K (Q6_K: its six-bit copies) file runs its
+    """On an AMX path a bf16 engine of a Q4_K / Q5_K / Q6_K (its six-bit copies) file runs its
     9-159-row products on the tile kernel over the row-interleaved copies, with the greedy
     tokens and logits (within 0.1% of the largest) of the same engine running them on the
     oneDNN bf16 copies: the same weights."""

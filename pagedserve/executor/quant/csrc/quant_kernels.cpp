@@ -250,7 +250,7 @@ ISA_TARGET_END()
 // AMX-BF16: bf16 models' many-row products on the tiles, weights dequantized from the
 // row-interleaved copies as they are used (quant_rows16_amx.h; Q6_K's six-bit copies through
 // avx512_bf16_vbmi's amx_b_rows_q6k_six, above: every AMX CPU has VBMI)
-ISA_TARGET_BEGIN("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+ISA_TARGET_BEGIN("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,bmi2")
 namespace amx_bf16_rows16 {
 using namespace rows16_layout;
 #include "quant_rows16_amx.h"
@@ -276,7 +276,7 @@ ISA_TARGET_END()
 //   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
 //     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q4_K segments with a row-interleaved copy
 //     run 1 .. 16 rows on the exact tile kernel (quant_rows16_amx_exact.h, g_amx_exact_rows);
-//     those of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K (six bits) from g_rows16_bf16_rows rows (past the exact kernel's)
+//     those of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K (six bits) from g_rows16_bf16_rows rows (past the exact kernel's)
 //     on this module's own tile kernel over bf16-rounded weights (quant_rows16_amx.h), Q8_0's
 //     few rows on the copy's float kernel (rows16_bf16); other
 //     segments' many-row products go to oneDNN from g_amx_onednn_rows rows on (the tiles
@@ -358,8 +358,8 @@ static bool cpu_has(int isa) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (isa == ISA_AVX512_VNNI) return cpu_has(ISA_AVX512) && cpuid7(0, ECX, 11);
   if (isa == ISA_AVX512_BF16) return cpu_has(ISA_AVX512_VNNI) && cpuid7(1, EAX, 5);
-  if (isa == ISA_AMX_BF16 || isa == ISA_AMX_INT8) {
-    if (!cpu_has(ISA_AVX512_BF16) || !amx_cpuid(isa == ISA_AMX_INT8)) return false;
+  if (isa == ISA_AMX_BF16 || isa == ISA_AMX_INT8) {  // (and BMI2's pext: the tile kernel's Q5 masks)
+    if (!cpu_has(ISA_AVX512_BF16) || !__builtin_cpu_supports("bmi2") || !amx_cpuid(isa == ISA_AMX_INT8)) return false;
     return request_amx_permission(false, false) == 0;
   }
 #endif
@@ -1055,7 +1055,8 @@ static void gemm_rows16_bf16(const uint16_t* X, int64_t M, int64_t K, int64_t N,
 
 // Types the AMX tile kernel dequantizes from their copies (quant_rows16_amx.h)
 static bool amx_rows16_type(int64_t type) {
-  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || (type == T_Q6_K && q6k_six_bits());
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_0 || type == T_Q5_1 ||
+         type == T_Q5_K || (type == T_Q6_K && q6k_six_bits());
 }
 // Whether a bf16 model's products of this type, g_rows16_bf16_rows rows and more, run on the AMX
 // tile kernel over the type's copy (an AMX path; set_amx_rows16(false): oneDNN's bf16 copies or
@@ -1168,7 +1169,7 @@ static void amx_rows16_run(const torch::Tensor& x, const torch::Tensor& wi, int6
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K]) @ dequant(w).T on the AMX tiles, the weights
 // read from wi (w's interleave_rows16 copy) and rounded to bf16 as they are used
 void gemm_amx_rows16(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
-  TORCH_CHECK(amx_rows16_type(type), "the AMX tile products take Q4_0 / Q4_1 / Q8_0 / Q4_K copies and Q6_K's six-bit ones");
+  TORCH_CHECK(amx_rows16_type(type), "the AMX tile products take Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K copies and Q6_K's six-bit ones");
   if (check_amx_product(x, w, wi, type, out, col0))
     amx_rows16_run(x, wi, type, w.size(0), out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
 }

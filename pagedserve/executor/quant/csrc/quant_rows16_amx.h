@@ -1,7 +1,8 @@
 // Many-row products of bfloat16 models on the AMX tiles, the weights dequantized from the
 // row-interleaved copy (quant_rows16_layout.h) as they are used: each step streams the copy's
-// 4.5 (Q4_0 / Q4_1 / Q4_K), 6.56 (Q6_K's six bits: quant_rows16_amx_q6k.h decodes them) or 8.5
-// (Q8_0) bits a weight from memory instead of 16. Included
+// 4.5 (Q4_0 / Q4_1 / Q4_K), 5.5 (Q5_0 / Q5_1 / Q5_K: a nibble plus its fifth bit from the copy's
+// masks), 6.56 (Q6_K's six bits: quant_rows16_amx_q6k.h decodes them) or 8.5 (Q8_0) bits a weight
+// from memory instead of 16. Included
 // once by quant_kernels.cpp inside namespace amx_bf16_rows16, in a region compiled for AMX-BF16
 // and AVX512-BF16; run only where the CPU has the tiles and Linux granted them (current_isa()
 // >= ISA_AMX_BF16). No include guard on purpose.
@@ -15,7 +16,8 @@
 // run last on tiles configured for that many rows.
 //
 // Numerics: each weight is fma(q, d, m) in float32 (Q4_0: fma(q, d, -8 d), the exact (q - 8) d;
-// Q4_K: fma(q, d sc, -(dmin m)), ggml's d1 q - m1; Q8_0: q d; Q6_K: (d sc) (q - 32)), rounded once to bf16 (round to
+// Q4_K: fma(q, d sc, -(dmin m)), ggml's d1 q - m1; Q5_x as Q4_x with q < 32 (Q5_0: fma(q, d, -16 d));
+// Q8_0: q d; Q6_K: (d sc) (q - 32)), rounded once to bf16 (round to
 // nearest even): the bf16 copy's weights (QuantLinear.attach_bf16_copy) up to that fma's
 // rounding; products summed in float32 by the tiles (the order of oneDNN's brgemm on the same
 // tiles is its own). A row's result does not depend on the other rows.
@@ -68,6 +70,39 @@ inline void deq_chunks(const uint8_t* q, __m512 d, __m512 m, uint16_t* dst, cons
   }
 }
 
+// The Q5 copies' fifth bits (quant_rows16_layout.h: mask 2 c + n, bit b for the nibble n of chunk
+// c's byte b) of the bytes pair_ctl(h, s) picks, as its 16 dwords' lane mask: _pext_u64 of the mask
+// by pattern hs (bits 16 L + 8 h + s + 2 i, ascending: dword 4 L + i)
+inline uint64_t fifth_bit_pattern(int h, int s) {
+  uint64_t p = 0;
+  for (int L = 0; L < 4; ++L)
+    for (int i = 0; i < 4; ++i) p |= uint64_t{1} << (16 * L + 8 * h + s + 2 * i);
+  return p;
+}
+
+// deq_chunks for a Q5 block (Q5_0 / Q5_1 / a Q5_K sub-block): each nibble plus 16 where its
+// fifth bit is set (masks: the block's 8 words), then fma(q, d, m)
+inline void deq_chunks5(const uint8_t* masks, const uint8_t* q, __m512 d, __m512 m, uint16_t* dst,
+                        const __m512i ctl[4], const uint64_t pat[4], __m512i idx) {
+  const __m512i low = _mm512_set1_epi32(15), b16 = _mm512_set1_epi32(16);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(q + 64 * c);
+    uint64_t fl, fh;  // the fifth bits of the chunk's low nibbles, its high ones
+    std::memcpy(&fl, masks + 8 * (2 * c), 8);
+    std::memcpy(&fh, masks + 8 * (2 * c + 1), 8);
+    for (int hs = 0; hs < 4; ++hs) {
+      const __m512i x = _mm512_shuffle_epi8(v, ctl[hs]);
+      __m512i ql = _mm512_and_si512(x, low), qh = _mm512_srli_epi32(x, 4);
+      ql = _mm512_mask_add_epi32(ql, static_cast<__mmask16>(_pext_u64(fl, pat[hs])), ql, b16);
+      qh = _mm512_mask_add_epi32(qh, static_cast<__mmask16>(_pext_u64(fh, pat[hs])), qh, b16);
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), d, m);
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qh), d, m);
+      const int p = 2 * c + (hs & 1) + 8 * (hs >> 1);
+      _mm512_storeu_si512(dst + 32 * p, pack_pairs(lo, hi, idx));
+    }
+  }
+}
+
 inline __m512 h16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 u8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -89,6 +124,26 @@ inline void deq_q4k(const uint8_t* hdr, int64_t sb, uint16_t* dst, const __m512i
   deq_chunks(hdr + Q4K_HDR + Q4K_SUB * sb, d, m, dst, ctl, idx);
 }
 
+// One block of a Q5_0 / Q5_1 copy: d[16] | m[16] (MIN) | 8 masks | 4 chunks; Q5_0's fma(q, d, -16 d),
+// the exact (q - 16) d
+template <bool MIN>
+inline void deq_q5(const uint8_t* blk, uint16_t* dst, const __m512i ctl[4], const uint64_t pat[4], __m512i idx) {
+  const __m512 d = h16(blk);
+  const __m512 m = MIN ? h16(blk + 32) : _mm512_mul_ps(d, _mm512_set1_ps(-16.0f));
+  const uint8_t* masks = blk + (MIN ? 64 : 32);
+  deq_chunks5(masks, masks + 64, d, m, dst, ctl, pat, idx);
+}
+
+// Sub-block sb of a Q5_K copy's super-block (Q4_K's header, then per sub-block 8 masks and 4
+// chunks): fma(q, d sc, -(dmin m)), as Q4_K's
+inline void deq_q5k(const uint8_t* hdr, int64_t sb, uint16_t* dst, const __m512i ctl[4], const uint64_t pat[4],
+                    __m512i idx) {
+  const __m512 d = _mm512_mul_ps(h16(hdr), u8x16(hdr + 64 + 16 * sb));
+  const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(h16(hdr + 32), u8x16(hdr + 192 + 16 * sb)));
+  const uint8_t* masks = hdr + Q4K_HDR + Q5K_SUB * sb;
+  deq_chunks5(masks, masks + 64, d, m, dst, ctl, pat, idx);
+}
+
 // The same for a Q8_0 copy (byte [j][r] = row r's quant j)
 inline void deq_q8(const uint8_t* blk, uint16_t* dst, __m512i idx) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
@@ -102,7 +157,7 @@ inline void deq_q8(const uint8_t* blk, uint16_t* dst, __m512i idx) {
 
 // Bytes of a 16-row group's copy of K columns
 inline int64_t group_bytes(int type, int64_t K) {
-  return K / (type == T_Q4_K || type == T_Q6_K ? 256 : 32) * rows16_block_bytes(type);
+  return K / (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? 256 : 32) * rows16_block_bytes(type);
 }
 
 // The next item's dequantization, done a slice at a time between the current item's tile
@@ -113,6 +168,7 @@ struct NextItem {
   uint16_t* dst = nullptr;       // its buffer
   int64_t K = 0, nb = 0, bb = 0, gb = 0, total = 0, done = 0;  // nb: blocks of 32 a group
   __m512i ctl[4], idx;
+  uint64_t pat[4];  // the Q5 copies' fifth-bit patterns, in ctl's order
 
   void init(int t, int64_t k) {
     type = t;
@@ -124,6 +180,7 @@ struct NextItem {
     ctl[1] = pair_ctl(1, 0);
     ctl[2] = pair_ctl(0, 1);
     ctl[3] = pair_ctl(1, 1);
+    for (int hs = 0; hs < 4; ++hs) pat[hs] = fifth_bit_pattern(hs & 1, hs >> 1);
     alignas(64) uint16_t ix[32];
     for (int n = 0; n < 16; ++n) {
       ix[2 * n] = static_cast<uint16_t>(n);
@@ -148,6 +205,9 @@ struct NextItem {
       else if (type == T_Q4_0) deq_q4<false>(g + b * bb, o, ctl, idx);
       else if (type == T_Q4_K) deq_q4k(g + (b / 8) * bb, b % 8, o, ctl, idx);
       else if (type == T_Q6_K) avx512_bf16_vbmi::amx_b_rows_q6k_six(g + (b / 8) * bb, b % 8, o);
+      else if (type == T_Q5_K) deq_q5k(g + (b / 8) * bb, b % 8, o, ctl, pat, idx);
+      else if (type == T_Q5_1) deq_q5<true>(g + b * bb, o, ctl, pat, idx);
+      else if (type == T_Q5_0) deq_q5<false>(g + b * bb, o, ctl, pat, idx);
       else deq_q8(g + b * bb, o, idx);
     }
   }
