@@ -812,7 +812,7 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
         kernels.set_q6k_six_bits(six)
 
 
-EXACT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+EXACT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K)
 
 
 @needs_amx

@@ -1,5 +1,6 @@
 // Few-row products (1 .. 16 rows: decode steps, speculative verifications) of bfloat16 models
-// on the AMX tiles over the row-interleaved copies of Q4_0 / Q4_1 / Q4_K, the quants exact: no
+// on the AMX tiles over the row-interleaved copies of Q4_0 / Q4_1 / Q4_K and Q5_0 / Q5_1 / Q5_K
+// (a nibble plus its fifth bit from the copy's masks), the quants exact: no
 // weight is rounded. Included by quant_kernels.cpp inside namespace amx_bf16_rows16 after
 // quant_rows16_amx.h (its configure, h16, u8x16, round_bf16), in the AMX-BF16 region; run only
 // where the CPU has the tiles and Linux granted them. No include guard on purpose.
@@ -14,7 +15,7 @@
 //
 // Numerics, per output row and block: s = the tile's sum over the block of x[j] (128 + q[j])
 // (products exact, summed in float32 in the tile's order), acc += s d, then acc += c xsum with
-// c = m - (128 + z) d (z: Q4_0's 8; m: Q4_1's min, Q4_K's -dmin m_sb, 0 for Q4_0; d: Q4_K's
+// c = m - (128 + z) d (z: Q4_0's 8, Q5_0's 16; m: Q4_1's / Q5_1's min, the K-quants' -dmin m_sb, 0 for Q4_0 / Q5_0; d: the K-quants'
 // d sc_sb) and xsum the block's activation sum (float32, element order: group_sums). The
 // quants' offset costs about 4 bits of the block sums' float32 precision (s ~ 18x the sum
 // over q alone), far below the activations' bf16 rounding. A row's result does not depend on
@@ -33,12 +34,26 @@ struct ExactArgs {
 };
 
 // Block b (32 along K) of a Q4 group's chunks at q -> 16 tile rows at dst: row j = the group's
-// 16 rows' pairs (j, j + 16), each the bf16 of 128 + q
+// 16 rows' pairs (j, j + 16), each the bf16 of 128 + q. Q5_0 / Q5_1 / Q5_K: q at the block's 8
+// fifth-bit masks, its chunks after them; a nibble whose bit is set gets 16 (128 + q < 160 stays
+// exact: bf16 steps by 1 from 128 to 256)
+template <int TYPE>
 inline void exact_words(const uint8_t* q, uint16_t* dst) {
-  const __m512i m4 = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x43);
+  constexpr bool q5 = TYPE == T_Q5_0 || TYPE == T_Q5_1 || TYPE == T_Q5_K;
+  const uint8_t* chunks = q5 ? q + 64 : q;
+  const __m512i m4 = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x43), b16 = _mm512_set1_epi8(16);
   for (int c = 0; c < 4; ++c) {
-    const __m512i v = _mm512_loadu_si512(q + 64 * c);
-    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    const __m512i v = _mm512_loadu_si512(chunks + 64 * c);
+    __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if constexpr (q5) {  // masks 2 c and 2 c + 1: bit b for the low / high nibble of byte b
+      uint64_t fl, fh;
+      std::memcpy(&fl, q + 8 * (2 * c), 8);
+      std::memcpy(&fh, q + 8 * (2 * c + 1), 8);
+      lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(fl), lo, b16);
+      hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fh), hi, b16);
+    } else {
+      (void)b16;
+    }
     _mm512_storeu_si512(dst + 32 * (4 * c + 0), _mm512_unpacklo_epi8(lo, top));
     _mm512_storeu_si512(dst + 32 * (4 * c + 1), _mm512_unpacklo_epi8(hi, top));
     _mm512_storeu_si512(dst + 32 * (4 * c + 2), _mm512_unpackhi_epi8(lo, top));
@@ -49,26 +64,31 @@ inline void exact_words(const uint8_t* q, uint16_t* dst) {
 // Block b of group g in a copy of nb blocks a group: where its bytes start (Q4_K: its
 // super-block's header), its chunks, and (scales) its 16 rows' d and c (see Numerics)
 template <int TYPE>
+constexpr bool exact_kquant() { return TYPE == T_Q4_K || TYPE == T_Q5_K; }
+template <int TYPE>
 inline const uint8_t* exact_block(const uint8_t* WI, int64_t g, int64_t nb, int64_t b) {
-  if constexpr (TYPE == T_Q4_K) return WI + (g * (nb / 8) + b / 8) * rows16_block_bytes(T_Q4_K);
+  if constexpr (exact_kquant<TYPE>()) return WI + (g * (nb / 8) + b / 8) * rows16_block_bytes(TYPE);
   return WI + (g * nb + b) * rows16_block_bytes(TYPE);
 }
 template <int TYPE>
 inline const uint8_t* exact_quants(const uint8_t* WI, int64_t g, int64_t nb, int64_t b) {
-  if constexpr (TYPE == T_Q4_K) return exact_block<TYPE>(WI, g, nb, b) + Q4K_HDR + Q4K_SUB * (b % 8);
-  return exact_block<TYPE>(WI, g, nb, b) + rows16_scales_bytes(TYPE);
+  if constexpr (exact_kquant<TYPE>())
+    return exact_block<TYPE>(WI, g, nb, b) + Q4K_HDR + (TYPE == T_Q5_K ? Q5K_SUB : Q4K_SUB) * (b % 8);
+  return exact_block<TYPE>(WI, g, nb, b) + rows16_scales_bytes(TYPE);  // (Q5_0 / Q5_1: the masks)
 }
 template <int TYPE>
 inline void exact_scales(const uint8_t* WI, int64_t g, int64_t nb, int64_t b, __m512& d, __m512& c) {
   const uint8_t* blk = exact_block<TYPE>(WI, g, nb, b);
-  if constexpr (TYPE == T_Q4_K) {
+  if constexpr (exact_kquant<TYPE>()) {
     const int64_t sb = b % 8;
     d = _mm512_mul_ps(h16(blk), u8x16(blk + 64 + 16 * sb));
     c = _mm512_fnmadd_ps(h16(blk + 32), u8x16(blk + 192 + 16 * sb), _mm512_mul_ps(_mm512_set1_ps(-128.0f), d));
-  } else {
+  } else if constexpr (TYPE == T_Q4_1 || TYPE == T_Q5_1) {
     d = h16(blk);
-    c = TYPE == T_Q4_1 ? _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), d, h16(blk + 32))
-                       : _mm512_mul_ps(_mm512_set1_ps(-136.0f), d);
+    c = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), d, h16(blk + 32));
+  } else {  // z = 8 (Q4_0), 16 (Q5_0)
+    d = h16(blk);
+    c = _mm512_mul_ps(_mm512_set1_ps(TYPE == T_Q5_0 ? -144.0f : -136.0f), d);
   }
 }
 
@@ -99,7 +119,7 @@ inline void exact_groups(const ExactArgs& a, const uint8_t* WI, int64_t g0, int6
     const uint8_t* q = exact_quants<TYPE>(WI, w.g, nb, w.b);
     for (int i = -1; i < 4; ++i)  // ~8 blocks further on in the stream, their scales too
       _mm_prefetch(reinterpret_cast<const char*>(q + 8 * 320 + 64 * i), _MM_HINT_T0);
-    exact_words(q, ring + 512 * (s % EXACT_RING));
+    exact_words<TYPE>(q, ring + 512 * (s % EXACT_RING));
     w.next();
   };
   auto scale = [&](int64_t s) {  // block s's sums (stored in cs by parity) into acc; a group's end
@@ -178,6 +198,9 @@ inline void gemm_exact(const ExactArgs& a, const uint8_t* WI, int64_t g0, int64_
   using std::integral_constant;
   if (a.type == T_Q4_1) rows(integral_constant<int, T_Q4_1>{});
   else if (a.type == T_Q4_0) rows(integral_constant<int, T_Q4_0>{});
+  else if (a.type == T_Q5_1) rows(integral_constant<int, T_Q5_1>{});
+  else if (a.type == T_Q5_0) rows(integral_constant<int, T_Q5_0>{});
+  else if (a.type == T_Q5_K) rows(integral_constant<int, T_Q5_K>{});
   else rows(integral_constant<int, T_Q4_K>{});
   _tile_release();
 }
