@@ -758,13 +758,13 @@ def test_amx_tile_products_match_the_bf16_reference(qtype):
 
 
 @needs_amx
-def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
-    """On an AMX path a bf16 layer's products from 9 rows run on the tile kernel over its
-    copies: every segment there (Q4_1 + Q8_0, a float bias): bf16 straight out of the kernel,
-    the bias added before rounding, the bits of the float product plus bias rounded once; a
-    segment of another type (Q6_K in its byte layout) beside them keeps its own product and the
-    others still take the tiles (up to 16 rows the Q4_1 one the exact kernel, per segment).
-    Fewer rows, set_amx_rows16(False), a path below AMX, float32 activations: no tile product."""
+def test_qlinear_runs_bf16_layers_on_the_amx_tiles_past_the_exact_rows():
+    """On an AMX path a bf16 layer's products past the exact kernel's 16 rows (Q4_1 + Q8_0: both
+    take it below; a type without it, Q6_K, from 9 rows) run on the tile kernel over its copies:
+    every segment there (a float bias): bf16 straight out of the kernel, the bias added before
+    rounding, the bits of the float product plus bias rounded once; a segment of another type
+    (Q6_K in its byte layout) beside them keeps its own product and the others still take the
+    tiles. Fewer rows, set_amx_rows16(False), a path below AMX, float32 activations: no tile product."""
     mod = kernels.load()
     k = 512
     six = kernels.set_q6k_six_bits(False)  # Q6_K's byte layout, through the test: no tiles read it
@@ -785,16 +785,16 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
 
     prev = amx_path()
     try:
-        for m in (9, 40):
+        for m in (9, 17, 40):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
             y, calls = qlinear(x, 2)
+            y3, calls3 = qlinear(x, 3)  # with a Q6_K segment: the float output, products per segment
+            if m <= 16:  # both segments on the exact kernel (test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles)
+                assert calls == calls3 == 0
+                continue
             out, n = by_hand(x, 2)
             assert calls == 2 and y.dtype == torch.bfloat16 and torch.equal(y, (out + bias[:n]).bfloat16())
-            y3, calls = qlinear(x, 3)  # with a Q6_K segment: the float output, products per segment
-            if m > 16:  # the same two tile products
-                assert calls == 2 and torch.equal(y3[:, :80], y)
-            else:  # Q4_1's on the exact kernel (test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles)
-                assert calls == 1 and torch.equal(y3[:, 32:80], y[:, 32:80])
+            assert calls3 == 2 and torch.equal(y3[:, :80], y)  # the same two tile products
         x8 = torch.randn(8, k).bfloat16()
         assert qlinear(x8, 2)[1] == 0  # few rows: the copies' few-row kernel
         assert qlinear(x8.float(), 2)[1] == 0 and qlinear(torch.randn(20, k), 2)[1] == 0  # a float32 model
@@ -812,7 +812,7 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_from_9_rows():
         kernels.set_q6k_six_bits(six)
 
 
-EXACT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K)
+EXACT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0)
 
 
 @needs_amx
@@ -855,13 +855,15 @@ def test_amx_exact_products_match_the_float_reference_row_by_row(qtype):
 def test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles():
     """On an AMX path a bf16 layer of Q4 segments (Q4_1 + Q4_K, a float bias) runs 1 .. 16 rows
     on the exact kernel, bf16 out with the bias added before rounding (the float product plus
-    bias rounded once), and 17 rows on the bf16-rounded tiles; a Q8_0 segment beside them sends
-    a 16-row layer to the tiles, a 3-row one to per-segment products (the Q4_1 one still exact).
-    set_amx_exact_rows(0), a path below AMX, float32 activations: no exact product; more than 16
-    rows by hand: an error."""
+    bias rounded once), and 17 rows on the bf16-rounded tiles; a Q6_K segment beside them (its
+    six-bit copy: the tiles, not the exact kernel) sends a 16-row layer to the tiles, a 3-row one
+    to per-segment products (the Q4 ones still exact). set_amx_exact_rows(0), a path below AMX,
+    float32 activations: no exact product; more than 16 rows by hand: an error."""
     mod = kernels.load()
     k = 512
-    ws, types, wis = layer_segments(k, (Q.Q4_1, 32), (Q.Q4_K, 48), (Q.Q8_0, 16))
+    if not kernels.q6k_six_bits():
+        pytest.skip("Q6_K's tiles read its six-bit copies (AVX512-VBMI)")
+    ws, types, wis = layer_segments(k, (Q.Q4_1, 32), (Q.Q4_K, 48), (Q.Q6_K, 16))
     bias = torch.randn(96)
 
     def qlinear(x, n_seg=2):
@@ -881,8 +883,8 @@ def test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles():
             kernels.gemm_amx_exact(x, ws[1], wis[1], types[1], out, 32)
             assert (exact, tiles) == (2, 0) and y.dtype == torch.bfloat16 and torch.equal(y, (out + bias[:80]).bfloat16())
         assert qlinear(torch.randn(17, k).bfloat16())[1:] == (0, 2)
-        assert qlinear(torch.randn(16, k).bfloat16(), 3)[1:] == (0, 3)  # a Q8_0 segment: the tiles, all three
-        assert qlinear(torch.randn(3, k).bfloat16(), 3)[1:] == (2, 0)  # each Q4 segment exact, Q8_0 its own
+        assert qlinear(torch.randn(16, k).bfloat16(), 3)[1:] == (0, 3)  # a Q6_K segment: the tiles, all three
+        assert qlinear(torch.randn(3, k).bfloat16(), 3)[1:] == (2, 0)  # each Q4 segment exact, Q6_K its own
         assert qlinear(torch.randn(3, k), 2)[1:] == (0, 0)  # a float32 model
         assert kernels.set_amx_exact_rows(0) == 16
         try:

@@ -1083,12 +1083,13 @@ static bool check_amx_product(const torch::Tensor& x, const torch::Tensor& w, co
 }
 
 // Few-row products on the tiles with the quants exact (quant_rows16_amx_exact.h): Q4_0 / Q4_1 /
-// Q4_K / Q5_0 / Q5_1 / Q5_K segments with a copy, 1 .. g_amx_exact_rows rows (at most 16; 0: off), ahead of the
+// Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 segments with a copy, 1 .. g_amx_exact_rows rows (at most 16; 0: off), ahead of the
 // float / bf16 few-row kernels and of the bf16-rounded tiles above. Rows 1 .. 16 then compute
 // every row alike, so n-gram verifications of up to 15 guesses give the 1-row steps' tokens.
 static int64_t g_amx_exact_rows = 16;
 static bool amx_exact_type(int64_t type) {
-  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K;
+  return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K ||
+         type == T_Q8_0;
 }
 static bool amx_exact(int64_t type) {
   return QK_X86 && g_amx_exact_rows > 0 && current_isa() >= ISA_AMX_BF16 && amx_exact_type(type);
@@ -1128,7 +1129,7 @@ static void amx_exact_run(const torch::Tensor& x, const torch::Tensor& wi, int64
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K], M <= 16) @ dequant(w).T on the AMX tiles, the
 // quants exact, read from wi (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q4_K)
 void gemm_amx_exact(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
-  TORCH_CHECK(amx_exact_type(type), "the exact tile products take Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K copies");
+  TORCH_CHECK(amx_exact_type(type), "the exact tile products take Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 copies");
   TORCH_CHECK(x.dim() != 2 || x.size(0) <= 16, "the exact tile products take 1 .. 16 rows");
   if (check_amx_product(x, w, wi, type, out, col0))
     amx_exact_run(x, wi, type, w.size(0), out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
