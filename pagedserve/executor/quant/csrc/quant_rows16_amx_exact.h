@@ -1,6 +1,6 @@
 // Few-row products (1 .. 16 rows: decode steps, speculative verifications) of bfloat16 models
 // on the AMX tiles over the row-interleaved copies of Q4_0 / Q4_1 / Q4_K, Q5_0 / Q5_1 / Q5_K
-// (a nibble plus its fifth bit from the copy's masks) and Q8_0 (two tiles a block:
+// (a nibble plus its fifth bit from the copy's masks) and Q8_0 (the bf16 of q itself:
 // exact_words_q8), the quants exact: no
 // weight is rounded. Included by quant_kernels.cpp inside namespace amx_bf16_rows16 after
 // quant_rows16_amx.h (its configure, h16, u8x16, round_bf16), in the AMX-BF16 region; run only
@@ -19,7 +19,7 @@
 // c = m - (128 + z) d (z: Q4_0's 8, Q5_0's 16; m: Q4_1's / Q5_1's min, the K-quants' -dmin m_sb, 0 for Q4_0 / Q5_0; d: the K-quants'
 // d sc_sb) and xsum the block's activation sum (float32, element order: group_sums). The
 // quants' offset costs about 4 bits of the block sums' float32 precision (s ~ 18x the sum
-// over q alone), far below the activations' bf16 rounding. A row's result does not depend on
+// over q alone; Q8_0: no offset, its words are q), far below the activations' bf16 rounding. A row's result does not depend on
 // the other rows or their number: the tiles compute each row alone, so a k-token verification
 // computes what the 1-row steps compute.
 
@@ -62,23 +62,17 @@ inline void exact_words(const uint8_t* q, uint16_t* dst) {
   }
 }
 
-// Block b of a Q8_0 copy's quants at q (byte [j][r] = row r's q[j]) -> two sets of 16 tile rows
-// at dst and dst + 512: row j = the 16 rows' pairs (j, j + 16) of u = q + 128 (0 .. 255) split
-// as u = 16 h + l: the bf16 of 128 + l (0x4300 | l) and of 16 (128 + h) (0x4500 | h: bf16 steps
-// by 16 from 2,048 to 4,096), both exact. The tiles sum x (128 + l) + x 16 (128 + h) = x (q +
-// 2,304) into one C tile.
+// Block b of a Q8_0 copy's quants at q (byte [j][r] = row r's q[j]) -> 16 tile rows at dst: row
+// j = the 16 rows' pairs (j, j + 16) as the bf16 of q itself (exact: |q| <= 128), through float32
 inline void exact_words_q8(const uint8_t* q, uint16_t* dst) {
-  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
-  const __m256i m4 = _mm256_set1_epi8(15);
-  const __m512i lo_top = _mm512_set1_epi16(0x4300), hi_top = _mm512_set1_epi16(0x4500);
-  for (int j = 0; j < 16; ++j) {
-    const __m128i a = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)), flip);
-    const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * (j + 16))), flip);
-    const __m256i u = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));  // row r: (u[j], u[j + 16])
-    const __m256i l = _mm256_and_si256(u, m4), h = _mm256_and_si256(_mm256_srli_epi16(u, 4), m4);
-    _mm512_storeu_si512(dst + 32 * j, _mm512_or_si512(_mm512_cvtepu8_epi16(l), lo_top));
-    _mm512_storeu_si512(dst + 512 + 32 * j, _mm512_or_si512(_mm512_cvtepu8_epi16(h), hi_top));
-  }
+  alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(pairs);
+  auto f = [&](int64_t j) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j))));
+  };
+  for (int j = 0; j < 16; ++j)
+    _mm512_storeu_si512(dst + 32 * j, _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(f(j + 16), f(j))));
 }
 
 // Block b of group g in a copy of nb blocks a group: where its bytes start (Q4_K: its
@@ -106,9 +100,12 @@ inline void exact_scales(const uint8_t* WI, int64_t g, int64_t nb, int64_t b, __
   } else if constexpr (TYPE == T_Q4_1 || TYPE == T_Q5_1) {
     d = h16(blk);
     c = _mm512_fmadd_ps(_mm512_set1_ps(-128.0f), d, h16(blk + 32));
-  } else {  // z = 8 (Q4_0), 16 (Q5_0); Q8_0's words sum x (q + 2,304)
+  } else if constexpr (TYPE == T_Q8_0) {  // its words are q itself: no offset
     d = h16(blk);
-    c = _mm512_mul_ps(_mm512_set1_ps(TYPE == T_Q8_0 ? -2304.0f : TYPE == T_Q5_0 ? -144.0f : -136.0f), d);
+    c = _mm512_setzero_ps();
+  } else {  // z = 8 (Q4_0), 16 (Q5_0)
+    d = h16(blk);
+    c = _mm512_mul_ps(_mm512_set1_ps(TYPE == T_Q5_0 ? -144.0f : -136.0f), d);
   }
 }
 
@@ -117,7 +114,7 @@ inline void exact_scales(const uint8_t* WI, int64_t g, int64_t nb, int64_t b, __
 // instead of ~32 on a Sapphire Rapids (no forwarding into the tiles), so the words are
 // written well before the tiles read them
 constexpr int64_t EXACT_RING = 8, EXACT_AHEAD = 4;
-constexpr int64_t EXACT_SLOT = 1024;  // words a ring slot holds: a block's tile (Q8_0: its two)
+constexpr int64_t EXACT_SLOT = 512;  // words a ring slot holds: a block's tile
 
 // Output columns 16 g0 .. 16 g1 of the MT rows: the thread's groups as one stream of blocks
 // (s: the group s / nb's block s % nb). Per step, block s + EXACT_AHEAD's words into the
@@ -168,16 +165,12 @@ inline void exact_groups(const ExactArgs& a, const uint8_t* WI, int64_t g0, int6
     c.next();
   };
   // block s on tile set 0 or 1 (the tile macros take literal numbers)
-#define PS_EXACT_TILES(A, B, C)                                 \
-  _tile_loadd(B, ring + EXACT_SLOT * (s % EXACT_RING), 64);     \
-  _tile_loadd(A, a.XP + t.b * 16, lda);                         \
-  _tile_zero(C);                                                \
-  _tile_dpbf16ps(C, A, B);                                      \
-  if constexpr (TYPE == T_Q8_0) {                               \
-    _tile_loadd(B, ring + EXACT_SLOT * (s % EXACT_RING) + 512, 64); \
-    _tile_dpbf16ps(C, A, B);                                    \
-  }                                                             \
-  _tile_stored(C, cs + 256 * (s & 1), 64);                      \
+#define PS_EXACT_TILES(A, B, C)                             \
+  _tile_loadd(B, ring + EXACT_SLOT * (s % EXACT_RING), 64); \
+  _tile_loadd(A, a.XP + t.b * 16, lda);                     \
+  _tile_zero(C);                                            \
+  _tile_dpbf16ps(C, A, B);                                  \
+  _tile_stored(C, cs + 256 * (s & 1), 64);                  \
   t.next();
   for (int64_t s = 0; s < std::min(EXACT_AHEAD, total); ++s) words(s);
   for (int64_t s = 0; s < total; ++s) {
