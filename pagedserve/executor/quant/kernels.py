@@ -4,10 +4,11 @@ One module holds a portable scalar path, an AVX2+FMA path (avx_vnni: its int8-ac
 products on AVX-VNNI's vpdpbusd where the CPU has it), an AVX-512 path and, above it,
 avx512_vnni (vpdpbusd in the int8-activation kernels), avx512_bf16 (and the bf16 products of
 bfloat16 models: many rows, and few rows on the row-interleaved copies) and amx_bf16 /
-amx_int8 (AMX tiles present and granted by Linux: a bf16 model's Q4_0 / Q4_1 / Q4_K products
-of 1-16 rows on the exact tile kernel, csrc/quant_rows16_amx_exact.h; more rows, and Q8_0's
-from 9, on the tiles over bf16-rounded weights, csrc/quant_rows16_amx.h; other types' many
-rows through oneDNN, which runs them on the tiles). The best one the CPU has is used, or the
+amx_int8 (AMX tiles present and granted by Linux: a bf16 model's Q4_0 / Q4_1 / Q4_K / Q5_0 /
+Q5_1 / Q5_K / Q8_0 products of 1-16 rows on the exact tile kernel,
+csrc/quant_rows16_amx_exact.h; more rows, and Q6_K's (six-bit copies) from 9, on the tiles over
+bf16-rounded weights, csrc/quant_rows16_amx.h; other types' many rows through oneDNN, which runs
+them on the tiles). The best one the CPU has is used, or the
 one named by PAGEDSERVE_CPU_ISA (those names; a path the CPU lacks is an error). `set_isa()` switches at run time (tests run every
 available path).
 """
@@ -225,7 +226,8 @@ def gemm_bf16(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, c
 def gemm_amx_rows16(x: torch.Tensor, w: torch.Tensor, interleaved: torch.Tensor, qtype: int, out: torch.Tensor,
                     col0: int = 0) -> None:
     """out[:, col0:col0+N] (float32) = x (bf16) @ dequant(w).T on the AMX tiles, the weights read
-    from `interleaved` (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q8_0 / Q4_K) and rounded to bf16 as
+    from `interleaved` (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K,
+    Q6_K's six-bit one) and rounded to bf16 as
     they are used (csrc/quant_rows16_amx.h). Needs an AMX path."""
     load().gemm_amx_rows16(x, w, interleaved, int(qtype), out, int(col0))
 
@@ -234,13 +236,14 @@ def gemm_amx_exact(x: torch.Tensor, w: torch.Tensor, interleaved: torch.Tensor, 
                    col0: int = 0) -> None:
     """out[:, col0:col0+N] (float32) = x (bf16, 1-16 rows) @ dequant(w).T on the AMX tiles, the
     quants exact (no weight rounded), read from `interleaved` (w's interleave_rows16 copy; Q4_0 /
-    Q4_1 / Q4_K; csrc/quant_rows16_amx_exact.h). A row's result does not depend on the others.
+    Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0; csrc/quant_rows16_amx_exact.h). A row's result does
+    not depend on the others.
     Needs an AMX path."""
     load().gemm_amx_exact(x, w, interleaved, int(qtype), out, int(col0))
 
 
 def set_amx_exact_rows(m: int) -> int:
-    """A bfloat16 model's Q4_0 / Q4_1 / Q4_K products of 1 .. m rows (16, the default and the
+    """A bfloat16 model's Q4_0 / Q4_1 / Q4_K / Q5_x / Q8_0 products of 1 .. m rows (16, the default and the
     most; 0: off) on the exact AMX kernel where the layer keeps an interleaved copy, on an AMX
     path. Returns the previous m."""
     return int(load().set_amx_exact_rows(int(m)))
@@ -255,8 +258,8 @@ def set_rows16_bf16(on: bool | None) -> bool:
 
 
 def amx_rows16(qtype: int) -> bool:
-    """Whether a bfloat16 model's products of this type from 9 rows (Q4_0 / Q4_1 / Q4_K: past the
-    exact kernel's 16, set_amx_exact_rows) run on the AMX tiles over the row-interleaved copy (csrc/quant_rows16_amx.h: Q4_0 / Q4_1 / Q8_0 / Q4_K, weights dequantized to
+    """Whether a bfloat16 model's products of this type from 9 rows (the exact kernel's types: past
+    its 16, set_amx_exact_rows) run on the AMX tiles over the row-interleaved copy (csrc/quant_rows16_amx.h: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K, Q6_K's six bits; weights dequantized to
     bf16 as they are used) where the layer keeps one, on the path set now: an AMX path and
     set_amx_rows16 on. 1.2-2x oneDNN on the bf16 copies at 9-64 rows (BENCHMARKS section 65);
     such layers' bf16 copies serve the products from layers.amx_copy_min_rows(K) rows."""

@@ -274,11 +274,12 @@ ISA_TARGET_END()
 //   avx512_bf16: and the bf16 products of bfloat16 models: many rows (quant_bf16.h), few rows on
 //     the row-interleaved copies (quant_rows16_bf16.h);
 //   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
-//     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q4_K / Q5_x segments with a row-interleaved copy
-//     run 1 .. 16 rows on the exact tile kernel (quant_rows16_amx_exact.h, g_amx_exact_rows);
-//     those of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K (six bits) from g_rows16_bf16_rows rows (past the exact kernel's)
-//     on this module's own tile kernel over bf16-rounded weights (quant_rows16_amx.h), Q8_0's
-//     few rows on the copy's float kernel (rows16_bf16); other
+//     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q4_K / Q5_x / Q8_0 segments with a
+//     row-interleaved copy run 1 .. 16 rows on the exact tile kernel (quant_rows16_amx_exact.h,
+//     g_amx_exact_rows); those of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K (six
+//     bits) from g_rows16_bf16_rows rows (past the exact kernel's) on this module's own tile
+//     kernel over bf16-rounded weights (quant_rows16_amx.h), Q6_K's few rows on the copy's bf16
+//     kernel (rows16_bf16); other
 //     segments' many-row products go to oneDNN from g_amx_onednn_rows rows on (the tiles
 //     again); otherwise the avx512_bf16 kernels. (A QuantLinear's oneDNN-packed bf16 copy, in
 //     Python, takes the largest products before they reach this module.)
