@@ -49,7 +49,14 @@ inline __m512i pair_ctl(int h, int s) {
   return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(b)));
 }
 
-// bf16 element 2 n <- lo[n], 2 n + 1 <- hi[n]: one tile row of 16 columns' pairs
+// vpermw's index for pack_pairs: word 2 n <- n, 2 n + 1 <- 16 + n
+inline __m512i pair_index() {
+  alignas(64) static const uint16_t ix[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                              8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_load_si512(ix);
+}
+
+// bf16 element 2 n <- lo[n], 2 n + 1 <- hi[n]: one tile row of 16 columns' pairs (idx: pair_index())
 inline __m512i pack_pairs(__m512 lo, __m512 hi, __m512i idx) {
   return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
@@ -181,12 +188,7 @@ struct NextItem {
     ctl[2] = pair_ctl(0, 1);
     ctl[3] = pair_ctl(1, 1);
     for (int hs = 0; hs < 4; ++hs) pat[hs] = fifth_bit_pattern(hs & 1, hs >> 1);
-    alignas(64) uint16_t ix[32];
-    for (int n = 0; n < 16; ++n) {
-      ix[2 * n] = static_cast<uint16_t>(n);
-      ix[2 * n + 1] = static_cast<uint16_t>(16 + n);
-    }
-    idx = _mm512_load_si512(ix);
+    idx = pair_index();
   }
   // groups (1 or 2) from src into dst; nothing left for groups = 0
   void start(const uint8_t* s, uint16_t* d, int64_t groups) {

@@ -65,20 +65,18 @@ inline void exact_words(const uint8_t* q, uint16_t* dst) {
 // Block b of a Q8_0 copy's quants at q (byte [j][r] = row r's q[j]) -> 16 tile rows at dst: row
 // j = the 16 rows' pairs (j, j + 16) as the bf16 of q itself (exact: |q| <= 128), through float32
 inline void exact_words_q8(const uint8_t* q, uint16_t* dst) {
-  alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_load_si512(pairs);
+  const __m512i idx = pair_index();
   auto f = [&](int64_t j) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j))));
   };
-  for (int j = 0; j < 16; ++j)
-    _mm512_storeu_si512(dst + 32 * j, _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(f(j + 16), f(j))));
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + 32 * j, pack_pairs(f(j), f(j + 16), idx));
 }
 
-// Block b of group g in a copy of nb blocks a group: where its bytes start (Q4_K: its
-// super-block's header), its chunks, and (scales) its 16 rows' d and c (see Numerics)
 template <int TYPE>
 constexpr bool exact_kquant() { return TYPE == T_Q4_K || TYPE == T_Q5_K; }
+
+// Block b of group g in a copy of nb blocks a group: where its bytes start (the K-quants: its
+// super-block's header), its chunks (Q5: its masks), and (scales) its 16 rows' d and c (see Numerics)
 template <int TYPE>
 inline const uint8_t* exact_block(const uint8_t* WI, int64_t g, int64_t nb, int64_t b) {
   if constexpr (exact_kquant<TYPE>()) return WI + (g * (nb / 8) + b / 8) * rows16_block_bytes(TYPE);
