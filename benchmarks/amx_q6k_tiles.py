@@ -10,11 +10,11 @@ output layer [128256, 2048] (Q6_K in Q4_K_M files; --type q4_k: the same shapes 
 
 import argparse
 import json
+import os
 import statistics
+import sys
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from pagedserve.bench.timing import sample_times
@@ -22,17 +22,12 @@ from pagedserve.executor import onednn_linear
 from pagedserve.executor.quant import kernels
 
 
-def packed(qtype, n, k, seed):
-    rng = np.random.default_rng(seed)
-    be, bb = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(n, k // be, bb), dtype=np.uint8)
-    scale = np.full((n, k // be, 1), np.float16(0.002)).view(np.uint8)
-    if qtype == Q.Q6_K:
-        raw[..., 192:208] = rng.integers(-8, 8, size=(n, k // be, 16), dtype=np.int8).view(np.uint8)  # int8 scales
-        raw[..., 208:210] = scale  # d
-    else:  # Q4_K: d, dmin
-        raw[..., 0:2] = raw[..., 2:4] = scale
-    return torch.from_numpy(raw.reshape(n, -1))
+def packed(qtype, n, k, seed=0):
+    """Random blocks with finite scales (the tests' own generator)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+    from tests.executor.test_quant_kernels import random_packed
+
+    return torch.from_numpy(random_packed(qtype, n, k, seed))
 
 
 def main():

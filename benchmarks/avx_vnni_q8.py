@@ -15,7 +15,9 @@ path, alternating): gguf_q8 in float32, 64 requests of 256 random tokens generat
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -28,14 +30,11 @@ from pagedserve.executor.quant import kernels
 
 
 def packed(qtype, n, k, seed=0):
-    rng = np.random.default_rng(seed)
-    be, bb = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(n, k // be, bb), dtype=np.uint8)
-    scale = np.full((n, k // be, 1), np.float16(0.01)).view(np.uint8)  # finite scales (d; Q4_1's m, Q4_K's dmin)
-    raw[..., 0:2] = scale
-    if qtype in (Q.Q4_1, Q.Q4_K):
-        raw[..., 2:4] = scale
-    return torch.from_numpy(raw.reshape(n, -1))
+    """Random blocks with finite scales (the tests' own generator)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+    from tests.executor.test_quant_kernels import random_packed
+
+    return torch.from_numpy(random_packed(qtype, n, k, seed))
 
 
 def us(fn, n=30):

@@ -135,28 +135,28 @@ def warm_up(model: nn.Module, max_rows: int, head_rows: int) -> int:
     the hole the previous one left, so an ascending warm-up grew the heap by the sum of them
     all (+0.95 GB for one [28672, 4096] weight, +2 GB for a 7 B model; descending: +1 MB)."""
     seen, n = set(), 0
+
+    def run(key, w: torch.Tensor, lo: int, hi: int, product, calls: int) -> None:
+        """product(x) at every bucket of lo..hi rows, largest first, once per key."""
+        nonlocal n
+        if key in seen:
+            return
+        seen.add(key)
+        with torch.inference_mode():
+            for m in reversed(bucket_sizes(lo, hi)):
+                product(torch.zeros(m, w.shape[1], dtype=w.dtype))
+                n += calls
+
     for name, mod in model.named_modules():
         products = getattr(mod, "packed_products", None)
         for packed, bias, lo in products() if callable(products) else ():
             hi = head_rows if name.rsplit(".", 1)[-1] == "lm_head" else max_rows
             key = (tuple(packed.shape), packed.dtype, bias is None, lo, hi)
-            if key in seen:
-                continue
-            seen.add(key)
-            with torch.inference_mode():
-                for m in reversed(bucket_sizes(lo, hi)):
-                    packed_linear(torch.zeros(m, packed.shape[1], dtype=packed.dtype), packed, bias)
-                    n += 1
+            run(key, packed, lo, hi, lambda x, p=packed, b=bias: packed_linear(x, p, b), 1)
         silu = getattr(mod, "silu_products", None)
-        for gate, up, lo in silu() if callable(silu) else ():  # packed_silu_mul's primitives
+        for gate, up, lo in silu() if callable(silu) else ():  # packed_silu_mul's two primitives
             key = ("silu", tuple(gate.shape), gate.dtype, lo)
-            if key in seen:
-                continue
-            seen.add(key)
-            with torch.inference_mode():
-                for m in reversed(bucket_sizes(lo, max_rows)):
-                    packed_silu_mul(torch.zeros(m, gate.shape[1], dtype=gate.dtype), gate, up)
-                    n += 2
+            run(key, gate, lo, max_rows, lambda x, g=gate, u=up: packed_silu_mul(x, g, u), 2)
     return n
 
 
