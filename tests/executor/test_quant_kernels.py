@@ -812,7 +812,7 @@ def test_qlinear_runs_bf16_layers_on_the_amx_tiles_past_the_exact_rows():
         kernels.set_q6k_six_bits(six)
 
 
-EXACT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0)
+EXACT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0, Q.Q6_K)
 
 
 @needs_amx
@@ -855,9 +855,10 @@ def test_amx_exact_products_match_the_float_reference_row_by_row(qtype):
 def test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles():
     """On an AMX path a bf16 layer of Q4 segments (Q4_1 + Q4_K, a float bias) runs 1 .. 16 rows
     on the exact kernel, bf16 out with the bias added before rounding (the float product plus
-    bias rounded once), and 17 rows on the bf16-rounded tiles; a Q6_K segment beside them (its
-    six-bit copy: the tiles, not the exact kernel) sends a 16-row layer to the tiles, a 3-row one
-    to per-segment products (the Q4 ones still exact). set_amx_exact_rows(0), a path below AMX,
+    bias rounded once), and 17 rows on the bf16-rounded tiles; a Q6_K segment beside them takes
+    both kernels too with its six-bit copy (the exact one from 2 rows: one row stays on its bf16
+    kernel), while its byte copy (no VBMI) sends the layer to per-segment products (the Q4 ones
+    still exact). set_amx_exact_rows(0), a path below AMX,
     float32 activations: no exact product; more than 16 rows by hand: an error."""
     mod = kernels.load()
     k = 512
@@ -883,8 +884,17 @@ def test_qlinear_runs_few_rows_of_q4_layers_on_the_exact_tiles():
             kernels.gemm_amx_exact(x, ws[1], wis[1], types[1], out, 32)
             assert (exact, tiles) == (2, 0) and y.dtype == torch.bfloat16 and torch.equal(y, (out + bias[:80]).bfloat16())
         assert qlinear(torch.randn(17, k).bfloat16())[1:] == (0, 2)
-        assert qlinear(torch.randn(16, k).bfloat16(), 3)[1:] == (0, 3)  # a Q6_K segment: the tiles, all three
-        assert qlinear(torch.randn(3, k).bfloat16(), 3)[1:] == (2, 0)  # each Q4 segment exact, Q6_K its own
+        assert qlinear(torch.randn(16, k).bfloat16(), 3)[1:] == (3, 0)  # Q6_K's six-bit copy: exact too,
+        assert qlinear(torch.randn(2, k).bfloat16(), 3)[1:] == (3, 0)
+        assert qlinear(torch.randn(1, k).bfloat16(), 3)[1:] == (2, 0)  # but one row on its bf16 kernel
+        assert qlinear(torch.randn(17, k).bfloat16(), 3)[1:] == (0, 3)
+        six = kernels.set_q6k_six_bits(False)
+        try:  # Q6_K's byte copy: neither tile kernel takes it, each Q4 segment stays exact
+            wis[2] = kernels.interleave_rows16(ws[2], types[2], k)
+            assert qlinear(torch.randn(16, k).bfloat16(), 3)[1:] == (2, 0)
+            assert qlinear(torch.randn(3, k).bfloat16(), 3)[1:] == (2, 0)
+        finally:
+            kernels.set_q6k_six_bits(six)
         assert qlinear(torch.randn(3, k), 2)[1:] == (0, 0)  # a float32 model
         assert kernels.set_amx_exact_rows(0) == 16
         try:

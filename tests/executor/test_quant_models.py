@@ -307,6 +307,34 @@ def test_a_k_quant_engine_runs_its_many_rows_on_the_amx_tiles(kquant_checkpoint,
 
 
 @pytest.mark.skipif(not HAVE_AMX, reason=WHY or "this CPU lacks AMX-BF16 (or Linux refused the tiles)")
+def test_bf16_speculation_on_the_exact_tiles_gives_the_greedy_tokens_of_plain_decode(kquant_checkpoint, tmp_path, monkeypatch):
+    """On an AMX path a bf16 engine of a Q4_K file runs its 1-16-row products on the exact tile
+    kernel, which computes each row alone: n-gram speculation's verification rows (k + 1 at
+    once) give the logits of 1-row decode steps, so the same greedy tokens as plain decode, with
+    some guesses accepted. Ten guesses: verification steps of up to 11 rows. (Q6_K's one-row
+    products stay on its bf16 kernel: not this test's.)"""
+    from pagedserve import LLM, SamplingParams
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_quant_gguf(Q.Q4_K, tmp_path, monkeypatch, kquant_checkpoint)
+    isa = kernels.set_isa(kernels.available_isas()[-1])
+    try:
+        kw = dict(dtype="bfloat16", max_model_len=256, num_kv_blocks=200)
+        sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": ([7, 8, 9, 10, 11] * 6)[:20]}]
+        base = LLM(path, **kw).generate(prompts, sp, use_tqdm=False)
+        spec = {"method": "ngram", "num_speculative_tokens": 10, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        llm = LLM(path, speculative_config=spec, **kw)
+        before = kernels.load().bf16_calls()[4]
+        got = llm.generate(prompts, sp, use_tqdm=False)
+        assert kernels.load().bf16_calls()[4] > before
+        assert got[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+        assert llm.get_stats().spec_num_accepted_tokens > 0
+    finally:
+        kernels.set_isa(isa)
+
+
+@pytest.mark.skipif(not HAVE_AMX, reason=WHY or "this CPU lacks AMX-BF16 (or Linux refused the tiles)")
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_a_long_k_layer_leaves_the_tiles_after_one_chunk_of_rows(qtype):
     """The AMX tile kernel takes 64 rows at a time at K = 8,192 (past them it would dequantize the

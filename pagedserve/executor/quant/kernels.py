@@ -5,9 +5,9 @@ products on AVX-VNNI's vpdpbusd where the CPU has it), an AVX-512 path and, abov
 avx512_vnni (vpdpbusd in the int8-activation kernels), avx512_bf16 (and the bf16 products of
 bfloat16 models: many rows, and few rows on the row-interleaved copies) and amx_bf16 /
 amx_int8 (AMX tiles present and granted by Linux: a bf16 model's Q4_0 / Q4_1 / Q4_K / Q5_0 /
-Q5_1 / Q5_K / Q8_0 products of 1-16 rows on the exact tile kernel,
-csrc/quant_rows16_amx_exact.h; more rows, and Q6_K's (six-bit copies) from 9, on the tiles over
-bf16-rounded weights, csrc/quant_rows16_amx.h; other types' many rows through oneDNN, which runs
+Q5_1 / Q5_K / Q8_0 products of 1-16 rows, and Q6_K's (six-bit copies) of 2-16, on the exact
+tile kernel, csrc/quant_rows16_amx_exact.h; more rows on the tiles over bf16-rounded weights,
+csrc/quant_rows16_amx.h; other types' many rows through oneDNN, which runs
 them on the tiles). The best one the CPU has is used, or the
 one named by PAGEDSERVE_CPU_ISA (those names; a path the CPU lacks is an error). `set_isa()` switches at run time (tests run every
 available path).
@@ -236,7 +236,7 @@ def gemm_amx_exact(x: torch.Tensor, w: torch.Tensor, interleaved: torch.Tensor, 
                    col0: int = 0) -> None:
     """out[:, col0:col0+N] (float32) = x (bf16, 1-16 rows) @ dequant(w).T on the AMX tiles, the
     quants exact (no weight rounded), read from `interleaved` (w's interleave_rows16 copy; Q4_0 /
-    Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0; csrc/quant_rows16_amx_exact.h). A row's result does
+    Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0, Q6_K's six-bit one; csrc/quant_rows16_amx_exact.h). A row's result does
     not depend on the others.
     Needs an AMX path."""
     load().gemm_amx_exact(x, w, interleaved, int(qtype), out, int(col0))

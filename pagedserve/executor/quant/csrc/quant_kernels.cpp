@@ -274,12 +274,11 @@ ISA_TARGET_END()
 //   avx512_bf16: and the bf16 products of bfloat16 models: many rows (quant_bf16.h), few rows on
 //     the row-interleaved copies (quant_rows16_bf16.h);
 //   amx_bf16 / amx_int8: the CPU has AMX tiles and Linux granted this process their state
-//     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q4_K / Q5_x / Q8_0 segments with a
-//     row-interleaved copy run 1 .. 16 rows on the exact tile kernel (quant_rows16_amx_exact.h,
-//     g_amx_exact_rows); those of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K (six
-//     bits) from g_rows16_bf16_rows rows (past the exact kernel's) on this module's own tile
-//     kernel over bf16-rounded weights (quant_rows16_amx.h), Q6_K's few rows on the copy's bf16
-//     kernel (rows16_bf16); other
+//     (arch_prctl): the bf16 products of Q4_0 / Q4_1 / Q4_K / Q5_x / Q8_0 / Q6_K (six bits)
+//     segments with a row-interleaved copy run 1 .. 16 rows on the exact tile kernel
+//     (quant_rows16_amx_exact.h, g_amx_exact_rows); the same types from g_rows16_bf16_rows rows
+//     (past the exact kernel's) on this module's own tile kernel over bf16-rounded weights
+//     (quant_rows16_amx.h); other
 //     segments' many-row products go to oneDNN from g_amx_onednn_rows rows on (the tiles
 //     again); otherwise the avx512_bf16 kernels. (A QuantLinear's oneDNN-packed bf16 copy, in
 //     Python, takes the largest products before they reach this module.)
@@ -1084,17 +1083,24 @@ static bool check_amx_product(const torch::Tensor& x, const torch::Tensor& w, co
 }
 
 // Few-row products on the tiles with the quants exact (quant_rows16_amx_exact.h): Q4_0 / Q4_1 /
-// Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 segments with a copy, 1 .. g_amx_exact_rows rows (at most 16; 0: off), ahead of the
+// Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 / Q6_K (six-bit) segments with a copy, 1 .. g_amx_exact_rows rows (at most 16; 0: off), ahead of the
 // float / bf16 few-row kernels and of the bf16-rounded tiles above. Rows 1 .. 16 then compute
-// every row alike, so n-gram verifications of up to 15 guesses give the 1-row steps' tokens.
+// every row alike, so n-gram verifications of up to 15 guesses give the 1-row steps' tokens
+// (Q6_K: from 2 rows, amx_exact_one_row).
 static int64_t g_amx_exact_rows = 16;
 static bool amx_exact_type(int64_t type) {
   return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K || type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K ||
-         type == T_Q8_0;
+         type == T_Q8_0 || (type == T_Q6_K && q6k_six_bits());
 }
 static bool amx_exact(int64_t type) {
   return QK_X86 && g_amx_exact_rows > 0 && current_isa() >= ISA_AMX_BF16 && amx_exact_type(type);
 }
+// One row: not Q6_K, whose sub-blocks of 16 take twice the tile work a weight: a batch-1 step of
+// a Q6_K file ran 10-20% slower on the tiles than on the copy's bf16 kernel (BENCHMARKS section
+// 70), which keeps its one-row products. Its 2-16-row ones then differ from those in float32
+// rounding only (the quants exact in both).
+static bool amx_exact_one_row(int64_t type) { return type != T_Q6_K && amx_exact(type); }
+static bool amx_exact_for(int64_t type, int64_t M) { return M == 1 ? amx_exact_one_row(type) : amx_exact(type); }
 int64_t set_amx_exact_rows(int64_t m) {
   TORCH_CHECK(m >= 0 && m <= 16, "the exact tile kernel takes 0 (off) .. 16 rows");
   const int64_t prev = g_amx_exact_rows;
@@ -1113,11 +1119,13 @@ static void amx_exact_run(const torch::Tensor& x, const torch::Tensor& wi, int64
   const int64_t M = x.size(0), K = x.size(1);
   thread_local std::vector<uint32_t> xp;
   thread_local std::vector<float> xs;
-  xp.resize(M * K / 2);
-  xs.resize(M * (K / 32));
-  avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data());
-  avx512_bf16::group_sums(X, K, 32, 0, M, xs.data());
-  const amx_bf16_rows16::ExactArgs a{(int)type, K, M, xp.data(), xs.data(), f, h, bias, ldo};
+  if (type != T_Q6_K) {  // (Q6_K's tiles take the activations as they are, and no offset term)
+    xp.resize(M * K / 2);
+    xs.resize(M * (K / 32));
+    avx512_bf16_rows16::pair_activations(X, K, 0, M, xp.data());
+    avx512_bf16::group_sums(X, K, 32, 0, M, xs.data());
+  }
+  const amx_bf16_rows16::ExactArgs a{(int)type, K, M, X, xp.data(), xs.data(), f, h, bias, ldo};
   const int64_t grain = std::max<int64_t>(1, 4096 / K);  // groups a task (~64 KB of Q4 copy)
   at::parallel_for(0, N / 16, grain, [&](int64_t g0, int64_t g1) {
     amx_bf16_rows16::gemm_exact(a, wi.data_ptr<uint8_t>(), g0, g1);
@@ -1130,7 +1138,7 @@ static void amx_exact_run(const torch::Tensor& x, const torch::Tensor& wi, int64
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K], M <= 16) @ dequant(w).T on the AMX tiles, the
 // quants exact, read from wi (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q4_K)
 void gemm_amx_exact(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
-  TORCH_CHECK(amx_exact_type(type), "the exact tile products take Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 copies");
+  TORCH_CHECK(amx_exact_type(type), "the exact tile products take Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 copies and Q6_K's six-bit ones");
   TORCH_CHECK(x.dim() != 2 || x.size(0) <= 16, "the exact tile products take 1 .. 16 rows");
   if (check_amx_product(x, w, wi, type, out, col0))
     amx_exact_run(x, wi, type, w.size(0), out.data_ptr<float>() + col0, nullptr, nullptr, out.size(1));
@@ -1294,7 +1302,8 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   // an interleaved copy from g_rows16_bf16_rows rows), and fewer on an interleaved copy
   const bool bf16 = x2.scalar_type() == at::kBFloat16 && K % 32 == 0 && bf16_products();
   if (bf16) xb = x2.contiguous();
-  const bool exact = bf16 && M > 0 && M <= g_amx_exact_rows && amx_layer(ws, types, wis, act_q8, bias, N, amx_exact);
+  const bool exact = bf16 && M > 0 && M <= g_amx_exact_rows &&
+                     amx_layer(ws, types, wis, act_q8, bias, N, M == 1 ? amx_exact_one_row : amx_exact);
   if (exact || (bf16 && M >= g_rows16_bf16_rows && amx_layer(ws, types, wis, act_q8, bias, N, amx_rows16))) {
     // every segment on the AMX tiles: bf16 out of the kernel, the bias added before rounding
     torch::Tensor o = at::detail::empty_cpu({M, N}, at::kBFloat16, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
@@ -1313,7 +1322,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
     const int64_t t = types[i];
     const bool rows16 = !wis.empty() && wis[i].numel() > 0;
     const bool int8 = act_q8 && act_q8_rows(t, M);
-    if (bf16 && rows16 && M <= g_amx_exact_rows && !int8 && amx_exact(t)) {
+    if (bf16 && rows16 && M <= g_amx_exact_rows && !int8 && amx_exact_for(t, M)) {
       gemm_amx_exact(xb, ws[i], wis[i], t, out, cols[i]);
       continue;
     }

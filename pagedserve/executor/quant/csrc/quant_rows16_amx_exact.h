@@ -1,7 +1,7 @@
 // Few-row products (1 .. 16 rows: decode steps, speculative verifications) of bfloat16 models
 // on the AMX tiles over the row-interleaved copies of Q4_0 / Q4_1 / Q4_K, Q5_0 / Q5_1 / Q5_K
-// (a nibble plus its fifth bit from the copy's masks) and Q8_0 (the bf16 of q itself:
-// exact_words_q8), the quants exact: no
+// (a nibble plus its fifth bit from the copy's masks), Q8_0 (the bf16 of q itself:
+// exact_words_q8) and Q6_K (six-bit copies, by sub-blocks of 16: exact_q6k_groups), the quants exact: no
 // weight is rounded. Included by quant_kernels.cpp inside namespace amx_bf16_rows16 after
 // quant_rows16_amx.h (its configure, h16, u8x16, round_bf16), in the AMX-BF16 region; run only
 // where the CPU has the tiles and Linux granted them. No include guard on purpose.
@@ -26,7 +26,8 @@
 struct ExactArgs {
   int type;
   int64_t K, M;
-  const uint32_t* XP;  // [M, K / 2] activation pairs (avx512_bf16_rows16::pair_activations)
+  const uint16_t* X;   // [M, K] the activations (Q6_K's A tiles: natural pairs)
+  const uint32_t* XP;  // [M, K / 2] activation pairs (avx512_bf16_rows16::pair_activations; not Q6_K)
   const float* xsum;   // [M, K / 32] block sums of the activations
   float* f;            // float output (row stride ldo, offset by the segment's column), or
   uint16_t* h;         // bf16 output after the bias (float, the segment's columns; may be null)
@@ -184,14 +185,95 @@ inline void exact_groups(const ExactArgs& a, const uint8_t* WI, int64_t g0, int6
 #undef PS_EXACT_TILES
 }
 
+// Q6_K (six-bit copies) by sub-blocks of 16, each with its own scale d sc: tiles 0-1 (A) of m
+// rows x 16 activations, 2-3 (B) of 8 pairs, 4-5 (C) of m rows
+inline void configure_q6k(int64_t m) {
+  TileCfg c;
+  for (int i = 0; i < 6; ++i) {
+    c.colsb[i] = i < 2 ? 32 : 64;
+    c.rows[i] = static_cast<uint8_t>(i == 2 || i == 3 ? 8 : m);
+  }
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// exact_groups for Q6_K: a stream of sub-blocks of 16 along K (s: group s / ns's sub-block
+// s % ns). The B words are bf16(q - 32) in natural pairs (2 p, 2 p + 1), exact
+// (avx512_bf16_vbmi::amx_exact_words_q6k), against the activations' own pairs; per output row
+// and sub-block, acc += s (d sc) with s the tile's float32 sum over the sub-block of x[j] (q[j]
+// - 32) (products exact) and d sc exact in float32: ggml's (d sc) (q - 32) x summed, in the
+// tile's order. No offset term.
+template <int MT>
+inline void exact_q6k_groups(const ExactArgs& a, const uint8_t* WI, int64_t g0, int64_t g1, uint16_t* ring, float* cs) {
+  const int64_t ns = a.K / 16, lda = a.K * 2, total = (g1 - g0) * ns, bb = rows16_block_bytes(T_Q6_K);
+  const int64_t gb = (a.K / 256) * bb;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  struct Cursor {
+    int64_t g, b, nb;
+    void next() {
+      if (++b == nb) b = 0, ++g;
+    }
+  } w{g0, 0, ns}, t{g0, 0, ns}, c{g0, 0, ns};
+  auto block = [&](const Cursor& x) { return WI + x.g * gb + (x.b / 16) * bb; };  // the sub-block's super-block
+  auto words = [&](int64_t s) {  // sub-blocks s .. s + 3 (s a multiple of 4: slots s % 8 .. + 3)
+    const uint8_t* p = block(w);
+    const char* ahead = reinterpret_cast<const char*>(p + Q6K_HDR + Q6K_SUB6 * (w.b % 16 + 8));
+    for (int i = 0; i < 12; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);  // ~8 sub-blocks on
+    avx512_bf16_vbmi::amx_exact_words_q6k(p, w.b % 16, ring + EXACT_SLOT * (s % EXACT_RING), EXACT_SLOT);
+    for (int i = 0; i < 4; ++i) w.next();
+  };
+  auto scale = [&](int64_t s) {
+    const float* cp = cs + 256 * (s & 1);
+    const uint8_t* p = block(c);
+    const __m512 ds = _mm512_mul_ps(
+        h16(p), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * (c.b % 16))))));
+    for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cp + 16 * r), ds, acc[r]);
+    if (c.b == ns - 1) {
+      for (int r = 0; r < MT; ++r) {
+        if (a.f) {
+          _mm512_storeu_ps(a.f + r * a.ldo + 16 * c.g, acc[r]);
+        } else {
+          const __m512 v = a.bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(a.bias + 16 * c.g)) : acc[r];
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.h + r * a.ldo + 16 * c.g), round_bf16(v));
+        }
+        acc[r] = _mm512_setzero_ps();
+      }
+    }
+    c.next();
+  };
+#define PS_EXACT_TILES(A, B, C)                             \
+  _tile_loadd(B, ring + EXACT_SLOT * (s % EXACT_RING), 64); \
+  _tile_loadd(A, a.X + t.b * 16, lda);                      \
+  _tile_zero(C);                                            \
+  _tile_dpbf16ps(C, A, B);                                  \
+  _tile_stored(C, cs + 256 * (s & 1), 64);                  \
+  t.next();
+  static_assert(EXACT_AHEAD == 4 && EXACT_RING == 8, "words() fills four slots at a time, half the ring");
+  words(0);  // (total: a multiple of 16 sub-blocks)
+  for (int64_t s = 0; s < total; ++s) {
+    if (s % 4 == 0 && s + EXACT_AHEAD < total) words(s + EXACT_AHEAD);
+    if (s & 1) {
+      PS_EXACT_TILES(1, 3, 5)
+    } else {
+      PS_EXACT_TILES(0, 2, 4)
+    }
+    if (s > 0) scale(s - 1);
+  }
+  scale(total - 1);
+#undef PS_EXACT_TILES
+}
+
 // Output columns 16 g0 .. 16 g1 of all a.M (1 .. 16) rows, on this thread's tiles
 inline void gemm_exact(const ExactArgs& a, const uint8_t* WI, int64_t g0, int64_t g1) {
   alignas(64) uint16_t ring[EXACT_SLOT * EXACT_RING];
   alignas(64) float cs[512];
   if (g1 <= g0) return;
-  configure(a.M);
+  const bool q6k = a.type == T_Q6_K;
+  if (q6k) configure_q6k(a.M);
+  else configure(a.M);
   auto run = [&](auto T, auto MT) {
-    exact_groups<decltype(T)::value, decltype(MT)::value>(a, WI, g0, g1, ring, cs);
+    if constexpr (decltype(T)::value == T_Q6_K) exact_q6k_groups<decltype(MT)::value>(a, WI, g0, g1, ring, cs);
+    else exact_groups<decltype(T)::value, decltype(MT)::value>(a, WI, g0, g1, ring, cs);
   };
   auto rows = [&](auto T) {
     using std::integral_constant;
@@ -221,6 +303,7 @@ inline void gemm_exact(const ExactArgs& a, const uint8_t* WI, int64_t g0, int64_
   else if (a.type == T_Q5_0) rows(integral_constant<int, T_Q5_0>{});
   else if (a.type == T_Q5_K) rows(integral_constant<int, T_Q5_K>{});
   else if (a.type == T_Q8_0) rows(integral_constant<int, T_Q8_0>{});
+  else if (q6k) rows(integral_constant<int, T_Q6_K>{});
   else rows(integral_constant<int, T_Q4_K>{});
   _tile_release();
 }

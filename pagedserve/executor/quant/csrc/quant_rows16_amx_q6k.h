@@ -28,3 +28,15 @@ inline void amx_b_rows_q6k_six(const uint8_t* p, int64_t h, uint16_t* dst) {
     }
   }
 }
+
+// Sub-blocks sb .. sb + 3 (sb a multiple of 4) of the group's super-block at p -> 8 tile rows
+// each, at dst + stride j, for the exact few-row kernel (quant_rows16_amx_exact.h): row pr = the
+// 16 rows' pair (2 pr, 2 pr + 1) as bf16(q - 32), unscaled (exact: |q - 32| <= 32), as the run
+// decoder gives them. Four a call: a call per sub-block cost a batch-1 step ~10%.
+inline void amx_exact_words_q6k(const uint8_t* p, int64_t sb, uint16_t* dst, int64_t stride) {
+  static const avx512_vbmi::SixBitTables tb = avx512_vbmi::six_bit_tables();
+  for (int64_t j = 0; j < 4; ++j) {
+    const uint8_t* q = p + rows16_layout::Q6K_HDR + rows16_layout::Q6K_SUB6 * (sb + j);
+    for (int64_t pr = 0; pr < 8; ++pr) _mm512_storeu_si512(dst + stride * j + 32 * pr, avx512_vbmi::six_bit_run(q, pr, tb));
+  }
+}
