@@ -55,7 +55,9 @@ def add_tokenizer(w, hf_dir, vocab_size):
     w.add_eos_token_id(2)
 
 
-def write_gguf(hf_dir, out, qtype=Q.F32):
+def write_gguf(hf_dir, out, qtype=Q.F32, type_of=None):
+    """A GGUF of the HF checkpoint: matrices in `qtype`, or in type_of(gguf tensor name) (a mixed
+    file such as llama.cpp's Q4_K_M), vectors in float32."""
     cfg = read_json(os.path.join(hf_dir, "config.json"))
     w = gguf.GGUFWriter(out, "llama")
     w.add_block_count(cfg["num_hidden_layers"])
@@ -85,8 +87,9 @@ def write_gguf(hf_dir, out, qtype=Q.F32):
                 a = permute(a, heads)
             elif rest.endswith("k_proj.weight"):
                 a = permute(a, kv_heads)
-        if a.ndim == 2 and qtype != Q.F32:
-            w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        t = type_of(g) if type_of is not None and a.ndim == 2 else qtype
+        if a.ndim == 2 and t != Q.F32:
+            w.add_tensor(g, gguf.quants.quantize(a, t), raw_dtype=t)
         else:
             w.add_tensor(g, a)
     w.write_header_to_file()
