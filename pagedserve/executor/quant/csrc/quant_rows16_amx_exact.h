@@ -115,23 +115,71 @@ inline void exact_scales(const uint8_t* WI, int64_t g, int64_t nb, int64_t b, __
 constexpr int64_t EXACT_RING = 8, EXACT_AHEAD = 4;
 constexpr int64_t EXACT_SLOT = 512;  // words a ring slot holds: a block's tile
 
+// A thread's (group, block) cursor along its stream: no division in the loop
+struct ExactCursor {
+  int64_t g, b, nb;
+  void next() {
+    if (++b == nb) b = 0, ++g;
+  }
+};
+
+// Group g's output columns 16 g .. 16 g + 15 of the MT rows from acc (float, or bf16 after the
+// bias), acc cleared for the next group
+template <int MT>
+inline void exact_store(const ExactArgs& a, int64_t g, __m512* acc) {
+  for (int r = 0; r < MT; ++r) {
+    if (a.f) {
+      _mm512_storeu_ps(a.f + r * a.ldo + 16 * g, acc[r]);
+    } else {
+      const __m512 v = a.bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(a.bias + 16 * g)) : acc[r];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.h + r * a.ldo + 16 * g), round_bf16(v));
+    }
+    acc[r] = _mm512_setzero_ps();
+  }
+}
+
+// One step's tiles on set 0 or 1 (A 0-1, B 2-3, C 4-5; the tile macros take literal numbers):
+// the ring slot's words against the A rows at APTR (row stride lda bytes), the sums stored to cs
+// by the step's parity
+#define PS_EXACT_TILES(A, B, C, APTR)                       \
+  _tile_loadd(B, ring + EXACT_SLOT * (s % EXACT_RING), 64); \
+  _tile_loadd(A, APTR, lda);                                \
+  _tile_zero(C);                                            \
+  _tile_dpbf16ps(C, A, B);                                  \
+  _tile_stored(C, cs + 256 * (s & 1), 64);
+
+// The stream of `total` steps both kernels run, from cursor t: per step s, the words of the
+// steps EXACT_AHEAD on (words(s) fills slots s .. s + per - 1 where s % per == 0), step s on the
+// tiles against the A rows at aptr(t), and step s - 1's sums, stored the step before, scaled into
+// the accumulators (scale(s - 1))
+template <typename Words, typename APtr, typename Scale>
+inline void exact_stream(int64_t total, int64_t per, int64_t lda, const uint16_t* ring, float* cs, ExactCursor t,
+                         Words words, APtr aptr, Scale scale) {
+  for (int64_t s = 0; s < std::min(EXACT_AHEAD, total); s += per) words(s);
+  for (int64_t s = 0; s < total; ++s) {
+    if (s % per == 0 && s + EXACT_AHEAD < total) words(s + EXACT_AHEAD);
+    const void* rows = aptr(t);
+    if (s & 1) {
+      PS_EXACT_TILES(1, 3, 5, rows)
+    } else {
+      PS_EXACT_TILES(0, 2, 4, rows)
+    }
+    t.next();
+    if (s > 0) scale(s - 1);
+  }
+  scale(total - 1);
+}
+#undef PS_EXACT_TILES
+
 // Output columns 16 g0 .. 16 g1 of the MT rows: the thread's groups as one stream of blocks
-// (s: the group s / nb's block s % nb). Per step, block s + EXACT_AHEAD's words into the
-// ring; block s on the tiles (two sets, by the step's parity: A 0-1, B 2-3, C 4-5, configured
-// for MT rows); block s - 1's sums, stored the step before, scaled into the accumulators; a
-// group's output after its last block.
+// (s: the group s / nb's block s % nb), tiles configured for MT rows; a group's output after its
+// last block.
 template <int TYPE, int MT>
 inline void exact_groups(const ExactArgs& a, const uint8_t* WI, int64_t g0, int64_t g1, uint16_t* ring, float* cs) {
   const int64_t nb = a.K / 32, lda = a.K * 2, total = (g1 - g0) * nb;  // lda: A's row stride in bytes
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
-  // cursors (group, block) of the words, the tiles and the scaling: no division in the loop
-  struct Cursor {
-    int64_t g, b, nb;
-    void next() {
-      if (++b == nb) b = 0, ++g;
-    }
-  } w{g0, 0, nb}, t{g0, 0, nb}, c{g0, 0, nb};
+  ExactCursor w{g0, 0, nb}, c{g0, 0, nb};  // the words' and the scaling's (exact_stream: the tiles')
   auto words = [&](int64_t s) {  // block s's words, from cursor w
     const uint8_t* q = exact_quants<TYPE>(WI, w.g, nb, w.b);
     for (int i = -1; i < 4; ++i)  // ~8 blocks further on in the stream, their scales too
@@ -150,39 +198,11 @@ inline void exact_groups(const ExactArgs& a, const uint8_t* WI, int64_t g0, int6
       acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cp + 16 * r), d, acc[r]);
       acc[r] = _mm512_fmadd_ps(k, _mm512_set1_ps(a.xsum[r * nb + c.b]), acc[r]);
     }
-    if (c.b == nb - 1) {
-      for (int r = 0; r < MT; ++r) {
-        if (a.f) {
-          _mm512_storeu_ps(a.f + r * a.ldo + 16 * c.g, acc[r]);
-        } else {
-          const __m512 v = a.bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(a.bias + 16 * c.g)) : acc[r];
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.h + r * a.ldo + 16 * c.g), round_bf16(v));
-        }
-        acc[r] = _mm512_setzero_ps();
-      }
-    }
+    if (c.b == nb - 1) exact_store<MT>(a, c.g, acc);
     c.next();
   };
-  // block s on tile set 0 or 1 (the tile macros take literal numbers)
-#define PS_EXACT_TILES(A, B, C)                             \
-  _tile_loadd(B, ring + EXACT_SLOT * (s % EXACT_RING), 64); \
-  _tile_loadd(A, a.XP + t.b * 16, lda);                     \
-  _tile_zero(C);                                            \
-  _tile_dpbf16ps(C, A, B);                                  \
-  _tile_stored(C, cs + 256 * (s & 1), 64);                  \
-  t.next();
-  for (int64_t s = 0; s < std::min(EXACT_AHEAD, total); ++s) words(s);
-  for (int64_t s = 0; s < total; ++s) {
-    if (s + EXACT_AHEAD < total) words(s + EXACT_AHEAD);
-    if (s & 1) {
-      PS_EXACT_TILES(1, 3, 5)
-    } else {
-      PS_EXACT_TILES(0, 2, 4)
-    }
-    if (s > 0) scale(s - 1);
-  }
-  scale(total - 1);
-#undef PS_EXACT_TILES
+  exact_stream(total, 1, lda, ring, cs, {g0, 0, nb}, words, [&](const ExactCursor& x) { return a.XP + x.b * 16; },
+               scale);
 }
 
 // Q6_K (six-bit copies) by sub-blocks of 16, each with its own scale d sc: tiles 0-1 (A) of m
@@ -198,24 +218,20 @@ inline void configure_q6k(int64_t m) {
 
 // exact_groups for Q6_K: a stream of sub-blocks of 16 along K (s: group s / ns's sub-block
 // s % ns). The B words are bf16(q - 32) in natural pairs (2 p, 2 p + 1), exact
-// (avx512_bf16_vbmi::amx_exact_words_q6k), against the activations' own pairs; per output row
-// and sub-block, acc += s (d sc) with s the tile's float32 sum over the sub-block of x[j] (q[j]
-// - 32) (products exact) and d sc exact in float32: ggml's (d sc) (q - 32) x summed, in the
-// tile's order. No offset term.
+// (avx512_bf16_vbmi::amx_exact_words_q6k, four sub-blocks a call), against the activations' own
+// pairs; per output row and sub-block, acc += s (d sc) with s the tile's float32 sum over the
+// sub-block of x[j] (q[j] - 32) (products exact) and d sc exact in float32: ggml's (d sc) (q -
+// 32) x summed, in the tile's order. No offset term.
 template <int MT>
 inline void exact_q6k_groups(const ExactArgs& a, const uint8_t* WI, int64_t g0, int64_t g1, uint16_t* ring, float* cs) {
+  static_assert(EXACT_AHEAD % 4 == 0 && EXACT_RING % 4 == 0, "words() fills four slots at a time");
   const int64_t ns = a.K / 16, lda = a.K * 2, total = (g1 - g0) * ns, bb = rows16_block_bytes(T_Q6_K);
   const int64_t gb = (a.K / 256) * bb;
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
-  struct Cursor {
-    int64_t g, b, nb;
-    void next() {
-      if (++b == nb) b = 0, ++g;
-    }
-  } w{g0, 0, ns}, t{g0, 0, ns}, c{g0, 0, ns};
-  auto block = [&](const Cursor& x) { return WI + x.g * gb + (x.b / 16) * bb; };  // the sub-block's super-block
-  auto words = [&](int64_t s) {  // sub-blocks s .. s + 3 (s a multiple of 4: slots s % 8 .. + 3)
+  ExactCursor w{g0, 0, ns}, c{g0, 0, ns};
+  auto block = [&](const ExactCursor& x) { return WI + x.g * gb + (x.b / 16) * bb; };  // its super-block
+  auto words = [&](int64_t s) {  // sub-blocks s .. s + 3 (total: a multiple of 16)
     const uint8_t* p = block(w);
     const char* ahead = reinterpret_cast<const char*>(p + Q6K_HDR + Q6K_SUB6 * (w.b % 16 + 8));
     for (int i = 0; i < 12; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);  // ~8 sub-blocks on
@@ -225,42 +241,13 @@ inline void exact_q6k_groups(const ExactArgs& a, const uint8_t* WI, int64_t g0, 
   auto scale = [&](int64_t s) {
     const float* cp = cs + 256 * (s & 1);
     const uint8_t* p = block(c);
-    const __m512 ds = _mm512_mul_ps(
-        h16(p), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * (c.b % 16))))));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * (c.b % 16)));
+    const __m512 ds = _mm512_mul_ps(h16(p), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
     for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cp + 16 * r), ds, acc[r]);
-    if (c.b == ns - 1) {
-      for (int r = 0; r < MT; ++r) {
-        if (a.f) {
-          _mm512_storeu_ps(a.f + r * a.ldo + 16 * c.g, acc[r]);
-        } else {
-          const __m512 v = a.bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(a.bias + 16 * c.g)) : acc[r];
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.h + r * a.ldo + 16 * c.g), round_bf16(v));
-        }
-        acc[r] = _mm512_setzero_ps();
-      }
-    }
+    if (c.b == ns - 1) exact_store<MT>(a, c.g, acc);
     c.next();
   };
-#define PS_EXACT_TILES(A, B, C)                             \
-  _tile_loadd(B, ring + EXACT_SLOT * (s % EXACT_RING), 64); \
-  _tile_loadd(A, a.X + t.b * 16, lda);                      \
-  _tile_zero(C);                                            \
-  _tile_dpbf16ps(C, A, B);                                  \
-  _tile_stored(C, cs + 256 * (s & 1), 64);                  \
-  t.next();
-  static_assert(EXACT_AHEAD == 4 && EXACT_RING == 8, "words() fills four slots at a time, half the ring");
-  words(0);  // (total: a multiple of 16 sub-blocks)
-  for (int64_t s = 0; s < total; ++s) {
-    if (s % 4 == 0 && s + EXACT_AHEAD < total) words(s + EXACT_AHEAD);
-    if (s & 1) {
-      PS_EXACT_TILES(1, 3, 5)
-    } else {
-      PS_EXACT_TILES(0, 2, 4)
-    }
-    if (s > 0) scale(s - 1);
-  }
-  scale(total - 1);
-#undef PS_EXACT_TILES
+  exact_stream(total, 4, lda, ring, cs, {g0, 0, ns}, words, [&](const ExactCursor& x) { return a.X + x.b * 16; }, scale);
 }
 
 // Output columns 16 g0 .. 16 g1 of all a.M (1 .. 16) rows, on this thread's tiles
