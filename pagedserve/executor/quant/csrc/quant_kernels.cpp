@@ -1136,7 +1136,8 @@ static void amx_exact_run(const torch::Tensor& x, const torch::Tensor& wi, int64
 }
 
 // out[:, col0:col0+N] (float32) = x (bf16 [M, K], M <= 16) @ dequant(w).T on the AMX tiles, the
-// quants exact, read from wi (w's interleave_rows16 copy; Q4_0 / Q4_1 / Q4_K)
+// quants exact, read from wi (w's interleave_rows16 copy; amx_exact_type's: Q4_0 / Q4_1 / Q4_K /
+// Q5_0 / Q5_1 / Q5_K / Q8_0, Q6_K's six-bit one)
 void gemm_amx_exact(torch::Tensor x, torch::Tensor w, torch::Tensor wi, int64_t type, torch::Tensor out, int64_t col0) {
   TORCH_CHECK(amx_exact_type(type), "the exact tile products take Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 copies and Q6_K's six-bit ones");
   TORCH_CHECK(x.dim() != 2 || x.size(0) <= 16, "the exact tile products take 1 .. 16 rows");
