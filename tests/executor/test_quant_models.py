@@ -235,7 +235,7 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
     not with PAGEDSERVE_CPU_ISA below avx512_bf16, not with PAGEDSERVE_NO_ONEDNN_PACK=1. With
     copies for every row count its greedy tokens are those of the dequantized bf16 model
     (quantization="none": the same bf16 weights on oneDNN), logits within 1% of the largest. On
-    AMX the Q4_1 layers' products below 160 rows run on the tiles over their interleaved copies,
+    AMX the Q4_1 layers' many-row products run on the tiles over their interleaved copies,
     with the tokens of the engine that runs them on the bf16 copies."""
     from pagedserve.executor import onednn_linear
     from pagedserve.executor.quant import layers
@@ -252,7 +252,7 @@ def test_bf16_copies_where_and_only_where_they_apply(checkpoint, tmp_path, monke
     isa = kernels.set_isa(kernels.available_isas()[-1])  # the best path, whatever PAGEDSERVE_CPU_ISA chose
     try:
         assert copies(torch.bfloat16) == per_model
-        if kernels.amx_rows16(Q.Q4_1):  # AMX: the tiles read the Q4_1 layers' interleaved copies below 160 rows
+        if kernels.amx_rows16(Q.Q4_1):  # AMX: the tiles read the Q4_1 layers' interleaved copies (amx_copy_min_rows)
             before = kernels.load().bf16_calls()[3]
             tiles = run(path, None, "bfloat16")
             assert kernels.load().bf16_calls()[3] > before
@@ -339,7 +339,8 @@ def test_bf16_speculation_on_the_exact_tiles_gives_the_greedy_tokens_of_plain_de
 def test_a_long_k_layer_leaves_the_tiles_after_one_chunk_of_rows(qtype):
     """The AMX tile kernel takes 64 rows at a time at K = 8,192 (past them it would dequantize the
     weights again): such a layer (Q4_K, Q6_K's six-bit copy) runs 17-64 rows on the tiles and 65
-    and more on its bf16 copy; at K = 512 the copy serves from AMX_COPY_MIN_ROWS (160)."""
+    and more on its bf16 copy; K = 768 one chunk of 320 rows, K = 512 one of 512: the copy from
+    AMX_COPY_MIN_ROWS (512) there."""
     from pagedserve.executor.quant import layers
     from pagedserve.executor.quant.formats import PackedWeight
     from tests.executor.test_quant_kernels import random_packed
@@ -349,7 +350,7 @@ def test_a_long_k_layer_leaves_the_tiles_after_one_chunk_of_rows(qtype):
     mod = kernels.load()
     isa = kernels.set_isa(kernels.available_isas()[-1])
     try:
-        for k, first_copy_row in ((8192, 65), (512, layers.AMX_COPY_MIN_ROWS)):
+        for k, first_copy_row in ((8192, 65), (768, 321), (512, layers.AMX_COPY_MIN_ROWS)):
             lin = QuantLinear(k, [32], None)
             lin.set_part(0, PackedWeight(int(qtype), torch.from_numpy(random_packed(qtype, 32, k, seed=k)), (32, k)))
             assert lin.attach_rows16() and lin.amx_rows16_everywhere

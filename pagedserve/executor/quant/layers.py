@@ -302,10 +302,12 @@ ROWS16_COPY_MIN_ROWS = 9
 # A layer whose many-row products run on the AMX tiles over its interleaved copies
 # (`amx_rows16_everywhere`): they beat oneDNN on the bf16 copy 1.2-2x from 9 to 64 rows; at 128
 # rows 1.4x on SmolLM2's shapes but only level on a 1 B model's (Q4_K), whose 192-512 rows they
-# run at 0.74-0.79x (SmolLM2's 256-1,024 at 0.97-1.11x, 2,048 at 0.72x; AMX Xeon, BENCHMARKS
-# section 65), so the copy serves the products of this many rows and more; fewer where the
-# tile kernel's row chunk at the layer's K is smaller (amx_copy_min_rows).
-AMX_COPY_MIN_ROWS = 160
+# run at 0.74-0.79x (SmolLM2's 256-1,024 at 0.97-1.11x hot, 2,048 at 0.72x; AMX Xeon, BENCHMARKS
+# section 65). The copy serves the products of one tile row chunk + 1 rows and more
+# (amx_copy_min_rows: the 1 B model's K of 2,048 / 8,192 from 129 / 65), and of this many at most:
+# SmolLM2's prefill steps of 160 / 256 prompt tokens ran 1.25x / 1.05-1.10x faster on the tiles
+# than on the copy, 384 level (the copy's 2 bytes a weight come from memory; section 71).
+AMX_COPY_MIN_ROWS = 512
 
 
 def amx_copy_min_rows(in_features: int) -> int:
@@ -313,7 +315,8 @@ def amx_copy_min_rows(in_features: int) -> int:
     bf16 copy: AMX_COPY_MIN_ROWS, or one chunk of the tile kernel's rows plus one at this K if
     that is fewer (past a chunk the kernel dequantizes the weights again). A 1 B model's K = 8,192
     (chunks of 64): Q4_K 1.31-1.48x oneDNN's copy at 32-64 rows, 0.89-0.92x at 80-128; Q6_K 1.05x
-    at 64, 0.6-0.77x at 80-128 (AMX Xeon, BENCHMARKS section 68). SmolLM2's K (576, 1,536): 160."""
+    at 64, 0.6-0.77x at 80-128 (AMX Xeon, BENCHMARKS section 68). SmolLM2's K (576, 1,536): 449
+    and 161 (section 71)."""
     return min(AMX_COPY_MIN_ROWS, int(kernels.load().amx_rows16_chunk(in_features)) + 1)
 
 
