@@ -243,8 +243,8 @@ def gemm_amx_exact(x: torch.Tensor, w: torch.Tensor, interleaved: torch.Tensor, 
 
 
 def set_amx_exact_rows(m: int) -> int:
-    """A bfloat16 model's Q4_0 / Q4_1 / Q4_K / Q5_x / Q8_0 products of 1 .. m rows (16, the default and the
-    most; 0: off) on the exact AMX kernel where the layer keeps an interleaved copy, on an AMX
+    """A bfloat16 model's Q4_0 / Q4_1 / Q4_K / Q5_x / Q8_0 products of 1 .. m rows, Q6_K's (six-bit
+    copies) of 2 .. m (16, the default and the most; 0: off) on the exact AMX kernel where the layer keeps an interleaved copy, on an AMX
     path. Returns the previous m."""
     return int(load().set_amx_exact_rows(int(m)))
 

@@ -329,8 +329,8 @@ def bf16_copies(model: nn.Module, dtype: torch.dtype, budget: CopyBudget | None 
     oneDNN's tiles run these products 2-10x faster than any of the packed kernels on AMX
     (BENCHMARKS section 33), its vdpbf16ps products 1.3-1.8x from 16 rows on a Zen 4 (section
     41). Not with `gguf_q8` (act_q8 layers keep its integer numerics). Where the AMX tiles read
-    the layer's row-interleaved copies (`QuantLinear.amx_rows16_everywhere`: Q4_0 / Q4_1 / Q8_0 / Q4_K
-    layers on AMX) the copy serves amx_copy_min_rows(K) rows and more only. Returns how many layers."""
+    the layer's row-interleaved copies (`QuantLinear.amx_rows16_everywhere`: kernels.amx_rows16's
+    types on AMX) the copy serves amx_copy_min_rows(K) rows and more only. Returns how many layers."""
     if dtype != torch.bfloat16 or not onednn_linear.available(torch.bfloat16) or not kernels.native_bf16_in_use():
         return 0
     n = 0

@@ -1100,7 +1100,8 @@ static bool amx_exact(int64_t type) {
 // 70), which keeps its one-row products. Its 2-16-row ones then differ from those in float32
 // rounding only (the quants exact in both).
 static bool amx_exact_one_row(int64_t type) { return type != T_Q6_K && amx_exact(type); }
-static bool amx_exact_for(int64_t type, int64_t M) { return M == 1 ? amx_exact_one_row(type) : amx_exact(type); }
+// The types the exact kernel takes at M rows (qlinear's layer check and its per-segment one)
+static bool (*amx_exact_rule(int64_t M))(int64_t) { return M == 1 ? amx_exact_one_row : amx_exact; }
 int64_t set_amx_exact_rows(int64_t m) {
   TORCH_CHECK(m >= 0 && m <= 16, "the exact tile kernel takes 0 (off) .. 16 rows");
   const int64_t prev = g_amx_exact_rows;
@@ -1304,7 +1305,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
   const bool bf16 = x2.scalar_type() == at::kBFloat16 && K % 32 == 0 && bf16_products();
   if (bf16) xb = x2.contiguous();
   const bool exact = bf16 && M > 0 && M <= g_amx_exact_rows &&
-                     amx_layer(ws, types, wis, act_q8, bias, N, M == 1 ? amx_exact_one_row : amx_exact);
+                     amx_layer(ws, types, wis, act_q8, bias, N, amx_exact_rule(M));
   if (exact || (bf16 && M >= g_rows16_bf16_rows && amx_layer(ws, types, wis, act_q8, bias, N, amx_rows16))) {
     // every segment on the AMX tiles: bf16 out of the kernel, the bias added before rounding
     torch::Tensor o = at::detail::empty_cpu({M, N}, at::kBFloat16, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
@@ -1323,7 +1324,7 @@ torch::Tensor qlinear(torch::Tensor x, const std::vector<torch::Tensor>& ws, con
     const int64_t t = types[i];
     const bool rows16 = !wis.empty() && wis[i].numel() > 0;
     const bool int8 = act_q8 && act_q8_rows(t, M);
-    if (bf16 && rows16 && M <= g_amx_exact_rows && !int8 && amx_exact_for(t, M)) {
+    if (bf16 && rows16 && M <= g_amx_exact_rows && !int8 && amx_exact_rule(M)(t)) {
       gemm_amx_exact(xb, ws[i], wis[i], t, out, cols[i]);
       continue;
     }

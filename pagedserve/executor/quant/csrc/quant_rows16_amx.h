@@ -49,12 +49,8 @@ inline __m512i pair_ctl(int h, int s) {
   return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(b)));
 }
 
-// vpermw's index for pack_pairs: word 2 n <- n, 2 n + 1 <- 16 + n
-inline __m512i pair_index() {
-  alignas(64) static const uint16_t ix[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                              8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  return _mm512_load_si512(ix);
-}
+// vpermw's index for pack_pairs: word 2 n <- n, 2 n + 1 <- 16 + n (rows16_layout::PAIR_INDEX)
+inline __m512i pair_index() { return _mm512_load_si512(PAIR_INDEX); }
 
 // bf16 element 2 n <- lo[n], 2 n + 1 <- hi[n]: one tile row of 16 columns' pairs (idx: pair_index())
 inline __m512i pack_pairs(__m512 lo, __m512 hi, __m512i idx) {

@@ -11,9 +11,7 @@
 inline void amx_b_rows_q6k_six(const uint8_t* p, int64_t h, uint16_t* dst) {
   using rows16_layout::Q6K_HDR, rows16_layout::Q6K_SUB6;
   static const avx512_vbmi::SixBitTables tb = avx512_vbmi::six_bit_tables();
-  alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_load_si512(pairs), top = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m512i idx = _mm512_load_si512(rows16_layout::PAIR_INDEX), top = _mm512_set1_epi32(int(0xFFFF0000u));
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   for (int64_t s = 0; s < 2; ++s) {
     const int64_t sb = 2 * h + s;

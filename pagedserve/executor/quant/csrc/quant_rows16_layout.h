@@ -49,6 +49,10 @@ constexpr int64_t Q4K_HDR = 320, Q4K_SUB = 256;
 //   a byte: the quants minus 32 as int8, byte [e][r] = row r's element e (Q8_0's order). 4,384
 //   bytes (+30%).
 constexpr int64_t Q6K_HDR = 288, Q6K_SUB = 256, Q6K_SUB6 = 192;
+// A tile row's pair interleave (vpermw's index for the AMX kernels' B rows): word 2 n <- n,
+// 2 n + 1 <- 16 + n
+alignas(64) inline constexpr uint16_t PAIR_INDEX[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 static inline int64_t q6k_sub_bytes() { return ::q6k_six_bits() ? Q6K_SUB6 : Q6K_SUB; }
 // Q5_K (both kernels, as Q4_K), per (group of 16 rows, super-block of 256): Q4_K's header (d,
 // dmin, the sub-blocks' scales and mins a byte each: 320 bytes), then 8 sub-blocks of 32, each
