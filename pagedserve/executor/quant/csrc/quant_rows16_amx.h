@@ -164,21 +164,24 @@ inline int64_t group_bytes(int type, int64_t K) {
 }
 
 // The next item's dequantization, done a slice at a time between the current item's tile
-// products (the tiles run beside the vector units: the two overlap where interleaved)
+// products (the tiles run beside the vector units: the two overlap where interleaved). One type
+// per instantiation, so each block's dequantization is inlined into the walk (a run-time switch
+// per block kept it out of line: 8-10% of a 64-row product at K = 576, BENCHMARKS section 72).
+template <int TYPE>
 struct NextItem {
-  int type = 0;
-  const uint8_t* src = nullptr;  // its first group's copy (a second follows it)
-  uint16_t* dst = nullptr;       // its buffer
-  int64_t K = 0, nb = 0, bb = 0, gb = 0, total = 0, done = 0;  // nb: blocks of 32 a group
+  // blocks of 32 along K (the K-quants' sub-blocks: super-block b / 8, part b % 8)
+  static constexpr bool SUPER = TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K;
+  const uint8_t* grp = nullptr;  // the group being dequantized: its copy
+  uint16_t* out = nullptr;       // its tile rows
+  int64_t K = 0, nb = 0, bb = 0, gb = 0, total = 0, done = 0, b = 0;  // nb: blocks a group; b: the group's next
   __m512i ctl[4], idx;
   uint64_t pat[4];  // the Q5 copies' fifth-bit patterns, in ctl's order
 
-  void init(int t, int64_t k) {
-    type = t;
+  void init(int64_t k) {
     K = k;
     nb = K / 32;
-    bb = rows16_block_bytes(t);  // (Q4_K: a super-block's)
-    gb = group_bytes(t, K);
+    bb = rows16_block_bytes(TYPE);  // (the K-quants: a super-block's)
+    gb = group_bytes(TYPE, K);
     ctl[0] = pair_ctl(0, 0);
     ctl[1] = pair_ctl(1, 0);
     ctl[2] = pair_ctl(0, 1);
@@ -186,35 +189,43 @@ struct NextItem {
     for (int hs = 0; hs < 4; ++hs) pat[hs] = fifth_bit_pattern(hs & 1, hs >> 1);
     idx = pair_index();
   }
-  // groups (1 or 2) from src into dst; nothing left for groups = 0
-  void start(const uint8_t* s, uint16_t* d, int64_t groups) {
-    src = s;
-    dst = d;
+  // groups (1 or 2) from src into dst (a group's tile rows 16 K words after the one before);
+  // nothing left for groups = 0
+  void start(const uint8_t* src, uint16_t* dst, int64_t groups) {
+    grp = src;
+    out = dst;
     total = groups * nb;
-    done = 0;
+    done = b = 0;
   }
-  // blocks of 32 along K 0 .. t - 1 done (group b / nb's block b % nb)
+  // block bk of the group at g -> its 16 tile rows at o
+  inline void one(const uint8_t* g, int64_t bk, uint16_t* o) const {
+    const uint8_t* blk = g + (SUPER ? bk / 8 : bk) * bb;
+    if constexpr (TYPE == T_Q4_1) deq_q4<true>(blk, o, ctl, idx);
+    else if constexpr (TYPE == T_Q4_0) deq_q4<false>(blk, o, ctl, idx);
+    else if constexpr (TYPE == T_Q4_K) deq_q4k(blk, bk % 8, o, ctl, idx);
+    else if constexpr (TYPE == T_Q6_K) avx512_bf16_vbmi::amx_b_rows_q6k_six(blk, bk % 8, o);
+    else if constexpr (TYPE == T_Q5_K) deq_q5k(blk, bk % 8, o, ctl, pat, idx);
+    else if constexpr (TYPE == T_Q5_1) deq_q5<true>(blk, o, ctl, pat, idx);
+    else if constexpr (TYPE == T_Q5_0) deq_q5<false>(blk, o, ctl, pat, idx);
+    else deq_q8(blk, o, idx);
+  }
+  // blocks 0 .. t - 1 of the item done (the first group's nb, then the second's)
   inline void upto(int64_t t) {
     for (t = std::min(t, total); done < t; ++done) {
-      const uint8_t* g = src + (done / nb) * gb;
-      const int64_t b = done % nb;
-      uint16_t* o = dst + (done / nb) * 16 * K + b * 512;
-      if (type == T_Q4_1) deq_q4<true>(g + b * bb, o, ctl, idx);
-      else if (type == T_Q4_0) deq_q4<false>(g + b * bb, o, ctl, idx);
-      else if (type == T_Q4_K) deq_q4k(g + (b / 8) * bb, b % 8, o, ctl, idx);
-      else if (type == T_Q6_K) avx512_bf16_vbmi::amx_b_rows_q6k_six(g + (b / 8) * bb, b % 8, o);
-      else if (type == T_Q5_K) deq_q5k(g + (b / 8) * bb, b % 8, o, ctl, pat, idx);
-      else if (type == T_Q5_1) deq_q5<true>(g + b * bb, o, ctl, pat, idx);
-      else if (type == T_Q5_0) deq_q5<false>(g + b * bb, o, ctl, pat, idx);
-      else deq_q8(g + b * bb, o, idx);
+      one(grp, b, out + b * 512);
+      if (++b == nb) {
+        b = 0;
+        grp += gb;
+        out += 16 * K;
+      }
     }
   }
 };
 
 // C (float, ldc) [rows x 16 * cols] = A rows (bf16, lda) @ B (one or two groups, b1 = b0 + 16 K);
 // after each step along K, the next item's share of its blocks (step of steps)
-template <bool TWO_ROWS, bool TWO_COLS>
-inline void block(const uint16_t* a, int64_t lda, const uint16_t* b0, int64_t K, float* c, int64_t ldc, NextItem& nx,
+template <bool TWO_ROWS, bool TWO_COLS, class NX>
+inline void block(const uint16_t* a, int64_t lda, const uint16_t* b0, int64_t K, float* c, int64_t ldc, NX& nx,
                   int64_t& step, int64_t steps) {
   const uint16_t* b1 = b0 + 16 * K;
   const uint16_t* a1 = a + 16 * lda;
@@ -276,9 +287,9 @@ inline void to_bf16(Out& o, int64_t r0, int64_t rows, int64_t col, int64_t cols)
 }
 
 // The item's columns col .. (16 or 32 of them, b their weights) against every row of X
-template <bool TWO_COLS>
+template <bool TWO_COLS, class NX>
 inline void rows_block(const uint16_t* X, int64_t M, int64_t K, const uint16_t* b, Out& o, int64_t col, int64_t& cfg,
-                       NextItem& nx) {
+                       NX& nx) {
   const int64_t steps = (M / 32 + (M % 32 >= 16) + (M % 16 != 0)) * (K / 32);  // blocks of 32, 16 and the rest
   constexpr int64_t cols = TWO_COLS ? 2 : 1;
   int64_t m0 = 0, step = 0;
@@ -305,14 +316,17 @@ inline void rows_block(const uint16_t* X, int64_t M, int64_t K, const uint16_t* 
 
 // The output's columns 16 g0 .. 16 g1 (o: float, or bf16 after the bias) = X [M, K] bf16 @ the
 // copy's groups g0 .. g1, transposed; items of two groups, each item's weights dequantized
-// during the one before it
-inline void gemm(int type, const uint8_t* W, int64_t K, const uint16_t* X, int64_t M, Out& o, int64_t g0, int64_t g1) {
-  const int64_t gb = group_bytes(type, K);
+// during the one before it into a thread's buffer that starts on a cache line (a tile row read
+// across two lines cost a 64-row product up to a quarter more, section 72)
+template <int TYPE>
+inline void gemm_type(const uint8_t* W, int64_t K, const uint16_t* X, int64_t M, Out& o, int64_t g0, int64_t g1) {
   thread_local std::vector<uint16_t> buf;
-  if (static_cast<int64_t>(buf.size()) < 64 * K) buf.resize(64 * K);
-  uint16_t* bufs[2] = {buf.data(), buf.data() + 32 * K};
-  NextItem nx;
-  nx.init(type, K);
+  if (static_cast<int64_t>(buf.size()) < 64 * K + 32) buf.resize(64 * K + 32);
+  uint16_t* base = buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63) / 2;
+  uint16_t* bufs[2] = {base, base + 32 * K};
+  NextItem<TYPE> nx;
+  nx.init(K);
+  const int64_t gb = nx.gb;
   nx.start(W + g0 * gb, bufs[0], std::min<int64_t>(2, g1 - g0));
   nx.upto(nx.total);
   int64_t cfg = -1, cur = 0;
@@ -322,4 +336,17 @@ inline void gemm(int type, const uint8_t* W, int64_t K, const uint16_t* X, int64
     else rows_block<false>(X, M, K, bufs[cur], o, 16 * g, cfg, nx);
   }
   _tile_release();
+}
+
+inline void gemm(int type, const uint8_t* W, int64_t K, const uint16_t* X, int64_t M, Out& o, int64_t g0, int64_t g1) {
+  switch (type) {
+    case T_Q4_1: return gemm_type<T_Q4_1>(W, K, X, M, o, g0, g1);
+    case T_Q4_0: return gemm_type<T_Q4_0>(W, K, X, M, o, g0, g1);
+    case T_Q4_K: return gemm_type<T_Q4_K>(W, K, X, M, o, g0, g1);
+    case T_Q6_K: return gemm_type<T_Q6_K>(W, K, X, M, o, g0, g1);
+    case T_Q5_K: return gemm_type<T_Q5_K>(W, K, X, M, o, g0, g1);
+    case T_Q5_1: return gemm_type<T_Q5_1>(W, K, X, M, o, g0, g1);
+    case T_Q5_0: return gemm_type<T_Q5_0>(W, K, X, M, o, g0, g1);
+    default: return gemm_type<T_Q8_0>(W, K, X, M, o, g0, g1);
+  }
 }
