@@ -38,6 +38,20 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())
 
+    @property
+    def reads_model_dtype(self) -> bool:
+        """Whether the sampler can take logits in the model's dtype: greedy and plain
+        temperature rows only (the fused kernels read bf16 values exactly); logprobs,
+        penalties, top-k / top-p and min-p work on float32 logits."""
+        return (
+            self.max_num_logprobs is None
+            and self.top_k is None
+            and self.top_p is None
+            and self.min_p is None
+            and self.repetition_penalty is None
+            and self.output_token_ids is None
+        )
+
 
 @dataclass
 class SamplerOutput:
@@ -145,7 +159,9 @@ class Sampler:
         return ops.argmax(logits)
 
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-        """logits: float32 [B, V] (not modified)."""
+        """logits: float32 [B, V] (not modified); or in the model's dtype where
+        b.reads_model_dtype, the same tokens (rows the fused kernels cannot take are sampled
+        from a float32 copy)."""
         raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs is not None else None
         if b.repetition_penalty is not None or b.output_token_ids is not None:
             logits = apply_penalties(logits, b)
@@ -160,7 +176,8 @@ class Sampler:
                 # temperature alone (an OpenAI client's default): one fused pass per row
                 random = ops.sample_at_temperature(logits, temp, u)
             if random is None:
-                random = sample_from_probs(sampling_probs(logits, temp, b.top_k, b.top_p, b.min_p), u)
+                probs = sampling_probs(logits.float(), temp, b.top_k, b.top_p, b.min_p)
+                random = sample_from_probs(probs, u)
             # the argmax only for greedy rows beside sampled ones (the check syncs: CPU only)
             mixed = logits.device.type != "cpu" or bool(is_greedy.any())
             sampled = torch.where(is_greedy, ops.argmax(logits), random) if mixed else random

@@ -202,3 +202,30 @@ def test_invalid_requests_raise_and_leak_nothing(model_dir):
     assert isinstance(llm.engine, LLMEngine) and not llm.engine.has_unfinished_requests()
     assert llm.get_stats().kv_blocks_used == 0
     assert llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs
+
+
+def test_bf16_logits_reach_the_sampler_without_a_float32_pass_and_sample_the_same_tokens(model_dir, monkeypatch):
+    """A bf16 engine's greedy and plain-temperature steps hand the sampler bf16 logits (no
+    [rows, V] float32 conversion); seeded temperature sampling and greedy rows give the tokens
+    of the float32 path. Logprobs need float32 logits and get them."""
+    from pagedserve.executor.model_runner import ModelRunner
+
+    llm = LLM(model_dir, dtype="bfloat16", max_model_len=256, num_kv_blocks=200)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 13 + 2 * i, 4]} for i in range(5)]
+    sps = [SamplingParams(max_tokens=12, temperature=t, seed=11 + i, ignore_eos=True) for i, t in enumerate((0, 1, 0.7, 0, 1.2))]
+    asked = []
+    real = ModelRunner._samples_model_dtype
+
+    def spy(self, so, states, batch):
+        asked.append(real(self, so, states, batch))
+        return asked[-1]
+
+    monkeypatch.setattr(ModelRunner, "_samples_model_dtype", spy)
+    raw = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+    assert asked and all(asked)
+    monkeypatch.setattr(ModelRunner, "_samples_model_dtype", lambda self, so, states, batch: False)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)] == raw
+    asked.clear()
+    monkeypatch.setattr(ModelRunner, "_samples_model_dtype", spy)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=1.0, logprobs=2), use_tqdm=False)
+    assert asked and not any(asked)

@@ -286,3 +286,17 @@ def test_sample_rows_matches_inverse_cdf_reference(rows, vocab):
             live = torch.nonzero(torch.isfinite(x[0])).max()
             assert int(got[0]) == int(live)
     assert agree >= total - 1  # a draw on a CDF boundary may round the other way
+
+
+@pytest.mark.skipif(K is None, reason="C++ ops could not be built here")
+def test_sample_rows_and_argmax_read_bf16_logits_as_their_float_values():
+    """bf16 logits (a bf16 model's, no conversion pass) sample and argmax exactly the tokens of
+    their float32 copy: the kernels widen each value exactly and then run the same arithmetic."""
+    g = torch.Generator().manual_seed(7)
+    for rows, vocab in ((64, 49152), (3, 1001), (1, 37)):
+        x = (torch.randn(rows, vocab, generator=g) * 4).bfloat16()
+        x[0, : vocab // 4] = float("-inf")
+        temp = torch.rand(rows, generator=g) + 0.3
+        u = 1 - torch.rand(rows, generator=g)
+        assert torch.equal(K.sample_rows(x, temp, u), K.sample_rows(x.float(), temp, u))
+        assert torch.equal(K.argmax_rows(x), K.argmax_rows(x.float()))

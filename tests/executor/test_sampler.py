@@ -75,6 +75,21 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
         assert out.sampled[i] == logits[i].argmax()
 
 
+def test_bf16_logits_sample_the_tokens_of_their_float32_copy():
+    """Where a batch reads the model's dtype (greedy and plain temperature rows), bf16 logits
+    give the tokens of their float32 copy for the same generator state; a batch that needs
+    float32 says so."""
+    logits = (torch.randn(8, 3000, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
+    b = SamplingBatch(temperature=torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 1.0, 0.0, 0.5]))
+    assert b.reads_model_dtype
+    for seed in range(5):
+        assert torch.equal(Sampler(seed=seed)(logits, b).sampled, Sampler(seed=seed)(logits.float(), b).sampled)
+    greedy = SamplingBatch(temperature=torch.zeros(8))
+    assert torch.equal(Sampler(seed=0)(logits, greedy).sampled, logits.float().argmax(dim=-1))
+    assert not SamplingBatch(temperature=torch.ones(8), top_k=torch.full((8,), 5)).reads_model_dtype
+    assert not SamplingBatch(temperature=torch.ones(8), max_num_logprobs=2).reads_model_dtype
+
+
 def test_seed_reproduces_whatever_the_batch():
     logits = torch.randn(1, 100)
 

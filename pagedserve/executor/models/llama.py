@@ -391,17 +391,19 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """[N, E] -> float32 logits [N, V] (computed in the model dtype, like transformers;
-        Gemma's final soft cap too). Tensor-parallel: each rank's vocabulary slice,
-        all-gathered, padding cut off, so every rank holds the same full logits."""
+        Gemma's final soft cap too); float32=False: the same values left in the model dtype
+        (no [N, V] conversion pass, for a sampler that reads them as they are). Tensor-parallel:
+        each rank's vocabulary slice, all-gathered, padding cut off, so every rank holds the
+        same full logits."""
         logits = self.lm_head(hidden)
         if self.tp.size > 1:
             logits = tp_all_gather(logits, dim=-1)[:, : self.tp.vocab_size]
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits.float() if float32 else logits
 
     # -- weights ------------------------------------------------------------------
     _STACKED = {  # checkpoint name -> (fused parameter, shard index)

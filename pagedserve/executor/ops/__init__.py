@@ -151,12 +151,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_at_temperature(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
-    """A token per row of float32 logits [B, V] at temperature [B] (> 0), drawn by inverse
+    """A token per row of float32 or bf16 logits [B, V] at temperature [B] (> 0), drawn by inverse
     CDF with the uniforms u [B] in (0, 1]: the sampler's rule (softmax, cumsum, searchsorted)
     in one pass per row with no [B, V] temporaries (64 rows x 49,152: a sampler step 14.2 ->
     2.8 ms). None where the kernel cannot run: the caller samples its own way."""
     k = kernels_for(logits)
-    if k is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+    if k is None or logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.stride(1) != 1:
         return None
     return k.sample_rows(logits, temperature.float().contiguous(), u.float().contiguous())
 

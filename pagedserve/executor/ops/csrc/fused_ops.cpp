@@ -409,7 +409,8 @@ void argmax_kernel(const T* x, int64_t* out, int64_t rows, int64_t v, int64_t sx
 // target always falls inside the row; -inf logits get probability 0 exactly.
 constexpr int64_t kChunk = 64;
 
-void sample_row(const float* x, int64_t v, float temp, float u, float* e, float* chunk, int64_t* out) {
+template <typename T>
+void sample_row(const T* x, int64_t v, float temp, float u, float* e, float* chunk, int64_t* out) {
   vf m = splat(-INFINITY);
   int64_t j = 0;
   for (; j + W <= v; j += W) {
@@ -419,7 +420,7 @@ void sample_row(const float* x, int64_t v, float temp, float u, float* e, float*
   }
   float mx = -INFINITY;
   for (int k = 0; k < W; ++k) mx = std::max(mx, m[k]);
-  for (int64_t t = j; t < v; ++t) mx = std::max(mx, x[t]);
+  for (int64_t t = j; t < v; ++t) mx = std::max(mx, f(x[t]));
   const float inv = 1.f / temp;
   const int64_t nchunks = (v + kChunk - 1) / kChunk;
   for (int64_t c = 0; c < nchunks; ++c) {
@@ -436,7 +437,7 @@ void sample_row(const float* x, int64_t v, float temp, float u, float* e, float*
     }
     float sum = 0.f;
     for (int k = 0; k < W; ++k) sum += acc[k];
-    for (; t < b; ++t) sum += (e[t] = x[t] > -INFINITY ? exp_scalar((x[t] - mx) * inv) : 0.f);
+    for (; t < b; ++t) sum += (e[t] = f(x[t]) > -INFINITY ? exp_scalar((f(x[t]) - mx) * inv) : 0.f);
     chunk[c] = sum;
   }
   float total = 0.f;
@@ -557,26 +558,28 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Tensor u) {
   check_rows(x, "logits");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "sample_rows: float32 logits");
+
   const int64_t rows = x.size(0), v = x.size(1);
   TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() && temperature.numel() == rows,
               "temperature: float32 [rows]");
   TORCH_CHECK(u.scalar_type() == at::kFloat && u.is_contiguous() && u.numel() == rows, "u: float32 [rows]");
   auto out = torch::empty({rows}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
   const float* tp = temperature.data_ptr<float>();
   const float* up = u.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t sx = x.stride(0);
-  auto body = [&](int64_t b, int64_t end) {
-    std::vector<float> e(v), chunk((v + kChunk - 1) / kChunk);
-    for (int64_t i = b; i < end; ++i) sample_row(xp + i * sx, v, tp[i], up[i], e.data(), chunk.data(), op + i);
-  };
-  if (rows == 1) {
-    body(0, 1);
-  } else {
-    at::parallel_for(0, rows, 1, body);
-  }
+  DISPATCH(x.scalar_type(), [&] {  // bf16 logits are read as their exact float values
+    const T* xp = x.data_ptr<T>();
+    auto body = [&](int64_t b, int64_t end) {
+      std::vector<float> e(v), chunk((v + kChunk - 1) / kChunk);
+      for (int64_t i = b; i < end; ++i) sample_row(xp + i * sx, v, tp[i], up[i], e.data(), chunk.data(), op + i);
+    };
+    if (rows == 1) {
+      body(0, 1);
+    } else {
+      at::parallel_for(0, rows, 1, body);
+    }
+  });
   return out;
 }
 
