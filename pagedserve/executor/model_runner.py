@@ -291,16 +291,16 @@ class ModelRunner:
             return self.model(inp.input_ids, inp.positions, self.kv_caches, m, keep=keep)
         return self.model(inp.input_ids, inp.positions, self.kv_caches, m)
 
-    def _samples_model_dtype(self, so, sample_states, batch) -> bool:
+    def _samples_model_dtype(self, so, constrained: bool, batch) -> bool:
         """Whether this step's logits can stay in the model's dtype (CPU: the fused argmax and
         temperature kernels read bf16 exactly, so the tokens are those of the float32 logits;
         a 64-row SmolLM2 step skips a 12.6 MB conversion pass). Not with structured outputs,
-        token constraints, logprobs, penalties or top-k / top-p / min-p."""
+        token constraints (`constrained`), logprobs, penalties or top-k / top-p / min-p."""
         return (
             self.device.type == "cpu"
             and so.grammar_bitmask is None
+            and not constrained
             and (batch is None or batch.reads_model_dtype)
-            and not any(s.params.has_token_constraints for s in sample_states)
         )
 
     def _sample(self, so, inp: StepInputs, hidden, rows, sample_states, batch, out: ModelRunnerOutput) -> None:
@@ -310,10 +310,12 @@ class ModelRunner:
             last = hidden
         else:
             last = hidden[torch.from_numpy(inp.cu[1:][rows] - 1).to(self.device)]
-        logits = self.model.compute_logits(last, float32=not self._samples_model_dtype(so, sample_states, batch))
+        constrained = any(s.params.has_token_constraints for s in sample_states)
+        logits = self.model.compute_logits(last, float32=not self._samples_model_dtype(so, constrained, batch))
         if so.grammar_bitmask is not None:  # structured outputs: only legal next tokens
             apply_structured_output_bitmask(logits, [order[i].req_id for i in rows], so)
-        apply_token_constraints(logits, sample_states)  # logit_bias, allowed_token_ids, bad_words
+        if constrained:
+            apply_token_constraints(logits, sample_states)  # logit_bias, allowed_token_ids, bad_words
         if batch is None:  # every row plain greedy
             res, sampled = None, self.sampler.greedy(logits).tolist()
         else:

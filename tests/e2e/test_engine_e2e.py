@@ -216,14 +216,14 @@ def test_bf16_logits_reach_the_sampler_without_a_float32_pass_and_sample_the_sam
     asked = []
     real = ModelRunner._samples_model_dtype
 
-    def spy(self, so, states, batch):
-        asked.append(real(self, so, states, batch))
+    def spy(self, so, constrained, batch):
+        asked.append(real(self, so, constrained, batch))
         return asked[-1]
 
     monkeypatch.setattr(ModelRunner, "_samples_model_dtype", spy)
     raw = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
     assert asked and all(asked)
-    monkeypatch.setattr(ModelRunner, "_samples_model_dtype", lambda self, so, states, batch: False)
+    monkeypatch.setattr(ModelRunner, "_samples_model_dtype", lambda self, so, constrained, batch: False)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)] == raw
     asked.clear()
     monkeypatch.setattr(ModelRunner, "_samples_model_dtype", spy)

@@ -437,7 +437,10 @@ void sample_row(const T* x, int64_t v, float temp, float u, float* e, float* chu
     }
     float sum = 0.f;
     for (int k = 0; k < W; ++k) sum += acc[k];
-    for (; t < b; ++t) sum += (e[t] = f(x[t]) > -INFINITY ? exp_scalar((f(x[t]) - mx) * inv) : 0.f);
+    for (; t < b; ++t) {
+      const float y = f(x[t]);
+      sum += (e[t] = y > -INFINITY ? exp_scalar((y - mx) * inv) : 0.f);
+    }
     chunk[c] = sum;
   }
   float total = 0.f;
@@ -558,7 +561,6 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 torch::Tensor sample_rows(torch::Tensor x, torch::Tensor temperature, torch::Tensor u) {
   check_rows(x, "logits");
-
   const int64_t rows = x.size(0), v = x.size(1);
   TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() && temperature.numel() == rows,
               "temperature: float32 [rows]");

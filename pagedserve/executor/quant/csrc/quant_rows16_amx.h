@@ -314,15 +314,21 @@ inline void rows_block(const uint16_t* X, int64_t M, int64_t K, const uint16_t* 
   nx.upto(nx.total);
 }
 
-// The output's columns 16 g0 .. 16 g1 (o: float, or bf16 after the bias) = X [M, K] bf16 @ the
-// copy's groups g0 .. g1, transposed; items of two groups, each item's weights dequantized
-// during the one before it into a thread's buffer that starts on a cache line (a tile row read
-// across two lines cost a 64-row product up to a quarter more, section 72)
-template <int TYPE>
-inline void gemm_type(const uint8_t* W, int64_t K, const uint16_t* X, int64_t M, Out& o, int64_t g0, int64_t g1) {
+// This thread's two item buffers (32 K tile-row words each), starting on a cache line: a tile
+// row read across two lines cost a 64-row product up to a quarter more (section 72). One for
+// every type's gemm_type.
+inline uint16_t* item_buffers(int64_t K) {
   thread_local std::vector<uint16_t> buf;
   if (static_cast<int64_t>(buf.size()) < 64 * K + 32) buf.resize(64 * K + 32);
-  uint16_t* base = buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63) / 2;
+  return buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63) / 2;
+}
+
+// The output's columns 16 g0 .. 16 g1 (o: float, or bf16 after the bias) = X [M, K] bf16 @ the
+// copy's groups g0 .. g1, transposed; items of two groups, each item's weights dequantized
+// during the one before it
+template <int TYPE>
+inline void gemm_type(const uint8_t* W, int64_t K, const uint16_t* X, int64_t M, Out& o, int64_t g0, int64_t g1) {
+  uint16_t* base = item_buffers(K);
   uint16_t* bufs[2] = {base, base + 32 * K};
   NextItem<TYPE> nx;
   nx.init(K);
